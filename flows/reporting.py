@@ -1,0 +1,122 @@
+"""What a run shows while it trains: a rich progress bar, Prefect progress/table/markdown artifacts."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from flows.config import GRPOConfig
+from flows.runs import RunState
+
+# Columns of the step-metrics table artifact (and of the terminal line), in display order.
+TABLE_KEYS = [
+    "reward/mean",
+    "reward/valid_frac",
+    "train/loss",
+    "train/grad_norm",
+    "staleness_mean",
+    "groups_dropped_stale",
+    "gen_seconds",
+    "train/seconds",
+    "sync_seconds",
+    "wall_seconds",
+    "prefect_overhead_frac",
+]
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+class StepReporter:
+    def __init__(self, cfg: GRPOConfig, run: RunState):
+        self.cfg, self.run = cfg, run
+        self.rows: list[dict[str, Any]] = []
+        self.total = cfg.run.steps
+        self.log = get_run_logger()
+        self.progress_id = create_progress_artifact(
+            progress=100.0 * run.start_step / self.total,
+            key=_key(f"{run.run_id}-progress"),
+            description=f"grpo-train {run.run_id}: steps done",
+        )
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task(run.run_id, total=self.total, completed=run.start_step, info="")
+
+    def step(self, step: int, m: dict[str, Any]) -> None:
+        row = {"step": step} | {k: _num(m.get(k)) for k in TABLE_KEYS}
+        self.rows.append(row)
+        reward = row["reward/mean"]
+        info = (
+            f"reward {reward:.3f}" if reward is not None else "reward n/a"
+        ) + f"  loss {m.get('train/loss', float('nan')):.4f}  {row['wall_seconds'] or 0:.1f}s/step"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, info=info)
+        else:
+            self.log.info("step %d/%d  %s", step + 1, self.total, info)
+        update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.rows:
+            create_table_artifact(
+                table=[{k: v for k, v in r.items()} for r in self.rows],
+                key=_key(f"{self.run.run_id}-steps"),
+                description=f"Step metrics of {self.run.run_id}",
+            )
+        create_markdown_artifact(
+            markdown=self.markdown(), key=_key(f"{self.run.run_id}-summary"), description="Run summary"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        rewards = [r["reward/mean"] for r in self.rows if r["reward/mean"] is not None]
+        return {
+            "run_id": self.run.run_id,
+            "steps_trained": len(self.rows),
+            "first_reward": rewards[0] if rewards else None,
+            "last_reward": rewards[-1] if rewards else None,
+            "store": str(Path(self.cfg.storage.root).resolve()),
+        }
+
+    def markdown(self) -> str:
+        s = self.summary()
+        root = s["store"]
+        return f"""# grpo-train `{self.run.run_id}`
+
+Trained steps {self.run.start_step}..{self.run.start_step + len(self.rows) - 1}; reward (valid completions
+only) went from **{s["first_reward"]}** to **{s["last_reward"]}**.
+
+Rollouts, rewards and step metrics are Parquet files under `{root}`:
+
+```
+grpoflow sql --root {root} --canned reward_curve --run {self.run.run_id}
+grpoflow sql --root {root} "SELECT step, avg(reward) FILTER (reward_valid) AS reward, avg(completion_tokens)
+    FROM rollouts WHERE run_id = '{self.run.run_id}' GROUP BY step ORDER BY step"
+grpoflow sql --root {root} "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL"
+```
+"""
+
+
+def _key(s: str) -> str:
+    # Prefect artifact keys: lowercase letters, numbers and dashes only.
+    return "".join(ch if ch.isalnum() else "-" for ch in s.lower())

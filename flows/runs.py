@@ -1,0 +1,165 @@
+"""Run bookkeeping for flows: model preparation, dataset rows and cursor, open/resume a run.
+
+Everything here fails early with a message naming the config field, row or path, before any model
+is loaded and before anything is written to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from flows.config import ConfigError, GRPOConfig, resolve_import
+from storage.checkpoints import CheckpointStore
+from storage.records import validate_run_id
+from storage.rollouts import RolloutStore
+
+
+@dataclass
+class RunState:
+    """Where a run starts (or continues) from."""
+
+    run_id: str
+    start_step: int  # first step this invocation trains
+    policy_version: int  # version of the weights the learner starts with
+    model_path: str  # weights the learner loads (base model or checkpoint/model)
+    base_model: str  # the run's original model dir (reference model, tokenizer)
+    checkpoint: Path | None  # checkpoint dir resumed from
+    resumed: bool
+
+
+def prepare_model(cfg: GRPOConfig) -> Path:
+    """Resolve `model.path`; 'tiny' builds the tiny random model once under <root>/models/tiny."""
+    if cfg.model.path == "tiny":
+        out = Path(cfg.storage.root) / "models" / "tiny"
+        if not (out / "config.json").is_file():
+            from tasks.tiny_model import build_tiny_model
+
+            build_tiny_model(out, seed=cfg.run.seed)
+        return out
+    p = Path(cfg.model.path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path: {p} is not a model directory (no config.json)")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"model.path: {p} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    return p
+
+
+def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """Dataset rows from `data.path` (JSONL/Parquet) or `data.generator`; each needs a 'prompt'."""
+    if cfg.data.path:
+        p = Path(cfg.data.path)
+        if not p.is_file():
+            raise ConfigError(f"data.path: file not found: {p}")
+        if p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(p).to_pylist()
+        else:
+            rows = []
+            for i, line in enumerate(p.read_text().splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"data.path: {p} line {i + 1}: invalid JSON: {e}") from None
+    else:
+        gen = resolve_import(cfg.data.generator, "data.generator")
+        rows = list(gen(**cfg.data.generator_kwargs))
+    if not rows:
+        raise ConfigError("data: the dataset is empty")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ConfigError(f"data: row {i} has no 'prompt' field: {str(row)[:120]}")
+        prompt = row["prompt"]
+        if not isinstance(prompt, str | list) or not prompt:
+            raise ConfigError(f"data: row {i}: 'prompt' must be a non-empty string or message list")
+    return rows
+
+
+def rows_for_step(
+    rows: list[dict[str, Any]], step: int, per_step: int, *, seed: int, shuffle: bool
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The rows of training step `step` and their global cursor positions.
+
+    The cursor is a pure function of the step (position = step * per_step + i; epoch e uses a
+    permutation seeded by (seed, e)), so a resumed run continues exactly where it stopped.
+    """
+    n = len(rows)
+    cursor = [step * per_step + i for i in range(per_step)]
+    out = []
+    perms: dict[int, list[int]] = {}
+    for pos in cursor:
+        epoch, k = divmod(pos, n)
+        if epoch not in perms:
+            order = list(range(n))
+            if shuffle:
+                random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            perms[epoch] = order
+        out.append(rows[perms[epoch][k]])
+    return out, cursor
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("grpo-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def open_run(cfg: GRPOConfig, resume: str | None, base_model: Path) -> RunState:
+    """Start a new run or continue `resume` from its latest complete checkpoint."""
+    root = Path(cfg.storage.root)
+    store = RolloutStore(root)
+    if resume is None:
+        run_id = cfg.run.run_id or new_run_id()
+        if store.read_run_meta(run_id) is not None:
+            raise ConfigError(f"run.run_id: run {run_id!r} already exists; use --resume {run_id}")
+        return RunState(run_id, 0, 0, str(base_model), str(base_model), None, False)
+    run_id = validate_run_id(resume)
+    meta = store.read_run_meta(run_id)
+    if meta is None:
+        raise ConfigError(f"--resume: no run {run_id!r} under {root}")
+    ckpt = CheckpointStore(root).latest(run_id)
+    if ckpt is None:  # killed before the first checkpoint: start over, same run id
+        store.delete_steps_after(run_id, -1)
+        return RunState(run_id, 0, 0, str(base_model), str(base_model), None, True)
+    state = CheckpointStore(root).load_state(ckpt)
+    last = int(state["step"])
+    # Steps after the checkpoint are redone: remove their files so no row is counted twice.
+    store.delete_steps_after(run_id, last)
+    return RunState(
+        run_id=run_id,
+        start_step=last + 1,
+        policy_version=int(state["policy_version"]),
+        model_path=str(ckpt / "model"),
+        base_model=str(base_model),
+        checkpoint=ckpt,
+        resumed=True,
+    )
+
+
+def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> None:
+    """Record config, status and lineage in <root>/runs/<run>.json (merged, atomic)."""
+    store = RolloutStore(Path(cfg.storage.root))
+    meta = store.read_run_meta(run.run_id) or {"created_at": datetime.now(UTC).isoformat()}
+    meta.update(
+        {
+            "run_id": run.run_id,
+            "status": status,
+            "updated_at": datetime.now(UTC).isoformat(),
+            "config": cfg.model_dump(mode="json"),
+            "base_model": run.base_model,
+        }
+    )
+    for k, v in extra.items():
+        if k == "flow_run_id" and v:
+            meta.setdefault("flow_runs", [])
+            if v not in meta["flow_runs"]:
+                meta["flow_runs"].append(v)
+        else:
+            meta[k] = v
+    store.write_run_meta(run.run_id, meta)

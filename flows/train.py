@@ -1,0 +1,208 @@
+"""grpo-train: the pipelined async GRPO loop (DESIGN.md section 2).
+
+Generation + scoring of step s+k runs while step s trains (k = max_staleness); weights are pushed
+into the running vLLM server every `sync_every` steps; rollouts, rewards and a steps row land in
+Parquet every step; checkpoints make the run resumable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from prefect.utilities.annotations import quote
+
+from flows.config import GRPOConfig, check_imports
+from flows.reporting import StepReporter
+from flows.runs import RunState, load_rows, open_run, prepare_model, rows_for_step, write_meta
+from storage.rollouts import RolloutStore
+from tasks.learn import Learner
+from tasks.score import RewardSpec
+from tasks.steps import (
+    VersionBox,
+    assign_advantages,
+    persist_step,
+    push_weights,
+    rollout_batch,
+    save_checkpoint,
+    train_on_batch,
+)
+
+
+@contextmanager
+def inference_server(cfg: GRPOConfig, run: RunState):
+    """The configured server URL, or an embedded vLLM server for this run (always stopped)."""
+    if cfg.inference.url:
+        yield cfg.inference.url
+        return
+    from flows.serve import embedded_server
+
+    log = Path(cfg.storage.root) / "logs" / f"{run.run_id}-vllm.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with embedded_server(
+        run.model_path,
+        host=cfg.inference.host,
+        port=cfg.inference.port,
+        max_model_len=cfg.inference.max_model_len,
+        kv_cache_gb=cfg.inference.kv_cache_gb,
+        api_key=cfg.inference.api_key,
+        extra_args=tuple(cfg.inference.extra_args),
+        log_path=log,
+        startup_timeout_s=cfg.inference.startup_timeout_s,
+    ) as server:
+        yield server.url
+
+
+def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
+    a, lc = cfg.algorithm, cfg.learner
+    learner = Learner(
+        run.model_path,
+        lr=lc.lr,
+        total_steps=cfg.run.steps,
+        device=lc.device,
+        dtype=cfg.model.dtype,
+        weight_decay=lc.weight_decay,
+        warmup_steps=lc.warmup_steps,
+        lr_schedule=lc.lr_schedule,
+        micro_batch_size=lc.micro_batch_size,
+        max_grad_norm=lc.max_grad_norm,
+        gradient_checkpointing=lc.gradient_checkpointing,
+        temperature=cfg.generation.temperature,
+        loss_type=a.loss_type,
+        epsilon=a.epsilon,
+        epsilon_high=a.epsilon_high,
+        beta=a.beta,
+        correction=a.correction,
+        correction_cap=a.correction_cap,
+        max_completion_length=cfg.generation.max_rollout_tokens or cfg.generation.max_tokens,
+        seed=cfg.run.seed,
+        torch_threads=lc.torch_threads,
+        ref_model_path=run.base_model,
+        tokenizer_path=run.base_model,
+    )
+    if run.checkpoint is not None:
+        learner.load_trainer_state(run.checkpoint)
+    return learner
+
+
+def rollout_kwargs(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox) -> dict[str, Any]:
+    g, t = cfg.generation, cfg.tools
+    return dict(
+        url=url,
+        tokenizer_path=tokenizer_path,
+        gen=dict(
+            group_size=g.group_size,
+            max_tokens=g.max_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            seed=cfg.run.seed,
+            max_turns=g.max_turns,
+            max_rollout_tokens=g.max_rollout_tokens,
+            max_in_flight=g.max_in_flight,
+        ),
+        tools=dict(tool_paths=t.tools, environment_path=t.environment, env_slots=t.env_slots,
+                   deepcopy_env=t.deepcopy_env, tool_timeout_s=t.tool_timeout_s),  # fmt: skip
+        reward_specs=[
+            RewardSpec(name=r.name, fn=r.fn, weight=r.weight, timeout_s=r.timeout_s, executor=r.executor,
+                       required=r.required, kwargs=r.kwargs)  # fmt: skip
+            for r in cfg.rewards
+        ],
+        versions=quote(versions),
+        client_kwargs=client_kwargs(cfg),
+    )
+
+
+def client_kwargs(cfg: GRPOConfig) -> dict[str, Any]:
+    i = cfg.inference
+    return dict(api_key=i.api_key, retries=i.retries, request_timeout_s=i.request_timeout_s,
+                max_in_flight=cfg.generation.max_in_flight)  # fmt: skip
+
+
+@flow(name="grpo-train", log_prints=True)
+def grpo_train(config: GRPOConfig | None = None, resume: str | None = None) -> dict[str, Any]:
+    """Train a policy with async GRPO; `resume` continues a run from its latest checkpoint."""
+    cfg = config or GRPOConfig()
+    check_imports(cfg)  # typos fail here, before any model is loaded or file written
+    rows = load_rows(cfg)
+    base = prepare_model(cfg)
+    run = open_run(cfg, resume, base)
+    flow_run = FlowRunContext.get()
+    write_meta(cfg, run, "running", flow_run_id=str(flow_run.flow_run.id) if flow_run else None)
+    try:
+        summary = _train(cfg, run, rows)
+    except BaseException as e:
+        write_meta(cfg, run, "failed" if isinstance(e, Exception) else "cancelled", error=repr(e)[:500])
+        raise
+    write_meta(cfg, run, "completed", last_step=cfg.run.steps - 1)
+    return summary
+
+
+def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
+    root, a, steps = cfg.storage.root, cfg.algorithm, cfg.run.steps
+    store = RolloutStore(Path(root))
+    reporter = StepReporter(cfg, run)
+    versions = VersionBox(run.policy_version)
+    with inference_server(cfg, run) as url:
+        learner = build_learner(cfg, run)
+        push_kw = dict(url=url, root=root, run_id=run.run_id, keep_last=cfg.sync.keep_last,
+                       client_kwargs=client_kwargs(cfg))  # fmt: skip
+        if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
+            push_weights(quote(learner), version=versions.get(), **push_kw)
+        roll_kw = rollout_kwargs(cfg, url, run.base_model, versions)
+        ahead: deque = deque()
+        next_gen = run.start_step
+        for step in range(run.start_step, steps):
+            t_step = time.perf_counter()
+            while next_gen < steps and next_gen <= step + a.max_staleness:
+                batch_rows, cursor = rows_for_step(rows, next_gen, cfg.data.prompts_per_step,
+                                                   seed=cfg.run.seed, shuffle=cfg.data.shuffle)  # fmt: skip
+                ahead.append((time.perf_counter(), rollout_batch.submit(next_gen, batch_rows, cursor, **roll_kw)))
+                next_gen += 1
+            t_submit, future = ahead.popleft()
+            t_wait = time.perf_counter()
+            batch = future.result()
+            t_got = time.perf_counter()
+            m = dict(batch.metrics)
+            m.update(assign_advantages(batch.groups, step=step, max_staleness=a.max_staleness,
+                                       scale=a.scale, filter_zero_std=a.filter_zero_std))  # fmt: skip
+            writer = persist_step.submit(root, run.run_id, step, quote(batch.groups), versions.get())
+            t0 = time.perf_counter()
+            m.update(train_on_batch(quote(learner), quote(batch.groups)))
+            overhead = (time.perf_counter() - t0) - m["train/seconds"]
+            m["sync_seconds"] = 0.0
+            if (step + 1) % cfg.sync.sync_every == 0 or step == steps - 1:
+                t0 = time.perf_counter()
+                sm = push_weights(quote(learner), version=step + 1, **push_kw)
+                versions.set(step + 1)
+                m.update(sm)
+                m["sync_seconds"] = time.perf_counter() - t0
+                overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])
+            m["write_seconds"] = writer.result()
+            if (step + 1) % cfg.run.checkpoint_every == 0 or step == steps - 1:
+                state = {"step": step, "policy_version": versions.get(), "data_cursor": (step + 1)
+                         * cfg.data.prompts_per_step, "run_id": run.run_id}  # fmt: skip
+                m["checkpoint_seconds"] = save_checkpoint(quote(learner), root=root, run_id=run.run_id,
+                                                          step=step, state=state, keep=cfg.run.keep_checkpoints)  # fmt: skip
+            # Dispatch latency of the rollout task and result hand-off are Prefect's, not ours.
+            overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
+            m.update(step_timing(t_step, t_wait, t_got, overhead))
+            m["policy_version"] = versions.get()
+            store.write_step(run.run_id, step, m)
+            reporter.step(step, m)
+        reporter.finish()
+    return reporter.summary()
+
+
+def step_timing(t_step: float, t_wait: float, t_got: float, overhead: float) -> dict[str, float]:
+    wall = time.perf_counter() - t_step
+    return {
+        "wall_seconds": wall,
+        "wait_seconds": t_got - t_wait,  # time the learner idled waiting for generation
+        "prefect_overhead_seconds": overhead,
+        "prefect_overhead_frac": overhead / wall if wall > 0 else 0.0,
+    }

@@ -1,0 +1,261 @@
+"""The learner: policy model, optimizer, LR schedule, GRPO train step, resumable checkpoints.
+
+`Learner.train_step(batch)` recomputes the policy's logprobs on the completion tokens, applies the
+loss from `tasks/grpo.py` with the masks, and steps. Masked samples (invalid reward, dropped group,
+stale) never reach the forward pass: they would contribute nothing but cost compute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storage.records import RolloutGroup
+from tasks.grpo import compute_loss
+
+
+@dataclass
+class TrainSample:
+    """One completion ready for the loss: prompt + completion tokens and aligned masks."""
+
+    input_ids: list[int]  # [P + T]
+    prompt_len: int  # P
+    completion_mask: list[int]  # [T]
+    behaviour_logprobs: list[float]  # [T]
+    advantage: float
+
+
+def samples_from_groups(groups: list[RolloutGroup]) -> list[TrainSample]:
+    """Completions marked `trained` (valid, fresh, in a group with signal), in batch order."""
+    out = []
+    for g in groups:
+        for c in g.completions:
+            if not c.trained or not any(c.completion_mask):
+                continue
+            out.append(
+                TrainSample(
+                    input_ids=list(g.prompt_ids) + list(c.completion_ids),
+                    prompt_len=len(g.prompt_ids),
+                    completion_mask=list(c.completion_mask),
+                    behaviour_logprobs=list(c.logprobs),
+                    advantage=float(c.advantage),
+                )
+            )
+    return out
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
+    """log p(x_t | x_<t) for t >= 1, shape [B, L-1]; logits scaled by the sampling temperature,
+    because vLLM reports processed (post-temperature) logprobs and the ratio must compare like with like."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:]
+    # gather - logsumexp avoids materialising a full [B, L, V] log_softmax copy.
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Learner:
+    """Holds the policy (and optional frozen reference), optimizer and schedule."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        lr: float,
+        total_steps: int,
+        device: str = "auto",
+        dtype: str = "auto",
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        micro_batch_size: int = 16,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        temperature: float = 1.0,
+        loss_type: str = "grpo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        correction: str = "none",
+        correction_cap: float = 2.0,
+        max_completion_length: int | None = None,
+        seed: int = 0,
+        torch_threads: int | None = None,
+        ref_model_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, dtype)
+        torch.manual_seed(seed)
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.ref_model = None
+        if beta > 0:
+            ref_path = ref_model_path or model_path
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=self.dtype).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(lr_schedule, warmup_steps, total_steps)
+        )
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        self.loss_kwargs: dict[str, Any] = dict(
+            loss_type=loss_type,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            beta=beta,
+            correction=correction,
+            correction_cap=correction_cap,
+            max_completion_length=max_completion_length,
+        )
+        self.pad_id = self.model.config.pad_token_id or 0
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _collate(self, samples: list[TrainSample]):
+        """Right-padded inputs plus [B, T] completion-aligned masks/logprobs and gather indices."""
+        L = max(len(s.input_ids) for s in samples)
+        T = max(len(s.completion_mask) for s in samples)
+        B = len(samples)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        mask = torch.zeros((B, T))
+        behav = torch.zeros((B, T))
+        index = torch.zeros((B, T), dtype=torch.long)  # position in the [B, L-1] logprob grid
+        for i, s in enumerate(samples):
+            n, t = len(s.input_ids), len(s.completion_mask)
+            ids[i, :n] = torch.tensor(s.input_ids)
+            attn[i, :n] = 1
+            mask[i, :t] = torch.tensor(s.completion_mask, dtype=torch.float)
+            behav[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float)
+            # completion token j sits at input position P+j and is predicted from position P+j-1
+            index[i, :t] = torch.arange(s.prompt_len - 1, s.prompt_len - 1 + t)
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float)
+        dev = self.device
+        return ids.to(dev), attn.to(dev), mask.to(dev), behav.to(dev), index.to(dev), adv.to(dev)
+
+    def _completion_logprobs(self, model, ids, attn, index):
+        lp = token_logprobs(model, ids, attn, self.temperature)
+        return lp.gather(1, index)
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step over all samples, micro-batched with gradient accumulation."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {"train/samples": float(len(samples))}
+        if not samples:
+            metrics.update({"train/skipped": 1.0, "train/seconds": time.perf_counter() - t0})
+            return metrics
+        total_sequences = len(samples)
+        total_tokens = int(sum(sum(s.completion_mask) for s in samples))
+        sums: dict[str, float] = {}
+        mbs = [samples[i : i + self.micro_batch_size] for i in range(0, len(samples), self.micro_batch_size)]
+        for mb in mbs:
+            ids, attn, mask, behav, index, adv = self._collate(mb)
+            logprobs = self._completion_logprobs(self.model, ids, attn, index)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = self._completion_logprobs(self.ref_model, ids, attn, index)
+            loss, m = compute_loss(
+                logprobs,
+                behav,
+                adv,
+                mask,
+                ref_logprobs=ref,
+                total_sequences=total_sequences,
+                total_tokens=total_tokens,
+                **self.loss_kwargs,
+            )
+            loss.backward()
+            weight = len(mb) / total_sequences
+            for k, v in m.items():
+                if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+                    continue
+                # The loss is already normalised globally, so it sums; statistics average.
+                sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * weight)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        dt = time.perf_counter() - t0
+        metrics.update({f"train/{k}": v for k, v in sums.items()})
+        metrics.update(
+            {
+                "train/grad_norm": float(grad_norm),
+                "train/lr": float(self.scheduler.get_last_lr()[0]),
+                "train/tokens": float(total_tokens),
+                "train/tokens_per_s": total_tokens / dt if dt > 0 else 0.0,
+                "train/seconds": dt,
+            }
+        )
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """Write model (safetensors), tokenizer, optimizer, scheduler and RNG state into `directory`."""
+        from transformers import AutoTokenizer
+
+        directory = Path(directory)
+        self.model.save_pretrained(directory / "model", safe_serialization=True)
+        # The checkpoint's model dir is a complete model dir: vLLM and resume can load it alone.
+        AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(directory / "model")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            directory / "trainer_state.pt",
+        )
+        (directory / "learner.json").write_text(json.dumps({"tokenizer": self.tokenizer_path}))
+
+    def load_trainer_state(self, directory: Path) -> None:
+        """Restore optimizer, scheduler and RNG from a checkpoint written by `save`.
+
+        The weights themselves are loaded by constructing the Learner on `directory / "model"`, so
+        tied or renamed parameters go through transformers' own loading logic.
+        """
+        trainer = torch.load(Path(directory) / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(trainer["optimizer"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        torch.set_rng_state(trainer["torch_rng"])
+        random.setstate(trainer["python_rng"])

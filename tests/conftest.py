@@ -1,0 +1,14 @@
+"""Session-wide fixtures shared by all tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """The real Prefect API: one ephemeral server (temporary SQLite database) for the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
