@@ -1,0 +1,136 @@
+"""grpo-train end to end: real vLLM CPU server, real Prefect API, real Parquet + DuckDB.
+
+The session's vLLM server (tests/integration/conftest.py) serves the tiny model; every run here
+pushes its own initial weights first (an external server must serve exactly the learner's weights),
+so runs sharing the server do not see each other's training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from storage.sql import query
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
+    overrides = [
+        f"storage.root={root}",
+        f"model.path={model_dir}",
+        f"inference.url={url}",
+    ] + [f"{k}={v}" for k, v in sets.items()]
+    return load_config(REPO / "configs" / "tiny-letters.yaml", overrides)
+
+
+def step_files(root: Path, table: str, run_id: str) -> list[int]:
+    d = root / table / f"run_id={run_id}"
+    return sorted(int(p.stem.split("-")[1]) for p in d.glob("step-*.parquet"))
+
+
+@pytest.mark.slow
+def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    from flows.train import grpo_train
+
+    steps = 16
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **{"run.steps": steps, "run.run_id": "up"})
+    summary = grpo_train(config=cfg)
+    assert summary["steps_trained"] == steps
+    for table in ("rollouts", "rewards", "steps"):
+        assert step_files(tmp_path, table, "up") == list(range(steps)), table
+    _, rows = query(tmp_path, "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts "
+                    "GROUP BY step ORDER BY step")  # fmt: skip
+    curve = [r[1] or 0.0 for r in rows]
+    first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
+    assert last > 0.3 and last > 3 * first, curve
+    # steps rows carry the timing breakdown and the pipeline respected its staleness bound
+    _, srows = query(tmp_path, "SELECT max(staleness_max), min(wall_seconds), count(*) FROM steps")
+    assert srows[0][0] <= cfg.algorithm.max_staleness and srows[0][1] > 0 and srows[0][2] == steps
+
+
+def _losses(root: Path, run_id: str) -> list[float]:
+    _, rows = query(root, f"SELECT \"train/loss\" FROM steps WHERE run_id = '{run_id}' ORDER BY step")
+    return [r[0] for r in rows]
+
+
+def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
+    from flows.runs import RunState, load_rows, rows_for_step
+    from flows.train import build_learner, client_kwargs, grpo_train, rollout_kwargs
+    from tasks.steps import VersionBox, assign_advantages, push_fn, rollout_batch_fn, train_fn
+
+    steps = 3
+    sets = {"run.steps": steps, "algorithm.max_staleness": 0, "run.run_id": "flow0"}
+    cfg = tiny_cfg(tmp_path / "a", tiny_model_dir, vllm_server.url, **sets)
+    grpo_train(config=cfg)
+    flow_losses = _losses(tmp_path / "a", "flow0")
+
+    # The plain loop, no Prefect futures and no lookahead.
+    run = RunState("plain", 0, 0, str(tiny_model_dir), str(tiny_model_dir), None, False)
+    learner = build_learner(cfg, run)
+    versions = VersionBox(0)
+    push_kw = dict(url=vllm_server.url, root=str(tmp_path / "b"), run_id="plain", keep_last=1,
+                   client_kwargs=client_kwargs(cfg))  # fmt: skip
+    push_fn(learner, version=0, **push_kw)
+    kw = rollout_kwargs(cfg, vllm_server.url, str(tiny_model_dir), versions)
+    kw["versions"] = versions  # no Prefect here, so no quote() to unwrap
+    rows, plain_losses = load_rows(cfg), []
+    for step in range(steps):
+        batch_rows, cursor = rows_for_step(rows, step, cfg.data.prompts_per_step, seed=cfg.run.seed,
+                                           shuffle=cfg.data.shuffle)  # fmt: skip
+        batch = rollout_batch_fn(step, batch_rows, cursor, **kw)
+        assign_advantages(batch.groups, step=step, max_staleness=0, scale=cfg.algorithm.scale,
+                          filter_zero_std=cfg.algorithm.filter_zero_std)  # fmt: skip
+        plain_losses.append(train_fn(learner, batch.groups)["train/loss"])
+        push_fn(learner, version=step + 1, **push_kw)
+        versions.set(step + 1)
+    assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_has_every_step_once(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    """Kill the training process (SIGKILL) mid-run, resume it, and find each step exactly once."""
+    from prefect.settings import PREFECT_API_URL
+
+    steps, kill_after = 8, 4
+    sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+            f"run.steps={steps}", "run.checkpoint_every=2", "algorithm.max_staleness=1"]  # fmt: skip
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    set_args = [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", "killme", *set_args]
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    while time.time() < deadline and len(step_files(tmp_path, "steps", "killme")) < kill_after:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = step_files(tmp_path, "steps", "killme")
+    assert kill_after <= len(done_before) < steps
+
+    resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", "killme", *set_args]
+    resumed = subprocess.run(resume_cmd, cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for table in ("rollouts", "rewards", "steps"):
+        assert step_files(tmp_path, table, "killme") == list(range(steps)), table
+    _, rows = query(tmp_path, "SELECT step, count(*), count(DISTINCT group_id), min(prompt_index), "
+                    "max(prompt_index) FROM rollouts GROUP BY step ORDER BY step")  # fmt: skip
+    per_step = 8  # prompts_per_step of tiny-letters.yaml
+    for step, n, groups, lo, hi in rows:
+        assert groups == per_step and n == per_step * 8
+        # the data cursor continues exactly: step s trains rows s*per_step .. s*per_step+per_step-1
+        assert (lo, hi) == (step * per_step, step * per_step + per_step - 1)
+    _, dup = query(tmp_path, "SELECT count(*) FROM (SELECT step FROM steps GROUP BY step HAVING count(*) > 1)")
+    assert dup[0][0] == 0

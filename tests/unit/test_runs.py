@@ -1,0 +1,84 @@
+"""Run bookkeeping: the data cursor, dataset validation, model checks, stale-group accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.config import ConfigError, load_config
+from flows.runs import load_rows, open_run, prepare_model, rows_for_step
+from storage.records import RolloutCompletion, RolloutGroup
+from tasks.steps import assign_advantages
+
+pytestmark = pytest.mark.unit
+
+
+def test_cursor_is_a_function_of_the_step_and_covers_each_epoch_once():
+    rows = [{"prompt": f"p{i}"} for i in range(10)]
+    seen = []
+    for step in range(5):  # 5 steps x 4 = 20 rows = two epochs
+        batch, cursor = rows_for_step(rows, step, 4, seed=3, shuffle=True)
+        assert cursor == list(range(step * 4, step * 4 + 4))
+        assert rows_for_step(rows, step, 4, seed=3, shuffle=True)[0] == batch  # resumable: same again
+        seen += [r["prompt"] for r in batch]
+    assert sorted(seen[:10]) == sorted(r["prompt"] for r in rows)  # epoch 0 is a permutation
+    assert sorted(seen[10:]) == sorted(r["prompt"] for r in rows)  # so is epoch 1
+    assert seen[:10] != seen[10:]  # reshuffled per epoch
+    unshuffled, _ = rows_for_step(rows, 0, 4, seed=3, shuffle=False)
+    assert [r["prompt"] for r in unshuffled] == ["p0", "p1", "p2", "p3"]
+
+
+def test_dataset_row_without_prompt_is_named(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "no prompt"}) + "\n")
+    cfg = load_config(None, [f"data.path={data}"])
+    with pytest.raises(ConfigError, match="row 1 has no 'prompt'"):
+        load_rows(cfg)
+
+
+def test_empty_dataset_and_missing_file(tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        load_rows(load_config(None, [f"data.path={empty}"]))
+    with pytest.raises(ConfigError, match="data.path"):
+        load_rows(load_config(None, [f"data.path={tmp_path / 'missing.jsonl'}"]))
+
+
+def test_model_dir_without_tokenizer_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        prepare_model(load_config(None, [f"model.path={tmp_path}"]))
+    with pytest.raises(ConfigError, match="not a model directory"):
+        prepare_model(load_config(None, [f"model.path={tmp_path / 'nope'}"]))
+
+
+def test_resume_of_unknown_run_and_escaping_run_id(tmp_path):
+    cfg = load_config(None, [f"storage.root={tmp_path}"])
+    with pytest.raises(ConfigError, match="no run 'ghost'"):
+        open_run(cfg, "ghost", tmp_path)
+    with pytest.raises(ValueError, match="invalid run id"):
+        open_run(cfg, "../outside", tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def _group(gid: str, rewards, versions):
+    comps = [
+        RolloutCompletion(sample_index=i, completion="x", completion_ids=[1], completion_mask=[1],
+                          logprobs=[-1.0], policy_version=v, policy_version_end=v, reward=r,
+                          reward_valid=r is not None, invalid_reason=None if r is not None else "r: invalid")  # fmt: skip
+        for i, (r, v) in enumerate(zip(rewards, versions, strict=True))
+    ]
+    return RolloutGroup(group_id=gid, prompt_index=0, prompt="p", prompt_ids=[0], completions=comps)
+
+
+def test_stale_groups_are_dropped_with_a_reason_and_counted():
+    fresh = _group("fresh", [1.0, 0.0, None], [4, 4, 4])
+    stale = _group("stale", [1.0, 0.0], [2, 3])  # oldest completion is 3 versions behind step 5
+    m = assign_advantages([fresh, stale], step=5, max_staleness=2, scale="group", filter_zero_std=False)
+    assert m["groups_dropped_stale"] == 1 and m["staleness_max"] == 3
+    assert all(not c.trained and c.drop_reason.startswith("stale") for c in stale.completions)
+    a, b, invalid = fresh.completions
+    assert a.trained and b.trained and a.advantage > 0 > b.advantage
+    assert not invalid.trained and invalid.advantage == 0.0 and "reward invalid" in invalid.drop_reason
