@@ -1,0 +1,140 @@
+"""Atomic checkpoint directories, latest-checkpoint lookup and retention.
+
+`<root>/checkpoints/<run>/step-<NNNNNN>/` and `<root>/weights/<run>/v<NNNNNN>/` are both "versioned
+atomic directories": a writer fills a hidden temp dir in the same parent, a marker file is written
+last, and one rename publishes it. A killed process leaves only a temp dir, which the next save
+sweeps away; `latest()` only ever returns complete directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from storage.records import validate_run_id
+
+STATE_FILE = "state.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class VersionedDirs:
+    """Directories `<base>/<run>/<prefix><NNNNNN>/`, each published atomically with a marker file."""
+
+    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE):
+        self.base, self.prefix, self.marker = Path(base), prefix, marker
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.base / validate_run_id(run_id)
+
+    def path(self, run_id: str, n: int) -> Path:
+        return self.run_dir(run_id) / f"{self.prefix}{n:06d}"
+
+    def list(self, run_id: str) -> list[int]:
+        d = self.run_dir(run_id)
+        if not d.is_dir():
+            return []
+        out = []
+        for p in d.iterdir():
+            name = p.name
+            if name.startswith(self.prefix) and name[len(self.prefix) :].isdigit() and (p / self.marker).is_file():
+                out.append(int(name[len(self.prefix) :]))
+        return sorted(out)
+
+    def latest(self, run_id: str) -> Path | None:
+        done = self.list(run_id)
+        return self.path(run_id, done[-1]) if done else None
+
+    def save(
+        self,
+        run_id: str,
+        n: int,
+        writer: Callable[[Path], None],
+        marker_content: dict[str, Any],
+        keep_last: int | None = None,
+    ) -> Path:
+        final = self.path(run_id, n)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.sweep_temp(run_id)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            writer(tmp)
+            marker = tmp / self.marker
+            with open(marker, "w") as f:
+                json.dump(marker_content, f, indent=2, sort_keys=True, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving the same step: move the old one aside, then replace
+                old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if keep_last is not None:
+            self.prune(run_id, keep_last)
+        return final
+
+    def prune(self, run_id: str, keep_last: int) -> list[int]:
+        done = self.list(run_id)
+        drop = done[:-keep_last] if keep_last > 0 else done
+        for n in drop:
+            shutil.rmtree(self.path(run_id, n), ignore_errors=True)
+        return drop
+
+    def sweep_temp(self, run_id: str) -> None:
+        """Remove temp dirs left behind by a killed writer."""
+        d = self.run_dir(run_id)
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(f".{self.prefix}") and (".tmp-" in p.name or ".old-" in p.name):
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+class CheckpointStore:
+    """Training checkpoints: `<root>/checkpoints/<run>/step-<NNNNNN>/` with a `state.json`."""
+
+    def __init__(self, root: str | Path):
+        self.dirs = VersionedDirs(Path(root) / "checkpoints", "step-")
+
+    def save(
+        self,
+        run_id: str,
+        step: int,
+        writer: Callable[[Path], None],
+        state: dict[str, Any],
+        keep_last: int | None = None,
+    ) -> Path:
+        return self.dirs.save(run_id, step, writer, {**state, "step": step}, keep_last)
+
+    def latest(self, run_id: str) -> Path | None:
+        return self.dirs.latest(run_id)
+
+    def list(self, run_id: str) -> list[int]:
+        return self.dirs.list(run_id)
+
+    @staticmethod
+    def load_state(path: Path) -> dict[str, Any]:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def weights_store(root: str | Path) -> VersionedDirs:
+    """Weights pushed to vLLM: `<root>/weights/<run>/v<NNNNNN>/` (marker `version.json`)."""
+    return VersionedDirs(Path(root) / "weights", "v", marker="version.json")

@@ -1,0 +1,198 @@
+"""RolloutStore: one Parquet file per (table, run, step), written atomically.
+
+Layout (DESIGN.md section 6): `<root>/<table>/run_id=<run>/step-<NNNNNN>.parquet`. A file appears
+whole or not at all (temp name starting with '.', fsync, os.replace), so DuckDB globs never see a
+partial file; re-writing a step replaces its file, so a resumed run never duplicates rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.records import (
+    REWARDS_SCHEMA,
+    ROLLOUTS_SCHEMA,
+    STEPS_CORE_SCHEMA,
+    RolloutGroup,
+    groups_from_rows,
+    reward_rows,
+    rollout_rows,
+    validate_run_id,
+)
+
+TABLES = ("rollouts", "rewards", "steps")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _metric_value(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v) if math.isfinite(v) else None
+    return None
+
+
+class RolloutStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # -- paths --------------------------------------------------------------------------------
+
+    def table_dir(self, table: str, run_id: str) -> Path:
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}; expected one of {TABLES}")
+        return self.root / table / f"run_id={validate_run_id(run_id)}"
+
+    def step_path(self, table: str, run_id: str, step: int) -> Path:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.table_dir(table, run_id) / f"step-{step:06d}.parquet"
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def write_table(self, table: str, run_id: str, step: int, data: pa.Table) -> Path:
+        path = self.step_path(table, run_id, step)
+        atomic_write_parquet(path, data)
+        return path
+
+    def write_rollouts(
+        self, run_id: str, step: int, groups: list[RolloutGroup], current_version: int | None = None
+    ) -> Path:
+        rows = rollout_rows(groups, run_id=run_id, step=step, current_version=current_version)
+        return self.write_table("rollouts", run_id, step, pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA))
+
+    def write_rewards(self, run_id: str, step: int, groups: list[RolloutGroup]) -> Path:
+        rows = reward_rows(groups, run_id=run_id, step=step)
+        return self.write_table("rewards", run_id, step, pa.Table.from_pylist(rows, schema=REWARDS_SCHEMA))
+
+    def write_step(self, run_id: str, step: int, metrics: dict[str, Any]) -> Path:
+        """One row: the core columns plus one float64 column per numeric metric (sorted by name)."""
+        core = {
+            "run_id": run_id,
+            "step": step,
+            "policy_version": int(metrics.get("policy_version", 0) or 0),
+            "created_at": datetime.now(UTC),
+        }
+        fields = list(STEPS_CORE_SCHEMA)
+        row = dict(core)
+        for k in sorted(metrics):
+            if k in core:
+                continue
+            v = metrics[k]
+            if v is not None and _metric_value(v) is None and not isinstance(v, float):
+                continue  # strings and nested values are not step metrics
+            fields.append(pa.field(k, pa.float64()))
+            row[k] = _metric_value(v)
+        table = pa.Table.from_pylist([row], schema=pa.schema(fields))
+        return self.write_table("steps", run_id, step, table)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def steps_written(self, table: str, run_id: str) -> list[int]:
+        d = self.table_dir(table, run_id)
+        if not d.is_dir():
+            return []
+        return sorted(int(p.stem.split("-")[1]) for p in d.glob("step-*.parquet"))
+
+    def _read(self, table: str, run_id: str, step: int | None) -> list[dict[str, Any]]:
+        steps = [step] if step is not None else self.steps_written(table, run_id)
+        rows: list[dict[str, Any]] = []
+        for s in steps:
+            p = self.step_path(table, run_id, s)
+            if p.is_file():
+                rows.extend(pq.read_table(p).to_pylist())
+        return rows
+
+    def read_groups(self, run_id: str, step: int | None = None, split: str | None = None) -> list[RolloutGroup]:
+        rollouts = self._read("rollouts", run_id, step)
+        rewards = self._read("rewards", run_id, step)
+        if split is not None:
+            rollouts = [r for r in rollouts if r["split"] == split]
+        return groups_from_rows(rollouts, rewards)
+
+    def read_steps(self, run_id: str) -> list[dict[str, Any]]:
+        return self._read("steps", run_id, None)
+
+    def runs(self) -> list[str]:
+        found = set()
+        for table in TABLES:
+            d = self.root / table
+            if d.is_dir():
+                found |= {p.name.split("=", 1)[1] for p in d.glob("run_id=*") if p.is_dir()}
+        meta = self.root / "runs"
+        if meta.is_dir():
+            found |= {p.stem for p in meta.glob("*.json")}
+        return sorted(found)
+
+    def delete_steps_after(self, run_id: str, step: int) -> list[Path]:
+        """Remove every table's files with a step > `step` (a resumed run redoes those steps)."""
+        removed = []
+        for table in TABLES:
+            for s in self.steps_written(table, run_id):
+                if s > step:
+                    p = self.step_path(table, run_id, s)
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        return removed
+
+    # -- run metadata -------------------------------------------------------------------------
+
+    def meta_path(self, run_id: str) -> Path:
+        return self.root / "runs" / f"{validate_run_id(run_id)}.json"
+
+    def write_run_meta(self, run_id: str, meta: dict[str, Any]) -> None:
+        atomic_write_text(self.meta_path(run_id), json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+    def read_run_meta(self, run_id: str) -> dict[str, Any] | None:
+        p = self.meta_path(run_id)
+        return json.loads(p.read_text()) if p.is_file() else None

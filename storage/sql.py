@@ -1,0 +1,185 @@
+"""DuckDB over the store: read-only views, canned queries, result formatting.
+
+Views: `rollouts`, `rewards`, `steps` (columns unioned by name: metric columns differ between runs)
+and `tool_calls` (one row per tool call). Files are globbed as `*/step-*.parquet`, so the hidden temp
+names used by atomic writes are never read. A table with no files yet is still a view with the right
+columns and zero rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from storage.records import SCHEMAS
+
+# Read statements only: everything else (CREATE, COPY, INSERT, ATTACH, INSTALL/LOAD, SET, PRAGMA,
+# CALL, EXPORT, ...) is refused before it runs.
+_ALLOWED = {"SELECT", "EXPLAIN"}
+
+
+class ReadOnlyQueryError(ValueError):
+    """A statement that could change state was refused."""
+
+
+def _glob(root: Path, table: str) -> str:
+    return str(root / table / "*" / "step-*.parquet")
+
+
+def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory connection with the store's views; configuration locked after set-up."""
+    root = Path(root)
+    con = duckdb.connect(":memory:")
+    for table, schema in SCHEMAS.items():
+        if any((root / table).glob("*/step-*.parquet")) if (root / table).is_dir() else False:
+            union = ", union_by_name = true" if table == "steps" else ""
+            con.execute(
+                f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_glob(root, table)}', "
+                f"hive_partitioning = false{union})"
+            )
+        else:
+            con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=schema))
+            con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
+    con.execute(
+        """CREATE VIEW tool_calls AS
+        SELECT run_id, split, step, group_id, sample_index, tc.turn AS turn, tc.name AS name,
+               tc.arguments AS arguments, tc.result AS result, tc.failed AS failed,
+               tc.error AS error, tc.duration_s AS duration_s
+        FROM (SELECT run_id, split, step, group_id, sample_index, unnest(tool_calls) AS tc
+              FROM rollouts)"""
+    )
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as e:
+        raise ReadOnlyQueryError(f"cannot parse query: {e}") from None
+    if not statements:
+        raise ReadOnlyQueryError("empty query")
+    for st in statements:
+        kind = st.type.name
+        if kind not in _ALLOWED:
+            raise ReadOnlyQueryError(
+                f"refused {kind} statement: grpoflow sql is read-only (SELECT / WITH / EXPLAIN / "
+                "DESCRIBE / SHOW / SUMMARIZE only)"
+            )
+
+
+def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
+    """Run one read-only query; returns (column names, rows)."""
+    con = connect(root)
+    try:
+        check_read_only(con, sql)
+        used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
+        rel = con.execute(sql, used) if used else con.execute(sql)
+        cols = [d[0] for d in rel.description] if rel.description else []
+        return cols, rel.fetchall()
+    finally:
+        con.close()
+
+
+_RUN = "($run IS NULL OR run_id = $run)"
+
+CANNED: dict[str, str] = {
+    # Reward per step over valid completions only; invalid ones are counted, never scored 0.
+    "reward_curve": f"""
+        SELECT run_id, step,
+               avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
+               stddev_pop(reward) FILTER (WHERE reward_valid) AS reward_std,
+               avg(CASE WHEN reward_valid THEN 1.0 ELSE 0.0 END) AS valid_frac,
+               count(*) AS completions
+        FROM rollouts WHERE split = 'train' AND {_RUN}
+        GROUP BY run_id, step ORDER BY run_id, step""",
+    "invalid_rate": f"""
+        SELECT run_id, reward_name, count(*) AS cells,
+               avg(CASE WHEN status <> 'valid' THEN 1.0 ELSE 0.0 END) AS invalid_rate,
+               count(*) FILTER (WHERE status = 'invalid') AS invalid,
+               count(*) FILTER (WHERE status = 'failed') AS failed,
+               count(*) FILTER (WHERE status = 'timeout') AS timeout
+        FROM rewards WHERE {_RUN}
+        GROUP BY run_id, reward_name ORDER BY run_id, reward_name""",
+    "tool_failures": f"""
+        SELECT run_id, name AS tool, count(*) AS calls,
+               count(*) FILTER (WHERE failed) AS failed,
+               avg(CASE WHEN failed THEN 1.0 ELSE 0.0 END) AS failure_rate
+        FROM tool_calls WHERE {_RUN}
+        GROUP BY run_id, name ORDER BY run_id, name""",
+    "lengths": f"""
+        SELECT run_id, step, avg(completion_tokens) AS mean_tokens,
+               min(completion_tokens) AS min_tokens, max(completion_tokens) AS max_tokens,
+               quantile_cont(completion_tokens, 0.5) AS p50_tokens,
+               avg(CASE WHEN truncated THEN 1.0 ELSE 0.0 END) AS truncated_rate
+        FROM rollouts WHERE {_RUN}
+        GROUP BY run_id, step ORDER BY run_id, step""",
+}
+
+
+def run_canned(root: str | Path, name: str, run: str | None = None) -> tuple[list[str], list[tuple]]:
+    if name not in CANNED:
+        raise KeyError(f"unknown canned query {name!r}; choose from {sorted(CANNED)}")
+    return query(root, CANNED[name], {"run": run})
+
+
+def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
+    """Runs in the store with their progress and status (from runs/<run>.json)."""
+    from storage.rollouts import RolloutStore
+
+    store = RolloutStore(root)
+    cols, rows = query(
+        root,
+        """SELECT run_id, count(DISTINCT step) AS steps, max(step) AS last_step, count(*) AS completions
+           FROM rollouts GROUP BY run_id""",
+    )
+    by_run = {r[0]: r for r in rows}
+    _, last = query(
+        root,
+        """SELECT run_id, avg(reward) FILTER (WHERE reward_valid) FROM rollouts
+           WHERE (run_id, step) IN (SELECT run_id, max(step) FROM rollouts GROUP BY run_id)
+           GROUP BY run_id""",
+    )
+    last_reward = dict(last)
+    out = []
+    for run_id in store.runs():
+        meta = store.read_run_meta(run_id) or {}
+        _, steps, last_step, completions = by_run.get(run_id, (run_id, 0, None, 0))
+        out.append((run_id, meta.get("status", "unknown"), steps, last_step, completions, last_reward.get(run_id)))
+    return ["run_id", "status", "steps", "last_step", "completions", "last_reward"], out
+
+
+def format_result(columns: list[str], rows: list[tuple], fmt: str = "table") -> str:
+    if fmt == "json":
+        return json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, indent=1)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(columns)
+        w.writerows(rows)
+        return buf.getvalue().rstrip("\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_lines=False)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[_cell(v) for v in r])
+    console = Console(file=io.StringIO(), width=200, record=True)
+    console.print(t)
+    return console.export_text().rstrip("\n") + f"\n({len(rows)} rows)"
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
