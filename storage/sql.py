@@ -134,7 +134,7 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     from storage.rollouts import RolloutStore
 
     store = RolloutStore(root)
-    cols, rows = query(
+    _, rows = query(
         root,
         """SELECT run_id, count(DISTINCT step) AS steps, max(step) AS last_step, count(*) AS completions
            FROM rollouts GROUP BY run_id""",

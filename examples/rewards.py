@@ -1,0 +1,69 @@
+"""Reward functions used by the shipped configs.
+
+Signature (TRL-style): `fn(prompts, completions, completion_ids, environments, **columns)` returning
+one value per completion; None means "no meaningful score" and masks the completion out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def letter_fraction(completions: list[str], target_letter: str = "a", **_) -> list[float | None]:
+    """Fraction of the completion's characters equal to `target_letter` (case-insensitive).
+
+    An empty completion has no meaningful score: None (invalid), not 0.
+    """
+    t = target_letter.lower()
+    return [sum(ch == t for ch in c.lower()) / len(c) if c else None for c in completions]
+
+
+def exact_number(completions: list[str], answer: list | None = None, **_) -> list[float | None]:
+    """1.0 if the last number in the completion equals the row's `answer`, else 0.0.
+
+    None when the row has no answer (nothing to compare against).
+    """
+    answers = answer or [None] * len(completions)
+    out: list[float | None] = []
+    for text, ans in zip(completions, answers, strict=True):
+        if ans is None:
+            out.append(None)
+            continue
+        nums = _NUMBER.findall(text)
+        out.append(1.0 if nums and abs(float(nums[-1]) - float(ans)) < 1e-6 else 0.0)
+    return out
+
+
+def env_reward(environments: list, **_) -> list[float | None]:
+    """The environment snapshot's reward: `get_reward()` if it has one, else its `reward` attribute."""
+    out = []
+    for env in environments:
+        if env is None:
+            out.append(None)
+        elif hasattr(env, "get_reward"):
+            out.append(env.get_reward())
+        else:
+            out.append(getattr(env, "reward", None))
+    return out
+
+
+def length_penalty(completion_ids: list[list[int]], max_len: int = 256, **_) -> list[float]:
+    """A small negative reward proportional to length (optional, for brevity)."""
+    return [-len(ids) / max_len for ids in completion_ids]
+
+
+# --- slow rewards for the scoring benchmark ---------------------------------------------------
+
+
+def slow_sync(completions: list[str], delay: float = 0.2, **_) -> list[float]:
+    time.sleep(delay)
+    return [float(len(c)) for c in completions]
+
+
+async def slow_async(completions: list[str], delay: float = 0.2, **_) -> list[float]:
+    await asyncio.sleep(delay)
+    return [float(len(c)) for c in completions]
