@@ -177,8 +177,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             m["sync_seconds"] = 0.0
             if (step + 1) % cfg.sync.sync_every == 0 or step == steps - 1:
                 t0 = time.perf_counter()
-                sm = push_weights(quote(learner), version=step + 1, **push_kw)
-                versions.set(step + 1)
+                sm = push_weights(quote(learner), version=step + 1, versions=quote(versions), **push_kw)
                 m.update(sm)
                 m["sync_seconds"] = time.perf_counter() - t0
                 overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])

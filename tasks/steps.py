@@ -169,16 +169,13 @@ def train_fn(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     return learner.train_step(samples_from_groups(groups))
 
 
-def push_fn(learner, *, url: str, root: str, run_id: str, version: int, keep_last: int, client_kwargs) -> dict:
-    from tasks.inference import VLLMClient
-    from tasks.sync import CheckpointWeightPush
+def push_fn(learner, *, url: str, root: str, run_id: str, version: int, keep_last: int, client_kwargs,
+            versions: VersionBox | None = None) -> dict:  # fmt: skip
+    """Push the learner's weights as `version`; `versions` flips to it between reload and resume."""
+    from tasks.sync import push_weights_sync
 
-    async def go() -> dict[str, Any]:
-        async with VLLMClient(url, **client_kwargs) as client:
-            pusher = CheckpointWeightPush(client, root, run_id, keep_last=keep_last)
-            return await pusher.push(learner.model, version)
-
-    return asyncio.run(go())
+    return push_weights_sync(learner.model, version, url=url, root=root, run_id=run_id, keep_last=keep_last,
+                             on_reloaded=versions.set if versions is not None else None, **client_kwargs)  # fmt: skip
 
 
 def checkpoint_fn(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:

@@ -78,7 +78,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     # Round the vocab up to a multiple of 64: friendlier kernels, and room for added tokens.
-    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    # Exactly the tokenizer size: every id the model can sample decodes to text.
+    vocab_size = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

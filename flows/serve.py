@@ -1,0 +1,230 @@
+"""Start, supervise and stop the vLLM server; `policy-server` is the long-lived Prefect flow.
+
+The server runs from its own environment (`.venv-vllm`, or `GRPOFLOW_VLLM_PYTHON`): grpoflow never
+imports vllm, it only talks HTTP. Loopback by default; any other bind address needs an API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become healthy; the message carries its last log lines."""
+
+
+def vllm_python() -> str:
+    env = os.environ.get("GRPOFLOW_VLLM_PYTHON")
+    if env:
+        return env
+    local = REPO / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError:
+        return "<no log>"
+
+
+class ServerHandle:
+    """A vLLM server process: start, health-wait, restart, stop (process group)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout_s: float):
+        self.cmd, self.env, self.url, self.log_path = cmd, env, url, log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> ServerHandle:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        # A new session: stop() can signal the API server and its engine/worker children together.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        log.close()
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM server exited with code {self.proc.returncode} during start-up; last log lines "
+                    f"({self.log_path}):\n{_tail(self.log_path)}"
+                )
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(
+            f"vLLM server not healthy after {self.startup_timeout_s:.0f}s at {self.url}; last log lines "
+            f"({self.log_path}):\n{_tail(self.log_path)}"
+        )
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (fault-injection tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def server_command(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    served_model_name: str = "policy",
+    max_model_len: int | None = None,
+    kv_cache_gb: float = 1.0,
+    api_key: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    python: str | None = None,
+) -> tuple[list[str], dict[str, str], str]:
+    if not _is_loopback(host) and not api_key:
+        raise ValueError(
+            f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
+            "(or --api-key); the default 127.0.0.1 needs none"
+        )
+    port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
+    cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), "--served-model-name", served_model_name,
+           "--host", host, "--port", str(port),
+           # Processed logprobs = after temperature/top-p, the distribution tokens were sampled from,
+           # which is what the learner's importance ratio must compare against.
+           "--logprobs-mode", "processed_logprobs",
+           # Ignore the model's generation_config.json: sampling params come from our requests only.
+           "--generation-config", "vllm",
+           "--dtype", "float32" if _cpu_only() else "auto"]  # fmt: skip
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += list(extra_args)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
+    if _cpu_only():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return cmd, env, f"http://{connect_host}:{port}"
+
+
+def _cpu_only() -> bool:
+    return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def start_server(model_dir: str | Path, *, log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
+                 **kwargs) -> ServerHandle:  # fmt: skip
+    """Start a server and wait for /health; raises ServerStartError with the log tail on failure."""
+    cmd, env, url = server_command(model_dir, **kwargs)
+    log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
+    return ServerHandle(cmd, env, url, log, startup_timeout_s).start()
+
+
+@contextlib.contextmanager
+def embedded_server(model_dir: str | Path, **kwargs):
+    """A server for the duration of a run; stopped on exit, also on failure."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    handle = start_server(model_dir, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@flow(name="policy-server", log_prints=True)
+def policy_server(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    max_restarts: int = 3,
+    check_every_s: float = 5.0,
+    run_for_s: float | None = None,
+) -> dict:
+    """Start the vLLM server and keep it up: restart on crash (bounded, with backoff)."""
+    log = get_run_logger()
+    handle = start_server(model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len,
+                          log_path=Path(model_dir).parent / f"vllm-{port}.log")  # fmt: skip
+    log.info("vLLM server up at %s", handle.url)
+    started = time.monotonic()
+    try:
+        while run_for_s is None or time.monotonic() - started < run_for_s:
+            time.sleep(check_every_s)
+            if handle.alive() and handle.healthy():
+                continue
+            if handle.restarts >= max_restarts:
+                raise RuntimeError(f"vLLM server died {handle.restarts + 1} times; giving up. Log tail:\n"
+                                   f"{_tail(handle.log_path)}")  # fmt: skip
+            log.warning("vLLM server down; restart %d/%d", handle.restarts + 1, max_restarts)
+            time.sleep(min(30.0, 2.0**handle.restarts))
+            handle.restart()
+    finally:
+        handle.stop()
+    return {"url": handle.url, "restarts": handle.restarts}
