@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 

@@ -8,7 +8,6 @@ wrapped in `quote(...)` so Prefect's argument walker never traverses token lists
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import threading
 import time
@@ -52,11 +51,10 @@ class RolloutBatch:
     body_end: float = 0.0
 
 
-@functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from tasks.generate import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def _resolve(path: str):

@@ -77,7 +77,6 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    # Round the vocab up to a multiple of 64: friendlier kernels, and room for added tokens.
     # Exactly the tokenizer size: every id the model can sample decodes to text.
     vocab_size = len(tokenizer)
     config = LlamaConfig(

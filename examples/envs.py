@@ -1,0 +1,59 @@
+"""Environments and small datasets used by the shipped configs."""
+
+from __future__ import annotations
+
+import random
+
+
+class CounterEnv:
+    """A stateful counter: `reset` sets it to 0, the `increment` tool adds to it, reward = count."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.calls = 0
+
+    def reset(self, **row) -> str:
+        self.count = 0
+        self.calls = 0
+        return "A counter starts at 0. Call the increment tool to raise it."
+
+    def increment(self, by: int = 1) -> str:
+        """Add to the counter.
+
+        Args:
+            by: How much to add (1 to 5).
+        """
+        if not 1 <= int(by) <= 5:
+            raise ValueError("by must be between 1 and 5")
+        self.count += int(by)
+        self.calls += 1
+        return f"count is now {self.count}"
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+_WORDS = ["apple", "river", "stone", "cloud", "garden", "window", "forest", "candle", "silver", "harbor"]
+
+
+def letters_rows(n: int = 64, seed: int = 0) -> list[dict]:
+    """Prompts for the tiny-letters demo (the reward looks only at the completion)."""
+    rng = random.Random(seed)
+    return [{"prompt": f"Write a word like {rng.choice(_WORDS)} with many letters a.", "id": i} for i in range(n)]
+
+
+def arith_rows(n: int = 256, seed: int = 0) -> list[dict]:
+    """Short arithmetic word problems with integer answers."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+        kind = i % 3
+        if kind == 0:
+            q, ans = f"Tom has {a} apples and buys {b} more. How many apples does he have?", a + b
+        elif kind == 1:
+            q, ans = f"A box holds {c} rows of {a} eggs. How many eggs are in the box?", a * c
+        else:
+            q, ans = f"Ann had {a + b} stickers and gave away {b}. How many are left?", a
+        rows.append({"prompt": f"{q} Answer with the number only.", "answer": ans, "id": i})
+    return rows

@@ -1,0 +1,285 @@
+"""Rollout generation: groups of G completions, multi-turn tool calls, stateful environments.
+
+Token sequence of a completion: prompt | model output (mask 1) | tool result + template glue
+(mask 0) | model output (mask 1) | ... Model tokens are never re-tokenised: the ids vLLM sampled are
+the ids we train on, and the behaviour logprobs line up with them one to one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
+from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
+
+
+class CompletionBackend(Protocol):
+    async def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, seed: int | None = None, n: int = 1, stop=None,
+                       stop_token_ids=None) -> list: ...  # fmt: skip
+
+    async def max_model_len(self) -> int: ...
+
+
+def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    if "prompt" not in row:
+        raise ValueError(f"row {index} has no 'prompt' field")
+    p = row["prompt"]
+    if isinstance(p, str):
+        return [{"role": "user", "content": p}]
+    if isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p):
+        return [dict(m) for m in p]
+    raise ValueError(f"row {index}: 'prompt' must be a string or a list of chat messages")
+
+
+def render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=generation_prompt,
+                                         tokenize=False)  # fmt: skip
+
+
+def _seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + prompt_index * 10_007 + sample * 101 + turn) % (2**31 - 1)
+
+
+class EnvPool:
+    """Environment instances pooled per concurrent slot and reused after `reset`."""
+
+    def __init__(self, factory: Callable[[], Any], slots: int):
+        self.factory, self.slots, self.made = factory, slots, 0
+        self.free: asyncio.Queue = asyncio.Queue()
+
+    async def acquire(self) -> Any:
+        if self.free.empty() and self.made < self.slots:
+            self.made += 1
+            return self.factory()
+        return await self.free.get()
+
+    def release(self, env: Any) -> None:
+        self.free.put_nowait(env)
+
+
+class Rollout:
+    """Shared settings of one generate_groups call."""
+
+    def __init__(self, backend, tokenizer, *, max_tokens, temperature, top_p, seed, max_turns,
+                 max_rollout_tokens, tools, parser, tool_timeout_s, env_pool, deepcopy_env, version_fn):  # fmt: skip
+        self.backend, self.tok = backend, tokenizer
+        self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
+        self.max_turns = max_turns
+        self.budget = max_rollout_tokens or max_tokens * max_turns
+        self.tools, self.parser, self.tool_timeout_s = tools or [], parser, tool_timeout_s
+        self.env_pool, self.deepcopy_env, self.version_fn = env_pool, deepcopy_env, version_fn
+        self.eos_text = tokenizer.eos_token or ""
+        self.max_len = 0
+
+    def sample_kwargs(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def glue_ids(self, history: list[dict], assistant_text: str, ended_with_eos: bool, tool_msgs, schemas):
+        """Template tokens between the model's output and the next generation: closing of the
+        assistant turn (minus the EOS the model already produced), tool messages, generation prompt."""
+        with_asst = render(self.tok, history + [{"role": "assistant", "content": assistant_text}], schemas, False)
+        full = render(self.tok, history + [{"role": "assistant", "content": assistant_text}] + tool_msgs, schemas,
+                      True)  # fmt: skip
+        closing = with_asst[with_asst.rindex(assistant_text) + len(assistant_text):] if assistant_text else ""
+        if ended_with_eos and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text):]
+        glue = closing + full[len(with_asst):]
+        return self.tok.encode(glue, add_special_tokens=False)
+
+
+async def _single_turn_group(r: Rollout, row: dict, index: int, prompt_ids: list[int], g: int) -> list[RolloutCompletion]:
+    t0 = time.perf_counter()
+    v0 = r.version_fn()
+    limit = min(r.max_tokens, r.budget, r.max_len - len(prompt_ids))
+    choices = await r.backend.complete(prompt_ids, max_tokens=limit, n=g, seed=_seed(r.seed, index, 0, 0),
+                                       **r.sample_kwargs())  # fmt: skip
+    v1, dt = r.version_fn(), time.perf_counter() - t0
+    out = []
+    for i, ch in enumerate(choices):
+        text = r.decode(ch.token_ids)
+        truncated = ch.finish_reason == "length"
+        out.append(RolloutCompletion(
+            sample_index=i, completion=text, completion_ids=list(ch.token_ids), completion_mask=[1] * len(ch.token_ids),
+            logprobs=list(ch.logprobs), messages=[TaggedMessage("assistant", _strip(text, r.eos_text), True)],
+            turns=[TurnRecord(len(prompt_ids), len(ch.token_ids), dt, ch.finish_reason, list(ch.token_ids), list(ch.logprobs))],
+            truncated=truncated, truncation_reason="max_tokens" if truncated else None, finish_reason=ch.finish_reason,
+            policy_version=v0, policy_version_end=v1, gen_seconds=dt,
+        ))  # fmt: skip
+    return out
+
+
+def _strip(text: str, eos: str) -> str:
+    return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
+async def _multi_turn(r: Rollout, row: dict, index: int, sample: int, messages: list[dict]):
+    env = None
+    tools = {f.__name__: f for f in r.tools}
+    history = [dict(m) for m in messages]
+    if r.env_pool is not None:
+        env = await r.env_pool.acquire()
+        note = env.reset(**row)
+        if isinstance(note, str) and note:
+            history[-1] = {**history[-1], "content": f"{history[-1]['content']}\n\n{note}"}
+        tools.update(environment_tools(env))
+    try:
+        c, prompt_ids = await _run_turns(r, index, sample, history, tools)
+        if env is not None:  # snapshot before the slot goes back to the pool and is reset
+            c.environment = copy.deepcopy(env) if r.deepcopy_env else snapshot(env)
+        return c, prompt_ids
+    finally:
+        if env is not None:
+            r.env_pool.release(env)
+
+
+def snapshot(env: Any) -> Any:
+    return copy.copy(env)
+
+
+async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], tools: dict):
+    schemas = [tool_schema(f) for f in tools.values()]
+    prompt_ids = r.tok.encode(render(r.tok, history, schemas, True), add_special_tokens=False)
+    box = ToolBox(tools, r.tool_timeout_s)
+    ids, mask, lps, msgs, turns, calls = list(prompt_ids), [], [], [], [], []
+    c = RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[])
+    t_start, c.policy_version = time.perf_counter(), r.version_fn()
+    for turn in range(r.max_turns):
+        limit = min(r.max_tokens, r.budget - len(mask), r.max_len - len(ids))
+        if limit <= 0:
+            c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
+            break
+        t0 = time.perf_counter()
+        (ch,) = await r.backend.complete(ids, max_tokens=limit, n=1, seed=_seed(r.seed, index, sample, turn),
+                                         **r.sample_kwargs())  # fmt: skip
+        turns.append(TurnRecord(len(ids), len(ch.token_ids), time.perf_counter() - t0, ch.finish_reason,
+                                list(ch.token_ids), list(ch.logprobs)))  # fmt: skip
+        ids += ch.token_ids
+        mask += [1] * len(ch.token_ids)
+        lps += list(ch.logprobs)
+        raw = r.decode(ch.token_ids)
+        text = _strip(raw, r.eos_text)
+        msgs.append(TaggedMessage("assistant", text, True))
+        c.finish_reason = ch.finish_reason
+        if ch.finish_reason == "length":
+            c.truncated, c.truncation_reason = True, "max_tokens"
+            break
+        parsed = r.parser.parse(text) if tools else []
+        if not parsed:
+            break
+        if turn == r.max_turns - 1:
+            c.truncated, c.truncation_reason = True, "max_turns"
+            break
+        records = [await box.call(p, turn) for p in parsed]
+        calls += records
+        tool_msgs = [{"role": "tool", "name": rec.name, "content": rec.result} for rec in records]
+        msgs += [TaggedMessage("tool", rec.result, False) for rec in records]
+        glue = r.glue_ids(history, text, raw.endswith(r.eos_text) and bool(r.eos_text), tool_msgs, schemas)
+        history += [{"role": "assistant", "content": text}, *tool_msgs]
+        ids += glue
+        mask += [0] * len(glue)
+        lps += [0.0] * len(glue)
+    c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids):], mask, lps
+    c.completion = r.decode(c.completion_ids)
+    c.messages, c.turns, c.tool_calls = msgs, turns, calls
+    c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
+    return c, prompt_ids
+
+
+async def generate_groups(
+    rows: list[dict[str, Any]],
+    prompt_indices: list[int],
+    *,
+    backend: CompletionBackend,
+    tokenizer,
+    group_size: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    max_turns: int = 1,
+    max_rollout_tokens: int | None = None,
+    tools: list[Callable[..., Any]] | None = None,
+    tool_parser: ToolCallParser | None = None,
+    tool_timeout_s: float = 10.0,
+    environment_factory: Callable[[], Any] | None = None,
+    env_slots: int | None = None,
+    deepcopy_env: bool = False,
+    max_in_flight: int = 32,
+    version_fn: Callable[[], int] = lambda: 0,
+    split: str = "train",
+) -> list[RolloutGroup]:
+    """G completions for each row, all groups concurrently under `max_in_flight` requests."""
+    if len(rows) != len(prompt_indices):
+        raise ValueError(f"{len(rows)} rows but {len(prompt_indices)} prompt indices")
+    messages = [prompt_messages(row, i) for row, i in zip(rows, prompt_indices, strict=True)]
+    pool = EnvPool(environment_factory, env_slots or max_in_flight) if environment_factory else None
+    r = Rollout(backend, tokenizer, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                max_turns=max_turns, max_rollout_tokens=max_rollout_tokens, tools=tools,
+                parser=tool_parser or HermesToolParser(), tool_timeout_s=tool_timeout_s, env_pool=pool,
+                deepcopy_env=deepcopy_env, version_fn=version_fn)  # fmt: skip
+    r.max_len = await backend.max_model_len()
+    gate = asyncio.Semaphore(max_in_flight)
+    simple = not tools and environment_factory is None and max_turns == 1
+
+    async def bounded(coro):
+        async with gate:
+            return await coro
+
+    async def one_group(row, index, msgs) -> RolloutGroup:
+        if simple:
+            prompt_ids = tokenizer.encode(render(tokenizer, msgs, None, True), add_special_tokens=False)
+            if len(prompt_ids) >= r.max_len:
+                comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
+            else:
+                comps = await bounded(_single_turn_group(r, row, index, prompt_ids, group_size))
+        else:
+            pairs = await asyncio.gather(*(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size)))
+            comps = [c for c, _ in pairs]
+            prompt_ids = pairs[0][1]  # the same for every sample (environment reset notes included)
+        return RolloutGroup(group_id=f"{split}-{index:08d}", prompt_index=index, prompt=tokenizer.decode(prompt_ids),
+                            prompt_ids=prompt_ids, completions=list(comps), row=row, split=split,
+                            policy_version=min(c.policy_version for c in comps))  # fmt: skip
+
+    return list(await asyncio.gather(*(one_group(row, i, m) for row, i, m in zip(rows, prompt_indices, messages,
+                                                                                strict=True))))  # fmt: skip
+
+
+def _too_long(sample: int, version: int) -> RolloutCompletion:
+    return RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[],
+                             truncated=True, truncation_reason="prompt_too_long", finish_reason="length",
+                             policy_version=version, policy_version_end=version)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@task(name="generate-rollouts", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def generate_rollouts(url: str, tokenizer_path: str, rows: list[dict[str, Any]], prompt_indices: list[int],
+                      *, api_key: str | None = None, **gen_kwargs: Any) -> list[RolloutGroup]:  # fmt: skip
+    """Prefect task: generate groups on the vLLM server at `url` (flat arguments only)."""
+    from tasks.inference import VLLMClient
+
+    async def go() -> list[RolloutGroup]:
+        async with VLLMClient(url, api_key=api_key) as client:
+            return await generate_groups(rows, prompt_indices, backend=client,
+                                         tokenizer=load_tokenizer(tokenizer_path), **gen_kwargs)  # fmt: skip
+
+    return asyncio.run(go())

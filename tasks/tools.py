@@ -1,0 +1,132 @@
+"""Tools for multi-turn rollouts: schemas, tool-call parsing, execution with timeouts.
+
+Tools are plain functions (sync or `async def`) with Google-style docstrings; schemas come from
+`transformers.utils.get_json_schema`. Every failure (malformed JSON, unknown tool, wrong arguments,
+an exception, a timeout) becomes a tool message with the error and `ToolCallRecord(failed=True)`;
+the rollout goes on. Arguments are parsed with `json.loads`, never evaluated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from storage.records import ToolCallRecord
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any] | None  # None when the call could not be parsed
+    raw: str  # the text between the tags, as the model wrote it
+    error: str | None = None
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> list[ParsedCall]: ...
+
+
+class HermesToolParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes / Qwen2.5 format)."""
+
+    pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        calls = []
+        for m in self.pattern.finditer(text):
+            raw = m.group(1).strip()
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                calls.append(ParsedCall("", None, raw, f"malformed tool call JSON: {e}"))
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                calls.append(ParsedCall("", None, raw, "tool call must be an object with a string 'name'"))
+                continue
+            args = obj.get("arguments", {})
+            if isinstance(args, str):  # some models JSON-encode the arguments twice
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError as e:
+                    calls.append(ParsedCall(obj["name"], None, raw, f"malformed arguments JSON: {e}"))
+                    continue
+            if not isinstance(args, dict):
+                calls.append(ParsedCall(obj["name"], None, raw, "'arguments' must be an object"))
+                continue
+            calls.append(ParsedCall(obj["name"], args, raw))
+        return calls
+
+
+def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+def environment_tools(env: Any) -> dict[str, Callable[..., Any]]:
+    """Public methods of an environment instance, except its lifecycle/reward methods."""
+    skip = {"reset", "get_reward"}
+    out = {}
+    for name in dir(env):
+        if name.startswith("_") or name in skip:
+            continue
+        attr = getattr(env, name)
+        if callable(attr) and inspect.ismethod(attr):
+            out[name] = attr
+    return out
+
+
+class ToolBox:
+    """Executes parsed calls against named tools, each under a timeout."""
+
+    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float = 10.0):
+        self.tools, self.timeout_s = tools, timeout_s
+
+    @classmethod
+    def from_functions(cls, fns: list[Callable[..., Any]], timeout_s: float = 10.0) -> ToolBox:
+        return cls({f.__name__: f for f in fns}, timeout_s)
+
+    async def call(self, call: ParsedCall, turn: int) -> ToolCallRecord:
+        t0 = time.perf_counter()
+
+        def record(result: str, error: str | None = None) -> ToolCallRecord:
+            return ToolCallRecord(
+                turn=turn,
+                name=call.name,
+                arguments=call.raw if call.arguments is None else json.dumps(call.arguments),
+                result=result,
+                failed=error is not None,
+                error=error,
+                duration_s=time.perf_counter() - t0,
+            )
+
+        if call.error is not None:
+            return record(f"Error: {call.error}", call.error)
+        fn = self.tools.get(call.name)
+        if fn is None:
+            err = f"unknown tool {call.name!r}; available: {sorted(self.tools)}"
+            return record(f"Error: {err}", err)
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as e:
+            err = f"wrong arguments for {call.name}: {e}"
+            return record(f"Error: {err}", err)
+        try:
+            if inspect.iscoroutinefunction(fn):
+                out = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
+            else:
+                # A thread, so a slow sync tool never blocks other rollouts on the event loop.
+                out = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), self.timeout_s)
+        except TimeoutError:
+            err = f"tool {call.name} timed out after {self.timeout_s}s"
+            return record(f"Error: {err}", err)
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+            return record(f"Error: {err}", err)
+        return record(out if isinstance(out, str) else json.dumps(out, default=str))

@@ -1,0 +1,250 @@
+"""Rollout generation against a SCRIPTED FAKE backend (the real tiny tokenizer, scripted model output).
+
+The fake stands in for the vLLM server only where the test needs to control what the model says
+(tool calls, lengths); the integration tests drive the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+import tasks.generate as gen
+from examples.envs import CounterEnv
+from tasks.inference import Choice
+from tasks.tiny_model import build_tokenizer
+from tasks.tools import HermesToolParser
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+class ScriptedBackend:
+    """FAKE vLLM backend: answers each request with the next scripted text for that rollout.
+
+    `script(prompt_text, turn, seed)` returns the text the "model" says; it is tokenised with the
+    real tokenizer and ends with EOS unless it hits max_tokens. Logprobs are -0.01 * position.
+    """
+
+    def __init__(self, tok, script, max_len=1024):
+        self.tok, self.script, self.max_len = tok, script, max_len
+        self.requests: list[dict] = []
+
+    async def max_model_len(self) -> int:
+        return self.max_len
+
+    async def complete(self, prompt_ids, *, max_tokens, temperature=1.0, top_p=1.0, seed=None, n=1, **_):
+        assert len(prompt_ids) + max_tokens <= self.max_len, "request would exceed max_model_len"
+        self.requests.append({"prompt_len": len(prompt_ids), "max_tokens": max_tokens, "seed": seed})
+        text = self.tok.decode(prompt_ids)
+        out = []
+        for k in range(n):
+            said = await self.script(text, k, seed)
+            ids = self.tok.encode(said, add_special_tokens=False) + [self.tok.eos_token_id]
+            reason = "stop"
+            if len(ids) > max_tokens:
+                ids, reason = ids[:max_tokens], "length"
+            out.append(Choice(ids, [-0.01 * (i + 1) for i in range(len(ids))], reason, self.tok.decode(ids)))
+        return out
+
+
+def call(name, **args):
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_single_turn_group_and_masks(tok):
+    async def script(text, k, seed):
+        return "a" * (k + 1)
+
+    backend = ScriptedBackend(tok, script)
+    groups = run(gen.generate_groups([{"prompt": "hi"}], [7], backend=backend, tokenizer=tok, group_size=3,
+                                     max_tokens=8, seed=1, version_fn=lambda: 4))  # fmt: skip
+    (g,) = groups
+    assert g.group_id == "train-00000007" and len(g.completions) == 3 and len(backend.requests) == 1
+    assert tok.decode(g.prompt_ids).endswith("<|im_start|>assistant\n")
+    for k, c in enumerate(g.completions):
+        assert c.completion_ids[:-1] == tok.encode("a" * (k + 1), add_special_tokens=False)
+        assert c.completion_mask == [1] * len(c.completion_ids) and len(c.logprobs) == len(c.completion_ids)
+        assert c.messages[0].content == "a" * (k + 1) and c.policy_version == c.policy_version_end == 4
+
+
+def test_multi_turn_trajectory_masks_and_logprobs_align(tok):
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: first
+            b: second
+        """
+        return a + b
+
+    async def script(text, k, seed):
+        return call("add", a=2, b=3) if text.count("<tool_response>") == 0 else "the answer is 5"
+
+    backend = ScriptedBackend(tok, script)
+    (g,) = run(gen.generate_groups([{"prompt": "add 2 and 3"}], [0], backend=backend, tokenizer=tok, group_size=1,
+                                   max_tokens=64, max_turns=3, tools=[add]))  # fmt: skip
+    c = g.completions[0]
+    # trajectory: assistant call, tool result, assistant answer; the prompt is not repeated
+    assert [(m.role, m.is_completion) for m in c.messages] == [("assistant", True), ("tool", False), ("assistant", True)]
+    assert c.messages[1].content == "5" and c.tool_calls[0].result == "5" and not c.tool_calls[0].failed
+    assert "add 2 and 3" not in c.completion and c.completion.count("<tool_call>") == 1
+    # the full sequence is exactly what a fresh render of the conversation gives
+    convo = [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": call("add", a=2, b=3)},
+             {"role": "tool", "content": "5"}, {"role": "assistant", "content": "the answer is 5"}]  # fmt: skip
+    expected = tok.apply_chat_template(convo, tools=[gen.tool_schema(add)], tokenize=False)
+    assert tok.decode(g.prompt_ids + c.completion_ids) + "\n" == expected
+    # mask-1 positions are exactly the generated tokens, and their logprobs line up one to one
+    generated = [t for turn in c.turns for t in turn.output_ids]
+    assert [i for i, m in zip(c.completion_ids, c.completion_mask, strict=True) if m] == generated
+    assert [lp for lp, m in zip(c.logprobs, c.completion_mask, strict=True) if m] == [
+        lp for turn in c.turns for lp in turn.logprobs
+    ]
+    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.completion_mask, strict=True) if not m)
+    assert not c.truncated and c.num_turns == 2
+
+
+def test_max_turns_truncates(tok):
+    def ping() -> str:
+        """Ping."""
+        return "pong"
+
+    async def script(text, k, seed):
+        return call("ping")
+
+    (g,) = run(gen.generate_groups([{"prompt": "p"}], [0], backend=ScriptedBackend(tok, script), tokenizer=tok,
+                                   group_size=2, max_tokens=64, max_turns=3, tools=[ping]))  # fmt: skip
+    for c in g.completions:
+        assert c.truncated and c.truncation_reason == "max_turns" and c.num_turns == 3 and len(c.tool_calls) == 2
+
+
+def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
+    def boom(x: int) -> int:
+        """Fails.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("kaput")
+
+    async def hang() -> str:
+        """Never returns."""
+        await asyncio.sleep(30)
+        return "late"
+
+    bad_calls = ["<tool_call>{not json</tool_call>", call("nope"), call("boom", y=1), call("boom", x=1), call("hang")]
+
+    async def script(text, k, seed):
+        n = text.count("<tool_response>")
+        return bad_calls[n] if n < len(bad_calls) else "done"
+
+    (g,) = run(gen.generate_groups([{"prompt": "p"}], [0], backend=ScriptedBackend(tok, script, 8192), tokenizer=tok,
+                                   group_size=1, max_tokens=64, max_turns=10, tools=[boom, hang], max_rollout_tokens=4000,
+                                   tool_timeout_s=0.3))  # fmt: skip
+    c = g.completions[0]
+    errors = [tc.error for tc in c.tool_calls]
+    assert all(tc.failed for tc in c.tool_calls) and len(errors) == 5
+    assert "malformed tool call JSON" in errors[0] and "unknown tool 'nope'" in errors[1]
+    assert "wrong arguments for boom" in errors[2] and "RuntimeError: kaput" in errors[3]
+    assert "timed out after 0.3s" in errors[4]
+    assert c.messages[-1].content == "done" and not c.truncated  # the rollout went on to the end
+
+
+def test_slow_sync_tool_does_not_block_other_rollouts(tok):
+    finished: list[str] = []
+
+    def slow() -> str:
+        """Takes a while."""
+        time.sleep(0.5)
+        return "slow done"
+
+    def fast() -> str:
+        """Returns at once."""
+        return "fast done"
+
+    async def script(text, k, seed):
+        if "<tool_response>" in text:
+            finished.append("slow" if "slow done" in text else "fast")
+            return "ok"
+        return call("slow") if "use slow" in text else call("fast")
+
+    rows = [{"prompt": "use slow"}, {"prompt": "use fast"}]
+    run(gen.generate_groups(rows, [0, 1], backend=ScriptedBackend(tok, script), tokenizer=tok, group_size=1,
+                            max_tokens=64, max_turns=2, tools=[slow, fast]))  # fmt: skip
+    # the fast rollout finished while the slow tool was still running in its thread
+    assert finished == ["fast", "slow"]
+
+
+def test_token_budget_and_max_model_len(tok):
+    async def script(text, k, seed):
+        return "x" * 50
+
+    backend = ScriptedBackend(tok, script, max_len=120)
+    (g,) = run(gen.generate_groups([{"prompt": "p" * 40}], [0], backend=backend, tokenizer=tok, group_size=2,
+                                   max_tokens=100, max_rollout_tokens=30))  # fmt: skip
+    assert all(r["prompt_len"] + r["max_tokens"] <= 120 for r in backend.requests)
+    assert all(len(c.completion_ids) <= 30 and c.truncation_reason == "max_tokens" for c in g.completions)
+    (g,) = run(gen.generate_groups([{"prompt": "p" * 200}], [0], backend=backend, tokenizer=tok, group_size=2,
+                                   max_tokens=10))  # fmt: skip
+    assert all(c.truncation_reason == "prompt_too_long" and c.completion_ids == [] for c in g.completions)
+
+
+def test_row_without_prompt_is_named(tok):
+    with pytest.raises(ValueError, match="row 5 has no 'prompt'"):
+        run(gen.generate_groups([{"q": 1}], [5], backend=ScriptedBackend(tok, None), tokenizer=tok, group_size=2,
+                                max_tokens=4))  # fmt: skip
+
+
+def _counter_script():
+    # Sample k of every group calls increment k+1 times (with by=1), then stops. Sleeps interleave
+    # the rollouts so environment slots are shared over time.
+    async def script(text, k, seed):
+        calls = text.count("<tool_response>")
+        prompt_index = 1 if "count more" in text else 0
+        sample = (seed - prompt_index * 10_007 - calls) // 101  # inverse of gen._seed with base seed 0
+        await asyncio.sleep(0.001 * (sample % 3))
+        return call("increment", by=1) if calls < sample + 1 else "finished"
+
+    return script
+
+
+def _counter_groups(tok):
+    return run(gen.generate_groups([{"prompt": "count"}, {"prompt": "count more"}], [0, 1],
+                                   backend=ScriptedBackend(tok, _counter_script(), 8192), tokenizer=tok, group_size=4,
+                                   max_tokens=64, max_turns=8, seed=0, environment_factory=CounterEnv, max_rollout_tokens=8000,
+                                   env_slots=3))  # fmt: skip
+
+
+def test_environment_snapshots_keep_each_completions_own_state(tok):
+    groups = _counter_groups(tok)
+    for g in groups:
+        for c in g.completions:
+            own = sum(1 for tc in c.tool_calls if tc.name == "increment" and not tc.failed)
+            assert own == c.sample_index + 1
+            assert c.environment.get_reward() == own  # the snapshot, not the reused slot
+    assert "A counter starts at 0" in groups[0].prompt  # reset()'s text is appended to the prompt
+
+
+def test_without_snapshots_rewards_leak_between_completions(tok, monkeypatch):
+    """Removing the snapshot makes the previous test's property fail: slots are reused and reset."""
+    monkeypatch.setattr(gen, "snapshot", lambda env: env)
+    groups = _counter_groups(tok)
+    mismatched = [c for g in groups for c in g.completions if c.environment.get_reward() != c.sample_index + 1]
+    assert mismatched
+
+
+def test_hermes_parser_handles_several_calls_and_string_arguments():
+    text = call("a", x=1) + " and " + '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    calls = HermesToolParser().parse(text)
+    assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
