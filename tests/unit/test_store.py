@@ -1,0 +1,155 @@
+"""RolloutStore and checkpoints: real Parquet files, real DuckDB, atomicity under failure."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from storage.checkpoints import CheckpointStore, weights_store
+from storage.records import (
+    RewardCell,
+    RolloutCompletion,
+    RolloutGroup,
+    TaggedMessage,
+    ToolCallRecord,
+    TurnRecord,
+    validate_run_id,
+)
+from storage.rollouts import RolloutStore
+from storage.sql import query
+
+pytestmark = pytest.mark.unit
+
+
+def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
+    comps = []
+    for i in range(n):
+        comps.append(
+            RolloutCompletion(
+                sample_index=i,
+                completion=f"<tool_call>x</tool_call> héllo {i}",
+                completion_ids=[5, 6, 7, i],
+                completion_mask=[1, 1, 0, 1],
+                logprobs=[-0.5, -1.25, 0.0, -2.0],
+                messages=[TaggedMessage("assistant", "call", True), TaggedMessage("tool", "42", False)],
+                turns=[TurnRecord(10, 2, 0.25, "stop"), TurnRecord(13, 1, 0.5, "length")],
+                tool_calls=[ToolCallRecord(0, "calc", '{"e": "6*7"}', "42", False, None, 0.01),
+                            ToolCallRecord(1, "calc", "{bad", "Error: x", True, "malformed", 0.0)],  # fmt: skip
+                truncated=i == 1,
+                truncation_reason="max_tokens" if i == 1 else None,
+                finish_reason="length" if i == 1 else "stop",
+                policy_version=3,
+                policy_version_end=4,
+                gen_seconds=0.75,
+                reward=None if i == 1 else 1.5,
+                reward_valid=i == 0,
+                invalid_reason="acc: failed: boom" if i == 1 else None,
+                reward_cells=[RewardCell("acc", 1.5 if i == 0 else None, "valid" if i == 0 else "failed",
+                                         "" if i == 0 else "boom", 1.0, 0.125)],  # fmt: skip
+                advantage=0.5 if i == 0 else 0.0,
+                trained=i == 0,
+                drop_reason=None if i == 0 else "reward invalid",
+            )
+        )
+    return RolloutGroup(gid, 3, "<prompt>", [1, 2, 3], comps, split="train", policy_version=3)
+
+
+def test_records_round_trip_unchanged(tmp_path):
+    store = RolloutStore(tmp_path)
+    g = rich_group()
+    store.write_rollouts("run1", 0, [g])
+    store.write_rewards("run1", 0, [g])
+    (back,) = store.read_groups("run1")
+    g.row = {}  # dataset columns live in the dataset, not the rollouts table
+    assert back == g
+
+
+def test_rewriting_a_step_replaces_its_file(tmp_path):
+    store = RolloutStore(tmp_path)
+    store.write_rollouts("r", 2, [rich_group("a")])
+    store.write_rollouts("r", 2, [rich_group("b")])
+    _, rows = query(tmp_path, "SELECT group_id, count(*) FROM rollouts GROUP BY ALL")
+    assert rows == [("b", 2)]
+    assert store.steps_written("rollouts", "r") == [2]
+
+
+def test_an_interrupted_write_leaves_no_visible_file(tmp_path, monkeypatch):
+    store = RolloutStore(tmp_path)
+    store.write_rollouts("r", 0, [rich_group()])
+
+    def half_then_die(table, where, **kw):
+        with open(where, "wb") as f:
+            f.write(b"PAR1 partial bytes")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(pq, "write_table", half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_rollouts("r", 1, [rich_group()])
+    monkeypatch.undo()
+    assert store.steps_written("rollouts", "r") == [0]
+    assert not list((tmp_path / "rollouts" / "run_id=r").glob(".*"))  # temp file cleaned up
+    _, rows = query(tmp_path, "SELECT count(*) FROM rollouts")
+    assert rows == [(2,)]
+
+
+def test_steps_table_columns_union_across_runs(tmp_path):
+    store = RolloutStore(tmp_path)
+    store.write_step("a", 0, {"loss": 1.0, "flag": True, "note": "text is not a metric", "nan": float("nan")})
+    store.write_step("b", 0, {"loss": 2.0, "extra": 3})
+    _, rows = query(tmp_path, "SELECT run_id, loss, flag, extra, nan FROM steps ORDER BY run_id")
+    assert rows == [("a", 1.0, 1.0, None, None), ("b", 2.0, None, 3.0, None)]
+
+
+def test_delete_steps_after_for_resume(tmp_path):
+    store = RolloutStore(tmp_path)
+    for s in range(4):
+        store.write_rollouts("r", s, [rich_group()])
+        store.write_step("r", s, {"loss": s})
+    store.delete_steps_after("r", 1)
+    assert store.steps_written("rollouts", "r") == [0, 1] and store.steps_written("steps", "r") == [0, 1]
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "a..b", "x" * 200, "run id"])
+def test_unsafe_run_ids_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="invalid run id"):
+        validate_run_id(bad)
+    with pytest.raises(ValueError):
+        RolloutStore(tmp_path).write_step(bad, 0, {})
+    assert not any(tmp_path.iterdir()) or not (tmp_path.parent / "x").exists()
+
+
+def test_run_metadata_is_atomic_json(tmp_path):
+    store = RolloutStore(tmp_path)
+    store.write_run_meta("r", {"status": "running"})
+    assert store.read_run_meta("r") == {"status": "running"} and store.read_run_meta("other") is None
+    assert store.runs() == ["r"]
+
+
+def test_checkpoints_latest_retention_and_interrupted_save(tmp_path):
+    ck = CheckpointStore(tmp_path)
+    for step in (1, 3, 5):
+        ck.save("r", step, lambda d, s=step: (d / "w.bin").write_text(str(s)), {"policy_version": step}, keep_last=2)
+    assert ck.list("r") == [3, 5]
+    latest = ck.latest("r")
+    assert latest.name == "step-000005" and (latest / "w.bin").read_text() == "5"
+    assert CheckpointStore.load_state(latest) == {"policy_version": 5, "step": 5}
+
+    def dies(d):
+        (d / "w.bin").write_text("partial")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        ck.save("r", 7, dies, {"policy_version": 7})
+    assert ck.latest("r") == latest  # the previous checkpoint is still the latest, and intact
+    # a temp dir left by a SIGKILLed writer is ignored and swept by the next save
+    (tmp_path / "checkpoints" / "r" / ".step-000009.tmp-dead").mkdir()
+    assert ck.latest("r") == latest
+    ck.save("r", 9, lambda d: None, {})
+    assert not [p for p in (tmp_path / "checkpoints" / "r").iterdir() if p.name.startswith(".")]
+
+
+def test_weight_versions_keep_last(tmp_path):
+    w = weights_store(tmp_path)
+    for v in range(4):
+        w.save("r", v, lambda d: (d / "model.safetensors").write_bytes(b"x"), {"version": v}, keep_last=2)
+    assert w.list("r") == [2, 3] and w.latest("r").name == "v000003"
