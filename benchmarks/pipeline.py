@@ -9,6 +9,12 @@ and Prefect's overhead per step. One vLLM server is started and shared by both m
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import json
 import statistics
@@ -36,14 +42,27 @@ def main() -> None:
     base = load_config(args.config, [f"storage.root={root}", *args.set])
     model = prepare_model(base)
     results = []
-    with embedded_server(str(model), max_model_len=base.inference.max_model_len,
-                         kv_cache_gb=base.inference.kv_cache_gb, log_path=root / "vllm.log") as server:  # fmt: skip
+    with embedded_server(
+        str(model),
+        max_model_len=base.inference.max_model_len,
+        kv_cache_gb=base.inference.kv_cache_gb,
+        log_path=root / "vllm.log",
+    ) as server:
         for k in args.staleness:
             run_id = f"bench-s{k}"
-            cfg = load_config(args.config, [f"storage.root={root}", f"model.path={model}", *args.set,
-                                            f"inference.url={server.url}", f"run.steps={args.steps}",
-                                            f"algorithm.max_staleness={k}", f"run.run_id={run_id}",
-                                            f"run.checkpoint_every={args.steps}"])  # fmt: skip
+            cfg = load_config(
+                args.config,
+                [
+                    f"storage.root={root}",
+                    f"model.path={model}",
+                    *args.set,
+                    f"inference.url={server.url}",
+                    f"run.steps={args.steps}",
+                    f"algorithm.max_staleness={k}",
+                    f"run.run_id={run_id}",
+                    f"run.checkpoint_every={args.steps}",
+                ],
+            )
             grpo_train(config=cfg)
             cols, rows = query(root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
             steps = [dict(zip(cols, r, strict=True)) for r in rows][1:]  # step 0 includes warm-up

@@ -39,7 +39,9 @@ _WORDS = ["apple", "river", "stone", "cloud", "garden", "window", "forest", "can
 def letters_rows(n: int = 64, seed: int = 0) -> list[dict]:
     """Prompts for the tiny-letters demo (the reward looks only at the completion)."""
     rng = random.Random(seed)
-    return [{"prompt": f"Write a word like {rng.choice(_WORDS)} with many letters a.", "id": i} for i in range(n)]
+    return [
+        {"prompt": f"Write a word like {rng.choice(_WORDS)} with many letters a.", "id": i} for i in range(n)
+    ]
 
 
 def arith_rows(n: int = 256, seed: int = 0) -> list[dict]:

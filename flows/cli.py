@@ -27,8 +27,10 @@ def cmd_train(args) -> int:
     from flows.train import grpo_train
 
     summary = grpo_train(config=cfg, resume=args.resume)
-    print(f"run {summary['run_id']}: {summary['steps_trained']} steps, reward "
-          f"{summary['first_reward']} -> {summary['last_reward']}; store {summary['store']}")  # fmt: skip
+    print(
+        f"run {summary['run_id']}: {summary['steps_trained']} steps, reward "
+        f"{summary['first_reward']} -> {summary['last_reward']}; store {summary['store']}"
+    )
     return 0
 
 

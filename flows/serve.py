@@ -61,7 +61,9 @@ def _tail(path: Path, n: int = 40) -> str:
 class ServerHandle:
     """A vLLM server process: start, health-wait, restart, stop (process group)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout_s: float):
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout_s: float
+    ):
         self.cmd, self.env, self.url, self.log_path = cmd, env, url, log_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -69,11 +71,11 @@ class ServerHandle:
 
     def start(self) -> ServerHandle:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         # A new session: stop() can signal the API server and its engine/worker children together.
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.wait_healthy()
         return self
 
@@ -153,15 +155,28 @@ def server_command(
             "(or --api-key); the default 127.0.0.1 needs none"
         )
     port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
-    cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(model_dir), "--served-model-name", served_model_name,
-           "--host", host, "--port", str(port),
-           # Processed logprobs = after temperature/top-p, the distribution tokens were sampled from,
-           # which is what the learner's importance ratio must compare against.
-           "--logprobs-mode", "processed_logprobs",
-           # Ignore the model's generation_config.json: sampling params come from our requests only.
-           "--generation-config", "vllm",
-           "--dtype", "float32" if _cpu_only() else "auto"]  # fmt: skip
+    cmd = [
+        python or vllm_python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        # Processed logprobs = after temperature/top-p, the distribution tokens were sampled from,
+        # which is what the learner's importance ratio must compare against.
+        "--logprobs-mode",
+        "processed_logprobs",
+        # Ignore the model's generation_config.json: sampling params come from our requests only.
+        "--generation-config",
+        "vllm",
+        "--dtype",
+        "float32" if _cpu_only() else "auto",
+    ]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if _cpu_only():
@@ -183,8 +198,9 @@ def _cpu_only() -> bool:
     return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def start_server(model_dir: str | Path, *, log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
-                 **kwargs) -> ServerHandle:  # fmt: skip
+def start_server(
+    model_dir: str | Path, *, log_path: str | Path | None = None, startup_timeout_s: float = 600.0, **kwargs
+) -> ServerHandle:
     """Start a server and wait for /health; raises ServerStartError with the log tail on failure."""
     cmd, env, url = server_command(model_dir, **kwargs)
     log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
@@ -215,8 +231,14 @@ def policy_server(
 ) -> dict:
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff)."""
     log = get_run_logger()
-    handle = start_server(model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len,
-                          log_path=Path(model_dir).parent / f"vllm-{port}.log")  # fmt: skip
+    handle = start_server(
+        model_dir,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_model_len=max_model_len,
+        log_path=Path(model_dir).parent / f"vllm-{port}.log",
+    )
     log.info("vLLM server up at %s", handle.url)
     started = time.monotonic()
     try:
@@ -225,8 +247,10 @@ def policy_server(
             if handle.alive() and handle.healthy():
                 continue
             if handle.restarts >= max_restarts:
-                raise RuntimeError(f"vLLM server died {handle.restarts + 1} times; giving up. Log tail:\n"
-                                   f"{_tail(handle.log_path)}")  # fmt: skip
+                raise RuntimeError(
+                    f"vLLM server died {handle.restarts + 1} times; giving up. Log tail:\n"
+                    f"{_tail(handle.log_path)}"
+                )
             log.warning("vLLM server down; restart %d/%d", handle.restarts + 1, max_restarts)
             time.sleep(min(30.0, 2.0**handle.restarts))
             handle.restart()

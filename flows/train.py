@@ -105,11 +105,23 @@ def rollout_kwargs(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: Ver
             max_rollout_tokens=g.max_rollout_tokens,
             max_in_flight=g.max_in_flight,
         ),
-        tools=dict(tool_paths=t.tools, environment_path=t.environment, env_slots=t.env_slots,
-                   deepcopy_env=t.deepcopy_env, tool_timeout_s=t.tool_timeout_s),  # fmt: skip
+        tools=dict(
+            tool_paths=t.tools,
+            environment_path=t.environment,
+            env_slots=t.env_slots,
+            deepcopy_env=t.deepcopy_env,
+            tool_timeout_s=t.tool_timeout_s,
+        ),
         reward_specs=[
-            RewardSpec(name=r.name, fn=r.fn, weight=r.weight, timeout_s=r.timeout_s, executor=r.executor,
-                       required=r.required, kwargs=r.kwargs)  # fmt: skip
+            RewardSpec(
+                name=r.name,
+                fn=r.fn,
+                weight=r.weight,
+                timeout_s=r.timeout_s,
+                executor=r.executor,
+                required=r.required,
+                kwargs=r.kwargs,
+            )
             for r in cfg.rewards
         ],
         versions=quote(versions),
@@ -119,8 +131,12 @@ def rollout_kwargs(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: Ver
 
 def client_kwargs(cfg: GRPOConfig) -> dict[str, Any]:
     i = cfg.inference
-    return dict(api_key=i.api_key, retries=i.retries, request_timeout_s=i.request_timeout_s,
-                max_in_flight=cfg.generation.max_in_flight)  # fmt: skip
+    return dict(
+        api_key=i.api_key,
+        retries=i.retries,
+        request_timeout_s=i.request_timeout_s,
+        max_in_flight=cfg.generation.max_in_flight,
+    )
 
 
 @flow(name="grpo-train", log_prints=True)
@@ -149,8 +165,13 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     versions = VersionBox(run.policy_version)
     with inference_server(cfg, run) as url:
         learner = build_learner(cfg, run)
-        push_kw = dict(url=url, root=root, run_id=run.run_id, keep_last=cfg.sync.keep_last,
-                       client_kwargs=client_kwargs(cfg))  # fmt: skip
+        push_kw = dict(
+            url=url,
+            root=root,
+            run_id=run.run_id,
+            keep_last=cfg.sync.keep_last,
+            client_kwargs=client_kwargs(cfg),
+        )
         if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
             push_weights(quote(learner), version=versions.get(), **push_kw)
         roll_kw = rollout_kwargs(cfg, url, run.base_model, versions)
@@ -159,17 +180,27 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         for step in range(run.start_step, steps):
             t_step = time.perf_counter()
             while next_gen < steps and next_gen <= step + a.max_staleness:
-                batch_rows, cursor = rows_for_step(rows, next_gen, cfg.data.prompts_per_step,
-                                                   seed=cfg.run.seed, shuffle=cfg.data.shuffle)  # fmt: skip
-                ahead.append((time.perf_counter(), rollout_batch.submit(next_gen, batch_rows, cursor, **roll_kw)))
+                batch_rows, cursor = rows_for_step(
+                    rows, next_gen, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
+                )
+                ahead.append(
+                    (time.perf_counter(), rollout_batch.submit(next_gen, batch_rows, cursor, **roll_kw))
+                )
                 next_gen += 1
             t_submit, future = ahead.popleft()
             t_wait = time.perf_counter()
             batch = future.result()
             t_got = time.perf_counter()
             m = dict(batch.metrics)
-            m.update(assign_advantages(batch.groups, step=step, max_staleness=a.max_staleness,
-                                       scale=a.scale, filter_zero_std=a.filter_zero_std))  # fmt: skip
+            m.update(
+                assign_advantages(
+                    batch.groups,
+                    step=step,
+                    max_staleness=a.max_staleness,
+                    scale=a.scale,
+                    filter_zero_std=a.filter_zero_std,
+                )
+            )
             writer = persist_step.submit(root, run.run_id, step, quote(batch.groups), versions.get())
             t0 = time.perf_counter()
             m.update(train_on_batch(quote(learner), quote(batch.groups)))
@@ -183,10 +214,20 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])
             m["write_seconds"] = writer.result()
             if (step + 1) % cfg.run.checkpoint_every == 0 or step == steps - 1:
-                state = {"step": step, "policy_version": versions.get(), "data_cursor": (step + 1)
-                         * cfg.data.prompts_per_step, "run_id": run.run_id}  # fmt: skip
-                m["checkpoint_seconds"] = save_checkpoint(quote(learner), root=root, run_id=run.run_id,
-                                                          step=step, state=state, keep=cfg.run.keep_checkpoints)  # fmt: skip
+                state = {
+                    "step": step,
+                    "policy_version": versions.get(),
+                    "data_cursor": (step + 1) * cfg.data.prompts_per_step,
+                    "run_id": run.run_id,
+                }
+                m["checkpoint_seconds"] = save_checkpoint(
+                    quote(learner),
+                    root=root,
+                    run_id=run.run_id,
+                    step=step,
+                    state=state,
+                    keep=cfg.run.keep_checkpoints,
+                )
             # Dispatch latency of the rollout task and result hand-off are Prefect's, not ours.
             overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
             m.update(step_timing(t_step, t_wait, t_got, overhead))

@@ -48,7 +48,11 @@ class VersionedDirs:
         out = []
         for p in d.iterdir():
             name = p.name
-            if name.startswith(self.prefix) and name[len(self.prefix) :].isdigit() and (p / self.marker).is_file():
+            if (
+                name.startswith(self.prefix)
+                and name[len(self.prefix) :].isdigit()
+                and (p / self.marker).is_file()
+            ):
                 out.append(int(name[len(self.prefix) :]))
         return sorted(out)
 

@@ -153,7 +153,9 @@ class RolloutStore:
                 rows.extend(pq.read_table(p).to_pylist())
         return rows
 
-    def read_groups(self, run_id: str, step: int | None = None, split: str | None = None) -> list[RolloutGroup]:
+    def read_groups(
+        self, run_id: str, step: int | None = None, split: str | None = None
+    ) -> list[RolloutGroup]:
         rollouts = self._read("rollouts", run_id, step)
         rewards = self._read("rewards", run_id, step)
         if split is not None:

@@ -151,7 +151,9 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     for run_id in store.runs():
         meta = store.read_run_meta(run_id) or {}
         _, steps, last_step, completions = by_run.get(run_id, (run_id, 0, None, 0))
-        out.append((run_id, meta.get("status", "unknown"), steps, last_step, completions, last_reward.get(run_id)))
+        out.append(
+            (run_id, meta.get("status", "unknown"), steps, last_step, completions, last_reward.get(run_id))
+        )
     return ["run_id", "status", "steps", "last_step", "completions", "last_reward"], out
 
 

@@ -22,9 +22,18 @@ from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_t
 
 
 class CompletionBackend(Protocol):
-    async def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,
-                       top_p: float = 1.0, seed: int | None = None, n: int = 1, stop=None,
-                       stop_token_ids=None) -> list: ...  # fmt: skip
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        n: int = 1,
+        stop=None,
+        stop_token_ids=None,
+    ) -> list: ...
 
     async def max_model_len(self) -> int: ...
 
@@ -41,8 +50,9 @@ def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
 
 
 def render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=generation_prompt,
-                                         tokenize=False)  # fmt: skip
+    return tokenizer.apply_chat_template(
+        messages, tools=schemas or None, add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def _seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
@@ -71,8 +81,24 @@ class EnvPool:
 class Rollout:
     """Shared settings of one generate_groups call."""
 
-    def __init__(self, backend, tokenizer, *, max_tokens, temperature, top_p, seed, max_turns,
-                 max_rollout_tokens, tools, parser, tool_timeout_s, env_pool, deepcopy_env, version_fn):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        tokenizer,
+        *,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        max_turns,
+        max_rollout_tokens,
+        tools,
+        parser,
+        tool_timeout_s,
+        env_pool,
+        deepcopy_env,
+        version_fn,
+    ):
         self.backend, self.tok = backend, tokenizer
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
         self.max_turns = max_turns
@@ -91,34 +117,61 @@ class Rollout:
     def glue_ids(self, history: list[dict], assistant_text: str, ended_with_eos: bool, tool_msgs, schemas):
         """Template tokens between the model's output and the next generation: closing of the
         assistant turn (minus the EOS the model already produced), tool messages, generation prompt."""
-        with_asst = render(self.tok, history + [{"role": "assistant", "content": assistant_text}], schemas, False)
-        full = render(self.tok, history + [{"role": "assistant", "content": assistant_text}] + tool_msgs, schemas,
-                      True)  # fmt: skip
-        closing = with_asst[with_asst.rindex(assistant_text) + len(assistant_text):] if assistant_text else ""
+        with_asst = render(
+            self.tok, history + [{"role": "assistant", "content": assistant_text}], schemas, False
+        )
+        full = render(
+            self.tok, history + [{"role": "assistant", "content": assistant_text}] + tool_msgs, schemas, True
+        )
+        closing = (
+            with_asst[with_asst.rindex(assistant_text) + len(assistant_text) :] if assistant_text else ""
+        )
         if ended_with_eos and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text):]
-        glue = closing + full[len(with_asst):]
+            closing = closing[len(self.eos_text) :]
+        glue = closing + full[len(with_asst) :]
         return self.tok.encode(glue, add_special_tokens=False)
 
 
-async def _single_turn_group(r: Rollout, row: dict, index: int, prompt_ids: list[int], g: int) -> list[RolloutCompletion]:
+async def _single_turn_group(
+    r: Rollout, row: dict, index: int, prompt_ids: list[int], g: int
+) -> list[RolloutCompletion]:
     t0 = time.perf_counter()
     v0 = r.version_fn()
     limit = min(r.max_tokens, r.budget, r.max_len - len(prompt_ids))
-    choices = await r.backend.complete(prompt_ids, max_tokens=limit, n=g, seed=_seed(r.seed, index, 0, 0),
-                                       **r.sample_kwargs())  # fmt: skip
+    choices = await r.backend.complete(
+        prompt_ids, max_tokens=limit, n=g, seed=_seed(r.seed, index, 0, 0), **r.sample_kwargs()
+    )
     v1, dt = r.version_fn(), time.perf_counter() - t0
     out = []
     for i, ch in enumerate(choices):
         text = r.decode(ch.token_ids)
         truncated = ch.finish_reason == "length"
-        out.append(RolloutCompletion(
-            sample_index=i, completion=text, completion_ids=list(ch.token_ids), completion_mask=[1] * len(ch.token_ids),
-            logprobs=list(ch.logprobs), messages=[TaggedMessage("assistant", _strip(text, r.eos_text), True)],
-            turns=[TurnRecord(len(prompt_ids), len(ch.token_ids), dt, ch.finish_reason, list(ch.token_ids), list(ch.logprobs))],
-            truncated=truncated, truncation_reason="max_tokens" if truncated else None, finish_reason=ch.finish_reason,
-            policy_version=v0, policy_version_end=v1, gen_seconds=dt,
-        ))  # fmt: skip
+        out.append(
+            RolloutCompletion(
+                sample_index=i,
+                completion=text,
+                completion_ids=list(ch.token_ids),
+                completion_mask=[1] * len(ch.token_ids),
+                logprobs=list(ch.logprobs),
+                messages=[TaggedMessage("assistant", _strip(text, r.eos_text), True)],
+                turns=[
+                    TurnRecord(
+                        len(prompt_ids),
+                        len(ch.token_ids),
+                        dt,
+                        ch.finish_reason,
+                        list(ch.token_ids),
+                        list(ch.logprobs),
+                    )
+                ],
+                truncated=truncated,
+                truncation_reason="max_tokens" if truncated else None,
+                finish_reason=ch.finish_reason,
+                policy_version=v0,
+                policy_version_end=v1,
+                gen_seconds=dt,
+            )
+        )
     return out
 
 
@@ -155,7 +208,9 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
     prompt_ids = r.tok.encode(render(r.tok, history, schemas, True), add_special_tokens=False)
     box = ToolBox(tools, r.tool_timeout_s)
     ids, mask, lps, msgs, turns, calls = list(prompt_ids), [], [], [], [], []
-    c = RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[])
+    c = RolloutCompletion(
+        sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[]
+    )
     t_start, c.policy_version = time.perf_counter(), r.version_fn()
     for turn in range(r.max_turns):
         limit = min(r.max_tokens, r.budget - len(mask), r.max_len - len(ids))
@@ -163,10 +218,19 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
             c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
             break
         t0 = time.perf_counter()
-        (ch,) = await r.backend.complete(ids, max_tokens=limit, n=1, seed=_seed(r.seed, index, sample, turn),
-                                         **r.sample_kwargs())  # fmt: skip
-        turns.append(TurnRecord(len(ids), len(ch.token_ids), time.perf_counter() - t0, ch.finish_reason,
-                                list(ch.token_ids), list(ch.logprobs)))  # fmt: skip
+        (ch,) = await r.backend.complete(
+            ids, max_tokens=limit, n=1, seed=_seed(r.seed, index, sample, turn), **r.sample_kwargs()
+        )
+        turns.append(
+            TurnRecord(
+                len(ids),
+                len(ch.token_ids),
+                time.perf_counter() - t0,
+                ch.finish_reason,
+                list(ch.token_ids),
+                list(ch.logprobs),
+            )
+        )
         ids += ch.token_ids
         mask += [1] * len(ch.token_ids)
         lps += list(ch.logprobs)
@@ -192,7 +256,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
         ids += glue
         mask += [0] * len(glue)
         lps += [0.0] * len(glue)
-    c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids):], mask, lps
+    c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids) :], mask, lps
     c.completion = r.decode(c.completion_ids)
     c.messages, c.turns, c.tool_calls = msgs, turns, calls
     c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
@@ -227,10 +291,22 @@ async def generate_groups(
         raise ValueError(f"{len(rows)} rows but {len(prompt_indices)} prompt indices")
     messages = [prompt_messages(row, i) for row, i in zip(rows, prompt_indices, strict=True)]
     pool = EnvPool(environment_factory, env_slots or max_in_flight) if environment_factory else None
-    r = Rollout(backend, tokenizer, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                max_turns=max_turns, max_rollout_tokens=max_rollout_tokens, tools=tools,
-                parser=tool_parser or HermesToolParser(), tool_timeout_s=tool_timeout_s, env_pool=pool,
-                deepcopy_env=deepcopy_env, version_fn=version_fn)  # fmt: skip
+    r = Rollout(
+        backend,
+        tokenizer,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        max_turns=max_turns,
+        max_rollout_tokens=max_rollout_tokens,
+        tools=tools,
+        parser=tool_parser or HermesToolParser(),
+        tool_timeout_s=tool_timeout_s,
+        env_pool=pool,
+        deepcopy_env=deepcopy_env,
+        version_fn=version_fn,
+    )
     r.max_len = await backend.max_model_len()
     gate = asyncio.Semaphore(max_in_flight)
     simple = not tools and environment_factory is None and max_turns == 1
@@ -247,21 +323,42 @@ async def generate_groups(
             else:
                 comps = await bounded(_single_turn_group(r, row, index, prompt_ids, group_size))
         else:
-            pairs = await asyncio.gather(*(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size)))
+            pairs = await asyncio.gather(
+                *(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size))
+            )
             comps = [c for c, _ in pairs]
             prompt_ids = pairs[0][1]  # the same for every sample (environment reset notes included)
-        return RolloutGroup(group_id=f"{split}-{index:08d}", prompt_index=index, prompt=tokenizer.decode(prompt_ids),
-                            prompt_ids=prompt_ids, completions=list(comps), row=row, split=split,
-                            policy_version=min(c.policy_version for c in comps))  # fmt: skip
+        return RolloutGroup(
+            group_id=f"{split}-{index:08d}",
+            prompt_index=index,
+            prompt=tokenizer.decode(prompt_ids),
+            prompt_ids=prompt_ids,
+            completions=list(comps),
+            row=row,
+            split=split,
+            policy_version=min(c.policy_version for c in comps),
+        )
 
-    return list(await asyncio.gather(*(one_group(row, i, m) for row, i, m in zip(rows, prompt_indices, messages,
-                                                                                strict=True))))  # fmt: skip
+    return list(
+        await asyncio.gather(
+            *(one_group(row, i, m) for row, i, m in zip(rows, prompt_indices, messages, strict=True))
+        )
+    )
 
 
 def _too_long(sample: int, version: int) -> RolloutCompletion:
-    return RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[],
-                             truncated=True, truncation_reason="prompt_too_long", finish_reason="length",
-                             policy_version=version, policy_version_end=version)  # fmt: skip
+    return RolloutCompletion(
+        sample_index=sample,
+        completion="",
+        completion_ids=[],
+        completion_mask=[],
+        logprobs=[],
+        truncated=True,
+        truncation_reason="prompt_too_long",
+        finish_reason="length",
+        policy_version=version,
+        policy_version_end=version,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -272,14 +369,22 @@ def load_tokenizer(path: str):
 
 
 @task(name="generate-rollouts", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def generate_rollouts(url: str, tokenizer_path: str, rows: list[dict[str, Any]], prompt_indices: list[int],
-                      *, api_key: str | None = None, **gen_kwargs: Any) -> list[RolloutGroup]:  # fmt: skip
+def generate_rollouts(
+    url: str,
+    tokenizer_path: str,
+    rows: list[dict[str, Any]],
+    prompt_indices: list[int],
+    *,
+    api_key: str | None = None,
+    **gen_kwargs: Any,
+) -> list[RolloutGroup]:
     """Prefect task: generate groups on the vLLM server at `url` (flat arguments only)."""
     from tasks.inference import VLLMClient
 
     async def go() -> list[RolloutGroup]:
         async with VLLMClient(url, api_key=api_key) as client:
-            return await generate_groups(rows, prompt_indices, backend=client,
-                                         tokenizer=load_tokenizer(tokenizer_path), **gen_kwargs)  # fmt: skip
+            return await generate_groups(
+                rows, prompt_indices, backend=client, tokenizer=load_tokenizer(tokenizer_path), **gen_kwargs
+            )
 
     return asyncio.run(go())

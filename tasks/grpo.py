@@ -36,7 +36,10 @@ def group_advantages(
     with fewer than 2 valid completions trains nothing. `group`: (r - mean_g) / (std_g + eps);
     `batch`: (r - mean_g) / (std over all valid rewards of the batch + eps); `none`: r - mean_g.
     """
-    groups_valid = [[r for r, v in zip(rs, vs, strict=True) if v and r is not None] for rs, vs in zip(rewards, valid, strict=True)]
+    groups_valid = [
+        [r for r, v in zip(rs, vs, strict=True) if v and r is not None]
+        for rs, vs in zip(rewards, valid, strict=True)
+    ]
     all_valid = [r for g in groups_valid for r in g]
     batch_std = _std(all_valid) if len(all_valid) > 1 else 0.0
     advs, masks = [], []

@@ -126,9 +126,12 @@ class VLLMClient:
                 # Only generation is bounded: a control call (pause/resume) must never queue behind
                 # generation requests that are themselves held by a pause.
                 gate = self._sem if limited and self._sem is not None else _NO_GATE
-                async with gate, session.request(
-                    method, url, json=json_body, params=params, timeout=timeout or self.control_timeout
-                ) as resp:
+                async with (
+                    gate,
+                    session.request(
+                        method, url, json=json_body, params=params, timeout=timeout or self.control_timeout
+                    ) as resp,
+                ):
                     text = await resp.text()
                     if resp.status < 400:
                         if not text:
@@ -143,7 +146,9 @@ class VLLMClient:
             if attempt + 1 < attempts:
                 delay = min(self.backoff_max_s, self.backoff_s * 2**attempt)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))  # jitter: no thundering herd
-        raise InferenceUnavailableError(f"{method} {url} failed after {attempts} attempts; last error: {last}")
+        raise InferenceUnavailableError(
+            f"{method} {url} failed after {attempts} attempts; last error: {last}"
+        )
 
     # -- API ----------------------------------------------------------------------------------
 

@@ -115,7 +115,9 @@ def _cells_from_values(spec: RewardSpec, values: Any, n: int, seconds: float) ->
     return out
 
 
-async def _run_one(spec: RewardSpec, inputs: dict[str, list[Any]], pools: dict[str, cf.Executor]) -> list[RewardCell]:
+async def _run_one(
+    spec: RewardSpec, inputs: dict[str, list[Any]], pools: dict[str, cf.Executor]
+) -> list[RewardCell]:
     n = len(inputs["completions"])
     kwargs = {**inputs, **spec.kwargs}
     t0 = time.perf_counter()
@@ -159,13 +161,21 @@ def _apply(groups: list[RolloutGroup], specs: list[RewardSpec], per_fn: list[lis
         for c in g.completions:
             cells = [col[i] for col in per_fn]
             c.reward_cells = [RewardCell(**vars(x)) for x in cells]  # per-completion copies
-            bad = [f"{x.name}: {x.status}: {x.reason}" for x, s in zip(cells, specs, strict=True)
-                   if s.required and x.status != "valid"]  # fmt: skip
+            bad = [
+                f"{x.name}: {x.status}: {x.reason}"
+                for x, s in zip(cells, specs, strict=True)
+                if s.required and x.status != "valid"
+            ]
             c.reward_valid = not bad
-            notes = [f"{x.name} (optional): {x.status}: {x.reason}" for x, s in zip(cells, specs, strict=True)
-                     if not s.required and x.status != "valid"]  # fmt: skip
+            notes = [
+                f"{x.name} (optional): {x.status}: {x.reason}"
+                for x, s in zip(cells, specs, strict=True)
+                if not s.required and x.status != "valid"
+            ]
             c.invalid_reason = "; ".join(bad + notes) or None
-            c.reward = sum(x.weight * x.value for x in cells if x.status == "valid") if c.reward_valid else None
+            c.reward = (
+                sum(x.weight * x.value for x in cells if x.status == "valid") if c.reward_valid else None
+            )
             i += 1
 
 

@@ -73,8 +73,19 @@ def _tool_kwargs(tool_paths: list[str], environment_path: str | None, **rest) ->
     )
 
 
-async def _rollout_async(step: int, rows, prompt_indices, *, url, tokenizer_path, gen, reward_specs, tools,
-                         versions: VersionBox, client_kwargs) -> RolloutBatch:  # fmt: skip
+async def _rollout_async(
+    step: int,
+    rows,
+    prompt_indices,
+    *,
+    url,
+    tokenizer_path,
+    gen,
+    reward_specs,
+    tools,
+    versions: VersionBox,
+    client_kwargs,
+) -> RolloutBatch:
     from tasks.generate import generate_groups
     from tasks.inference import VLLMClient
     from tasks.score import score_groups_async
@@ -82,9 +93,14 @@ async def _rollout_async(step: int, rows, prompt_indices, *, url, tokenizer_path
     t0 = time.perf_counter()
     async with VLLMClient(url, **client_kwargs) as client:
         groups = await generate_groups(
-            rows, prompt_indices, backend=client, tokenizer=_tokenizer(tokenizer_path),
-            version_fn=versions.get, **gen, **_tool_kwargs(**tools),
-        )  # fmt: skip
+            rows,
+            prompt_indices,
+            backend=client,
+            tokenizer=_tokenizer(tokenizer_path),
+            version_fn=versions.get,
+            **gen,
+            **_tool_kwargs(**tools),
+        )
     t1 = time.perf_counter()
     metrics = await score_groups_async(groups, reward_specs)
     t2 = time.perf_counter()
@@ -167,13 +183,30 @@ def train_fn(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     return learner.train_step(samples_from_groups(groups))
 
 
-def push_fn(learner, *, url: str, root: str, run_id: str, version: int, keep_last: int, client_kwargs,
-            versions: VersionBox | None = None) -> dict:  # fmt: skip
+def push_fn(
+    learner,
+    *,
+    url: str,
+    root: str,
+    run_id: str,
+    version: int,
+    keep_last: int,
+    client_kwargs,
+    versions: VersionBox | None = None,
+) -> dict:
     """Push the learner's weights as `version`; `versions` flips to it between reload and resume."""
     from tasks.sync import push_weights_sync
 
-    return push_weights_sync(learner.model, version, url=url, root=root, run_id=run_id, keep_last=keep_last,
-                             on_reloaded=versions.set if versions is not None else None, **client_kwargs)  # fmt: skip
+    return push_weights_sync(
+        learner.model,
+        version,
+        url=url,
+        root=root,
+        run_id=run_id,
+        keep_last=keep_last,
+        on_reloaded=versions.set if versions is not None else None,
+        **client_kwargs,
+    )
 
 
 def checkpoint_fn(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:

@@ -76,8 +76,17 @@ class CheckpointWeightPush:
         }
 
 
-def push_weights_sync(model: Any, version: int, *, url: str, root: str | Path, run_id: str, keep_last: int = 2,
-                      on_reloaded: Callable[[int], None] | None = None, **client_kwargs) -> dict[str, float]:  # fmt: skip
+def push_weights_sync(
+    model: Any,
+    version: int,
+    *,
+    url: str,
+    root: str | Path,
+    run_id: str,
+    keep_last: int = 2,
+    on_reloaded: Callable[[int], None] | None = None,
+    **client_kwargs,
+) -> dict[str, float]:
     """Blocking push for a training thread (runs its own event loop and client)."""
 
     async def go() -> dict[str, float]:

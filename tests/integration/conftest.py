@@ -18,7 +18,9 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     from flows.serve import start_server
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    handle = start_server(tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600)
+    handle = start_server(
+        tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600
+    )
     handle.model_dir = tiny_model_dir
     try:
         yield handle

@@ -29,7 +29,9 @@ def tok(tiny_model_dir):
 
 
 def prompt(tok, text="hello there"):
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tok.encode(rendered, add_special_tokens=False)
 
 
@@ -65,7 +67,9 @@ async def test_weight_push_while_a_request_is_in_flight(vllm_server, tiny_model_
     version = {"v": 0}
     try:
         async with VLLMClient(vllm_server.url) as gen, VLLMClient(vllm_server.url) as ctl:
-            pusher = CheckpointWeightPush(ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v))
+            pusher = CheckpointWeightPush(
+                ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v)
+            )
             # A long request (temperature 1, EOS possible but 900 tokens allowed) runs across the push.
             v_start = version["v"]
             long = asyncio.create_task(gen.complete(ids, max_tokens=900, temperature=1.0, seed=3))

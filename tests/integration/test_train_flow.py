@@ -48,8 +48,10 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert summary["steps_trained"] == steps
     for table in ("rollouts", "rewards", "steps"):
         assert step_files(tmp_path, table, "up") == list(range(steps)), table
-    _, rows = query(tmp_path, "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts "
-                    "GROUP BY step ORDER BY step")  # fmt: skip
+    _, rows = query(
+        tmp_path,
+        "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts GROUP BY step ORDER BY step",
+    )
     curve = [r[1] or 0.0 for r in rows]
     first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
     assert last > 0.3 and last > 3 * first, curve
@@ -79,18 +81,29 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     run = RunState("plain", 0, 0, str(tiny_model_dir), str(tiny_model_dir), None, False)
     learner = build_learner(cfg, run)
     versions = VersionBox(0)
-    push_kw = dict(url=vllm_server.url, root=str(tmp_path / "b"), run_id="plain", keep_last=1,
-                   client_kwargs=client_kwargs(cfg))  # fmt: skip
+    push_kw = dict(
+        url=vllm_server.url,
+        root=str(tmp_path / "b"),
+        run_id="plain",
+        keep_last=1,
+        client_kwargs=client_kwargs(cfg),
+    )
     push_fn(learner, version=0, **push_kw)
     kw = rollout_kwargs(cfg, vllm_server.url, str(tiny_model_dir), versions)
     kw["versions"] = versions  # no Prefect here, so no quote() to unwrap
     rows, plain_losses = load_rows(cfg), []
     for step in range(steps):
-        batch_rows, cursor = rows_for_step(rows, step, cfg.data.prompts_per_step, seed=cfg.run.seed,
-                                           shuffle=cfg.data.shuffle)  # fmt: skip
+        batch_rows, cursor = rows_for_step(
+            rows, step, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
+        )
         batch = rollout_batch_fn(step, batch_rows, cursor, **kw)
-        assign_advantages(batch.groups, step=step, max_staleness=0, scale=cfg.algorithm.scale,
-                          filter_zero_std=cfg.algorithm.filter_zero_std)  # fmt: skip
+        assign_advantages(
+            batch.groups,
+            step=step,
+            max_staleness=0,
+            scale=cfg.algorithm.scale,
+            filter_zero_std=cfg.algorithm.filter_zero_std,
+        )
         plain_losses.append(train_fn(learner, batch.groups)["train/loss"])
         push_fn(learner, version=step + 1, **push_kw)
         versions.set(step + 1)
@@ -103,13 +116,19 @@ def test_sigkill_then_resume_has_every_step_once(tmp_path, vllm_server, tiny_mod
     from prefect.settings import PREFECT_API_URL
 
     steps, kill_after = 8, 4
-    sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
-            f"run.steps={steps}", "run.checkpoint_every=2", "algorithm.max_staleness=1"]  # fmt: skip
+    sets = [
+        f"storage.root={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"inference.url={vllm_server.url}",
+        f"run.steps={steps}",
+        "run.checkpoint_every=2",
+        "algorithm.max_staleness=1",
+    ]
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     set_args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", "killme", *set_args]
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline and len(step_files(tmp_path, "steps", "killme")) < kill_after:
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
@@ -120,17 +139,21 @@ def test_sigkill_then_resume_has_every_step_once(tmp_path, vllm_server, tiny_mod
     assert kill_after <= len(done_before) < steps
 
     resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", "killme", *set_args]
-    resumed = subprocess.run(resume_cmd, cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=900)  # fmt: skip
+    resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     for table in ("rollouts", "rewards", "steps"):
         assert step_files(tmp_path, table, "killme") == list(range(steps)), table
-    _, rows = query(tmp_path, "SELECT step, count(*), count(DISTINCT group_id), min(prompt_index), "
-                    "max(prompt_index) FROM rollouts GROUP BY step ORDER BY step")  # fmt: skip
+    _, rows = query(
+        tmp_path,
+        "SELECT step, count(*), count(DISTINCT group_id), min(prompt_index), "
+        "max(prompt_index) FROM rollouts GROUP BY step ORDER BY step",
+    )
     per_step = 8  # prompts_per_step of tiny-letters.yaml
     for step, n, groups, lo, hi in rows:
         assert groups == per_step and n == per_step * 8
         # the data cursor continues exactly: step s trains rows s*per_step .. s*per_step+per_step-1
         assert (lo, hi) == (step * per_step, step * per_step + per_step - 1)
-    _, dup = query(tmp_path, "SELECT count(*) FROM (SELECT step FROM steps GROUP BY step HAVING count(*) > 1)")
+    _, dup = query(
+        tmp_path, "SELECT count(*) FROM (SELECT step FROM steps GROUP BY step HAVING count(*) > 1)"
+    )
     assert dup[0][0] == 0

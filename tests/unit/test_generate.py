@@ -68,8 +68,18 @@ def test_single_turn_group_and_masks(tok):
         return "a" * (k + 1)
 
     backend = ScriptedBackend(tok, script)
-    groups = run(gen.generate_groups([{"prompt": "hi"}], [7], backend=backend, tokenizer=tok, group_size=3,
-                                     max_tokens=8, seed=1, version_fn=lambda: 4))  # fmt: skip
+    groups = run(
+        gen.generate_groups(
+            [{"prompt": "hi"}],
+            [7],
+            backend=backend,
+            tokenizer=tok,
+            group_size=3,
+            max_tokens=8,
+            seed=1,
+            version_fn=lambda: 4,
+        )
+    )
     (g,) = groups
     assert g.group_id == "train-00000007" and len(g.completions) == 3 and len(backend.requests) == 1
     assert tok.decode(g.prompt_ids).endswith("<|im_start|>assistant\n")
@@ -93,16 +103,34 @@ def test_multi_turn_trajectory_masks_and_logprobs_align(tok):
         return call("add", a=2, b=3) if text.count("<tool_response>") == 0 else "the answer is 5"
 
     backend = ScriptedBackend(tok, script)
-    (g,) = run(gen.generate_groups([{"prompt": "add 2 and 3"}], [0], backend=backend, tokenizer=tok, group_size=1,
-                                   max_tokens=64, max_turns=3, tools=[add]))  # fmt: skip
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "add 2 and 3"}],
+            [0],
+            backend=backend,
+            tokenizer=tok,
+            group_size=1,
+            max_tokens=64,
+            max_turns=3,
+            tools=[add],
+        )
+    )
     c = g.completions[0]
     # trajectory: assistant call, tool result, assistant answer; the prompt is not repeated
-    assert [(m.role, m.is_completion) for m in c.messages] == [("assistant", True), ("tool", False), ("assistant", True)]
+    assert [(m.role, m.is_completion) for m in c.messages] == [
+        ("assistant", True),
+        ("tool", False),
+        ("assistant", True),
+    ]
     assert c.messages[1].content == "5" and c.tool_calls[0].result == "5" and not c.tool_calls[0].failed
     assert "add 2 and 3" not in c.completion and c.completion.count("<tool_call>") == 1
     # the full sequence is exactly what a fresh render of the conversation gives
-    convo = [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": call("add", a=2, b=3)},
-             {"role": "tool", "content": "5"}, {"role": "assistant", "content": "the answer is 5"}]  # fmt: skip
+    convo = [
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": call("add", a=2, b=3)},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "the answer is 5"},
+    ]
     expected = tok.apply_chat_template(convo, tools=[gen.tool_schema(add)], tokenize=False)
     assert tok.decode(g.prompt_ids + c.completion_ids) + "\n" == expected
     # mask-1 positions are exactly the generated tokens, and their logprobs line up one to one
@@ -123,10 +151,22 @@ def test_max_turns_truncates(tok):
     async def script(text, k, seed):
         return call("ping")
 
-    (g,) = run(gen.generate_groups([{"prompt": "p"}], [0], backend=ScriptedBackend(tok, script), tokenizer=tok,
-                                   group_size=2, max_tokens=64, max_turns=3, tools=[ping]))  # fmt: skip
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "p"}],
+            [0],
+            backend=ScriptedBackend(tok, script),
+            tokenizer=tok,
+            group_size=2,
+            max_tokens=64,
+            max_turns=3,
+            tools=[ping],
+        )
+    )
     for c in g.completions:
-        assert c.truncated and c.truncation_reason == "max_turns" and c.num_turns == 3 and len(c.tool_calls) == 2
+        assert (
+            c.truncated and c.truncation_reason == "max_turns" and c.num_turns == 3 and len(c.tool_calls) == 2
+        )
 
 
 def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
@@ -143,15 +183,32 @@ def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
         await asyncio.sleep(30)
         return "late"
 
-    bad_calls = ["<tool_call>{not json</tool_call>", call("nope"), call("boom", y=1), call("boom", x=1), call("hang")]
+    bad_calls = [
+        "<tool_call>{not json</tool_call>",
+        call("nope"),
+        call("boom", y=1),
+        call("boom", x=1),
+        call("hang"),
+    ]
 
     async def script(text, k, seed):
         n = text.count("<tool_response>")
         return bad_calls[n] if n < len(bad_calls) else "done"
 
-    (g,) = run(gen.generate_groups([{"prompt": "p"}], [0], backend=ScriptedBackend(tok, script, 8192), tokenizer=tok,
-                                   group_size=1, max_tokens=64, max_turns=10, tools=[boom, hang], max_rollout_tokens=4000,
-                                   tool_timeout_s=0.3))  # fmt: skip
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "p"}],
+            [0],
+            backend=ScriptedBackend(tok, script, 8192),
+            tokenizer=tok,
+            group_size=1,
+            max_tokens=64,
+            max_turns=10,
+            tools=[boom, hang],
+            max_rollout_tokens=4000,
+            tool_timeout_s=0.3,
+        )
+    )
     c = g.completions[0]
     errors = [tc.error for tc in c.tool_calls]
     assert all(tc.failed for tc in c.tool_calls) and len(errors) == 5
@@ -180,8 +237,18 @@ def test_slow_sync_tool_does_not_block_other_rollouts(tok):
         return call("slow") if "use slow" in text else call("fast")
 
     rows = [{"prompt": "use slow"}, {"prompt": "use fast"}]
-    run(gen.generate_groups(rows, [0, 1], backend=ScriptedBackend(tok, script), tokenizer=tok, group_size=1,
-                            max_tokens=64, max_turns=2, tools=[slow, fast]))  # fmt: skip
+    run(
+        gen.generate_groups(
+            rows,
+            [0, 1],
+            backend=ScriptedBackend(tok, script),
+            tokenizer=tok,
+            group_size=1,
+            max_tokens=64,
+            max_turns=2,
+            tools=[slow, fast],
+        )
+    )
     # the fast rollout finished while the slow tool was still running in its thread
     assert finished == ["fast", "slow"]
 
@@ -191,19 +258,34 @@ def test_token_budget_and_max_model_len(tok):
         return "x" * 50
 
     backend = ScriptedBackend(tok, script, max_len=120)
-    (g,) = run(gen.generate_groups([{"prompt": "p" * 40}], [0], backend=backend, tokenizer=tok, group_size=2,
-                                   max_tokens=100, max_rollout_tokens=30))  # fmt: skip
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "p" * 40}],
+            [0],
+            backend=backend,
+            tokenizer=tok,
+            group_size=2,
+            max_tokens=100,
+            max_rollout_tokens=30,
+        )
+    )
     assert all(r["prompt_len"] + r["max_tokens"] <= 120 for r in backend.requests)
     assert all(len(c.completion_ids) <= 30 and c.truncation_reason == "max_tokens" for c in g.completions)
-    (g,) = run(gen.generate_groups([{"prompt": "p" * 200}], [0], backend=backend, tokenizer=tok, group_size=2,
-                                   max_tokens=10))  # fmt: skip
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "p" * 200}], [0], backend=backend, tokenizer=tok, group_size=2, max_tokens=10
+        )
+    )
     assert all(c.truncation_reason == "prompt_too_long" and c.completion_ids == [] for c in g.completions)
 
 
 def test_row_without_prompt_is_named(tok):
     with pytest.raises(ValueError, match="row 5 has no 'prompt'"):
-        run(gen.generate_groups([{"q": 1}], [5], backend=ScriptedBackend(tok, None), tokenizer=tok, group_size=2,
-                                max_tokens=4))  # fmt: skip
+        run(
+            gen.generate_groups(
+                [{"q": 1}], [5], backend=ScriptedBackend(tok, None), tokenizer=tok, group_size=2, max_tokens=4
+            )
+        )
 
 
 def _counter_script():
@@ -220,10 +302,21 @@ def _counter_script():
 
 
 def _counter_groups(tok):
-    return run(gen.generate_groups([{"prompt": "count"}, {"prompt": "count more"}], [0, 1],
-                                   backend=ScriptedBackend(tok, _counter_script(), 8192), tokenizer=tok, group_size=4,
-                                   max_tokens=64, max_turns=8, seed=0, environment_factory=CounterEnv, max_rollout_tokens=8000,
-                                   env_slots=3))  # fmt: skip
+    return run(
+        gen.generate_groups(
+            [{"prompt": "count"}, {"prompt": "count more"}],
+            [0, 1],
+            backend=ScriptedBackend(tok, _counter_script(), 8192),
+            tokenizer=tok,
+            group_size=4,
+            max_tokens=64,
+            max_turns=8,
+            seed=0,
+            environment_factory=CounterEnv,
+            max_rollout_tokens=8000,
+            env_slots=3,
+        )
+    )
 
 
 def test_environment_snapshots_keep_each_completions_own_state(tok):
@@ -240,7 +333,9 @@ def test_without_snapshots_rewards_leak_between_completions(tok, monkeypatch):
     """Removing the snapshot makes the previous test's property fail: slots are reused and reset."""
     monkeypatch.setattr(gen, "snapshot", lambda env: env)
     groups = _counter_groups(tok)
-    mismatched = [c for g in groups for c in g.completions if c.environment.get_reward() != c.sample_index + 1]
+    mismatched = [
+        c for g in groups for c in g.completions if c.environment.get_reward() != c.sample_index + 1
+    ]
     assert mismatched
 
 

@@ -38,8 +38,13 @@ def test_group_with_fewer_than_two_valid_trains_nothing():
 def test_batch_scale():
     # all valid [1,0,3,1]: mean 1.25; squares .0625+1.5625+3.0625+.0625 = 4.75; /3 -> std 1.258306
     # group means 0.5 and 2.0 -> (1-.5)/1.258306 = 0.397360, (3-2)/1.258306 = 0.794719
-    adv, _, _ = group_advantages([[1.0, 0.0], [3.0, 1.0]], [[True, True], [True, True]], scale="batch", eps=0.0)
-    assert adv == [pytest.approx([0.397360, -0.397360], abs=1e-6), pytest.approx([0.794719, -0.794719], abs=1e-6)]
+    adv, _, _ = group_advantages(
+        [[1.0, 0.0], [3.0, 1.0]], [[True, True], [True, True]], scale="batch", eps=0.0
+    )
+    assert adv == [
+        pytest.approx([0.397360, -0.397360], abs=1e-6),
+        pytest.approx([0.794719, -0.794719], abs=1e-6),
+    ]
 
 
 def test_no_scaling_and_zero_std_filter():
@@ -88,8 +93,9 @@ def test_clipping():
     assert logp.grad[0, 0] == 0.0 and logp.grad[1, 0] == pytest.approx(1.5 / 2)  # d(1.5*e^x)/dx /2
     assert m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0
     # epsilon_high widens only the upper side: 1.5 < 1 + 0.6, nothing clipped
-    loss2, m2 = compute_loss(logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old,
-                             epsilon_high=0.6)  # fmt: skip
+    loss2, m2 = compute_loss(
+        logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old, epsilon_high=0.6
+    )
     assert float(loss2) == pytest.approx((-1.5 + 1.5) / 2) and m2["clip_frac_high"] == 0.0
 
 
@@ -105,8 +111,15 @@ def test_clipping():
 def test_off_policy_correction(correction, expected_loss, masked):
     logp = torch.tensor([[-1.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.0 - math.log(3.0)]])  # the sampler gave this token 1/3 the prob
-    loss, m = compute_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), loss_type="dapo",
-                           correction=correction, correction_cap=2.0)  # fmt: skip
+    loss, m = compute_loss(
+        logp,
+        behaviour,
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        loss_type="dapo",
+        correction=correction,
+        correction_cap=2.0,
+    )
     assert float(loss) == pytest.approx(expected_loss)
     assert m["is_masked_frac"] == masked
     assert m["mismatch_kl"] == pytest.approx(3 - math.log(3) - 1)  # k3 with log w = log 3
@@ -116,8 +129,15 @@ def test_kl_penalty_k3():
     # ref = logp + log 2 -> k3 = e^{log 2} - log 2 - 1 = 0.306853 per token; adv 0 leaves only KL
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     ref = logp.detach() + math.log(2.0)
-    loss, m = compute_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), loss_type="dapo",
-                           ref_logprobs=ref, beta=0.1)  # fmt: skip
+    loss, m = compute_loss(
+        logp,
+        logp.detach(),
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        loss_type="dapo",
+        ref_logprobs=ref,
+        beta=0.1,
+    )
     assert float(loss) == pytest.approx(0.1 * (2 - math.log(2) - 1))
     assert m["kl"] == pytest.approx(2 - math.log(2) - 1)
 

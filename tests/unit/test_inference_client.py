@@ -25,7 +25,9 @@ def replay(name: str):
 
     async def handler(request: web.Request) -> web.Response:
         request.app["seen"].append((request.method, request.path_qs, request.headers.get("Authorization")))
-        return web.Response(status=rec["status"], text=rec["body"], content_type=rec["content_type"].split(";")[0])
+        return web.Response(
+            status=rec["status"], text=rec["body"], content_type=rec["content_type"].split(";")[0]
+        )
 
     return handler
 
@@ -55,9 +57,14 @@ async def replay_server(aiohttp_unused_port=None):
         return web.Response(status=rec["status"], text=rec["body"], content_type="application/json")
 
     app.router.add_post("/v1/completions", completions)
-    for name, method, path in [("models", "GET", "/v1/models"), ("health", "GET", "/health"),
-                               ("pause", "POST", "/pause"), ("resume", "POST", "/resume"),
-                               ("is_paused", "GET", "/is_paused"), ("reload_weights", "POST", "/collective_rpc")]:  # fmt: skip
+    for name, method, path in [
+        ("models", "GET", "/v1/models"),
+        ("health", "GET", "/health"),
+        ("pause", "POST", "/pause"),
+        ("resume", "POST", "/resume"),
+        ("is_paused", "GET", "/is_paused"),
+        ("reload_weights", "POST", "/collective_rpc"),
+    ]:
         app.router.add_route(method, path, replay(name))
     runner = web.AppRunner(app)
     await runner.setup()

@@ -65,9 +65,18 @@ def test_resume_of_unknown_run_and_escaping_run_id(tmp_path):
 
 def _group(gid: str, rewards, versions):
     comps = [
-        RolloutCompletion(sample_index=i, completion="x", completion_ids=[1], completion_mask=[1],
-                          logprobs=[-1.0], policy_version=v, policy_version_end=v, reward=r,
-                          reward_valid=r is not None, invalid_reason=None if r is not None else "r: invalid")  # fmt: skip
+        RolloutCompletion(
+            sample_index=i,
+            completion="x",
+            completion_ids=[1],
+            completion_mask=[1],
+            logprobs=[-1.0],
+            policy_version=v,
+            policy_version_end=v,
+            reward=r,
+            reward_valid=r is not None,
+            invalid_reason=None if r is not None else "r: invalid",
+        )
         for i, (r, v) in enumerate(zip(rewards, versions, strict=True))
     ]
     return RolloutGroup(group_id=gid, prompt_index=0, prompt="p", prompt_ids=[0], completions=comps)

@@ -23,8 +23,13 @@ def make_groups(n_groups: int = 2, size: int = 3) -> list[RolloutGroup]:
             prompt=f"<prompt {g}>",
             prompt_ids=[1, 2],
             completions=[
-                RolloutCompletion(sample_index=i, completion="a" * (i + 1), completion_ids=[3] * (i + 1),
-                                  completion_mask=[1] * (i + 1), logprobs=[-1.0] * (i + 1))  # fmt: skip
+                RolloutCompletion(
+                    sample_index=i,
+                    completion="a" * (i + 1),
+                    completion_ids=[3] * (i + 1),
+                    completion_mask=[1] * (i + 1),
+                    logprobs=[-1.0] * (i + 1),
+                )
                 for i in range(size)
             ],
             row={"prompt": f"raw {g}", "answer": g},
@@ -123,7 +128,11 @@ def test_required_reward_failure_masks_the_completion():
     groups = make_groups(1, 3)
     metrics = score_groups(groups, [RewardSpec("h", healthy), RewardSpec("f", first_invalid)])
     first, *rest = groups[0].completions
-    assert not first.reward_valid and first.reward is None and "f: invalid: returned None" in first.invalid_reason
+    assert (
+        not first.reward_valid
+        and first.reward is None
+        and "f: invalid: returned None" in first.invalid_reason
+    )
     assert all(c.reward_valid and c.reward == len(c.completion) + 1.0 for c in rest)
     assert metrics["reward/valid_frac"] == pytest.approx(2 / 3)
     # mean/std over valid cells only: f's valid values are [1, 1]
@@ -164,7 +173,9 @@ def test_all_functions_run_concurrently():
 
         return f
 
-    specs = [RewardSpec(f"s{i}", make_sync(i)) for i in range(4)] + [RewardSpec(f"a{i}", make_async(i)) for i in range(4)]
+    specs = [RewardSpec(f"s{i}", make_sync(i)) for i in range(4)] + [
+        RewardSpec(f"a{i}", make_async(i)) for i in range(4)
+    ]
     score_groups(make_groups(), specs)
     starts = sorted(t for *_, t in started)
     # every function started before the first one could have finished: they overlap
@@ -181,7 +192,9 @@ async def test_works_inside_a_running_event_loop():
 
 def test_process_executor_by_import_path():
     groups = make_groups(1, 3)
-    metrics = score_groups(groups, [RewardSpec("letters", "examples.rewards:letter_fraction", executor="process")])
+    metrics = score_groups(
+        groups, [RewardSpec("letters", "examples.rewards:letter_fraction", executor="process")]
+    )
     assert [c.reward for c in groups[0].completions] == [1.0, 1.0, 1.0]  # completions are all 'a'
     assert metrics["reward/letters/failed_rate"] == 0.0
 

@@ -16,26 +16,53 @@ pytestmark = pytest.mark.unit
 
 def comp(i, reward, valid, tokens, tools=(), truncated=False, cells=()):
     return RolloutCompletion(
-        sample_index=i, completion="x" * tokens, completion_ids=[1] * tokens, completion_mask=[1] * tokens,
-        logprobs=[-1.0] * tokens, reward=reward, reward_valid=valid, truncated=truncated,
+        sample_index=i,
+        completion="x" * tokens,
+        completion_ids=[1] * tokens,
+        completion_mask=[1] * tokens,
+        logprobs=[-1.0] * tokens,
+        reward=reward,
+        reward_valid=valid,
+        truncated=truncated,
         tool_calls=[ToolCallRecord(0, name, "{}", "", failed) for name, failed in tools],
         reward_cells=[RewardCell(n, v, s) for n, v, s in cells],
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
 def store(tmp_path):
     s = RolloutStore(tmp_path)
     # step 0: rewards 1.0 and 0.0 valid, one invalid (None) -> mean over valid = 0.5, valid_frac 2/3
-    g0 = RolloutGroup("g0", 0, "p", [0], [
-        comp(0, 1.0, True, 4, tools=[("calc", False), ("calc", True)],
-             cells=[("acc", 1.0, "valid"), ("fmt", None, "failed")]),
-        comp(1, 0.0, True, 6, cells=[("acc", 0.0, "valid"), ("fmt", 1.0, "valid")]),
-        comp(2, None, False, 2, truncated=True, tools=[("search", True)],
-             cells=[("acc", None, "invalid"), ("fmt", None, "timeout")]),
-    ])  # fmt: skip
+    g0 = RolloutGroup(
+        "g0",
+        0,
+        "p",
+        [0],
+        [
+            comp(
+                0,
+                1.0,
+                True,
+                4,
+                tools=[("calc", False), ("calc", True)],
+                cells=[("acc", 1.0, "valid"), ("fmt", None, "failed")],
+            ),
+            comp(1, 0.0, True, 6, cells=[("acc", 0.0, "valid"), ("fmt", 1.0, "valid")]),
+            comp(
+                2,
+                None,
+                False,
+                2,
+                truncated=True,
+                tools=[("search", True)],
+                cells=[("acc", None, "invalid"), ("fmt", None, "timeout")],
+            ),
+        ],
+    )
     # step 1: rewards 0.25 and 0.75 -> mean 0.5... and 1.0 -> mean of [0.25, 0.75, 1.0] = 2/3
-    g1 = RolloutGroup("g1", 1, "p", [0], [comp(0, 0.25, True, 3), comp(1, 0.75, True, 3), comp(2, 1.0, True, 9)])
+    g1 = RolloutGroup(
+        "g1", 1, "p", [0], [comp(0, 0.25, True, 3), comp(1, 0.75, True, 3), comp(2, 1.0, True, 9)]
+    )
     for step, g in enumerate([g0, g1]):
         s.write_rollouts("r1", step, [g])
         s.write_rewards("r1", step, [g])
@@ -78,18 +105,40 @@ def test_lengths(store):
 
 @pytest.mark.parametrize(
     "sql",
-    ["CREATE TABLE t AS SELECT 1", "COPY rollouts TO '/tmp/x.csv'", "INSERT INTO t VALUES (1)", "ATTACH 'x.db'",
-     "INSTALL httpfs", "SET threads = 1", "SELECT 1; DROP VIEW rollouts", "PRAGMA version"],
-)  # fmt: skip
+    [
+        "CREATE TABLE t AS SELECT 1",
+        "COPY rollouts TO '/tmp/x.csv'",
+        "INSERT INTO t VALUES (1)",
+        "ATTACH 'x.db'",
+        "INSTALL httpfs",
+        "SET threads = 1",
+        "SELECT 1; DROP VIEW rollouts",
+        "PRAGMA version",
+    ],
+)
 def test_write_queries_are_refused(store, sql):
     with pytest.raises(ReadOnlyQueryError, match="refused"):
         query(store, sql)
 
 
 def test_cli_sql_and_runs(store, capsys):
-    assert cli(["sql", "--root", str(store), "--format", "json", "SELECT run_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1"]) == 0
+    assert (
+        cli(
+            [
+                "sql",
+                "--root",
+                str(store),
+                "--format",
+                "json",
+                "SELECT run_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == [{"run_id": "r1", "n": 6}, {"run_id": "r2", "n": 1}]
-    assert cli(["sql", "--root", str(store), "--canned", "reward_curve", "--run", "r2", "--format", "csv"]) == 0
+    assert (
+        cli(["sql", "--root", str(store), "--canned", "reward_curve", "--run", "r2", "--format", "csv"]) == 0
+    )
     assert capsys.readouterr().out.splitlines()[1].startswith("r2,0,5.0")
     assert cli(["sql", "--root", str(store), "DELETE FROM rollouts"]) == 2
     assert "read-only" in capsys.readouterr().err

@@ -33,8 +33,10 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
                 logprobs=[-0.5, -1.25, 0.0, -2.0],
                 messages=[TaggedMessage("assistant", "call", True), TaggedMessage("tool", "42", False)],
                 turns=[TurnRecord(10, 2, 0.25, "stop"), TurnRecord(13, 1, 0.5, "length")],
-                tool_calls=[ToolCallRecord(0, "calc", '{"e": "6*7"}', "42", False, None, 0.01),
-                            ToolCallRecord(1, "calc", "{bad", "Error: x", True, "malformed", 0.0)],  # fmt: skip
+                tool_calls=[
+                    ToolCallRecord(0, "calc", '{"e": "6*7"}', "42", False, None, 0.01),
+                    ToolCallRecord(1, "calc", "{bad", "Error: x", True, "malformed", 0.0),
+                ],
                 truncated=i == 1,
                 truncation_reason="max_tokens" if i == 1 else None,
                 finish_reason="length" if i == 1 else "stop",
@@ -44,8 +46,16 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
                 reward=None if i == 1 else 1.5,
                 reward_valid=i == 0,
                 invalid_reason="acc: failed: boom" if i == 1 else None,
-                reward_cells=[RewardCell("acc", 1.5 if i == 0 else None, "valid" if i == 0 else "failed",
-                                         "" if i == 0 else "boom", 1.0, 0.125)],  # fmt: skip
+                reward_cells=[
+                    RewardCell(
+                        "acc",
+                        1.5 if i == 0 else None,
+                        "valid" if i == 0 else "failed",
+                        "" if i == 0 else "boom",
+                        1.0,
+                        0.125,
+                    )
+                ],
                 advantage=0.5 if i == 0 else 0.0,
                 trained=i == 0,
                 drop_reason=None if i == 0 else "reward invalid",
@@ -128,7 +138,13 @@ def test_run_metadata_is_atomic_json(tmp_path):
 def test_checkpoints_latest_retention_and_interrupted_save(tmp_path):
     ck = CheckpointStore(tmp_path)
     for step in (1, 3, 5):
-        ck.save("r", step, lambda d, s=step: (d / "w.bin").write_text(str(s)), {"policy_version": step}, keep_last=2)
+        ck.save(
+            "r",
+            step,
+            lambda d, s=step: (d / "w.bin").write_text(str(s)),
+            {"policy_version": step},
+            keep_last=2,
+        )
     assert ck.list("r") == [3, 5]
     latest = ck.latest("r")
     assert latest.name == "step-000005" and (latest / "w.bin").read_text() == "5"
