@@ -190,6 +190,9 @@ def server_command(
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     if _cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
+        # server threads made its train step ~2x slower on 2 cores (BENCHMARKS.md).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return cmd, env, f"http://{connect_host}:{port}"
 

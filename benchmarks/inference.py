@@ -1,0 +1,91 @@
+"""Inference benchmark on the real vLLM CPU server.
+
+Prints JSON: generation tokens/s at concurrency 1, 8 and 32 for the tiny model (128 new tokens per
+request, ignore nothing: EOS may end requests early, so tokens are counted, not assumed), and
+weight-push seconds (safetensors save + pause/reload/resume) for the tiny model and, when
+`--smollm2 DIR` is given (see `make models/smollm2-135m`), for SmolLM2-135M.
+
+    .venv/bin/python benchmarks/inference.py [--smollm2 models/smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+
+from flows.serve import start_server
+from tasks.inference import VLLMClient
+from tasks.sync import CheckpointWeightPush
+from tasks.tiny_model import build_tiny_model
+
+
+async def throughput(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    async with VLLMClient(url, max_in_flight=concurrency) as c:
+        await c.complete([1, 2, 3, 4], max_tokens=4)  # warm-up
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(
+            *(c.complete(list(range(10, 42)), max_tokens=max_tokens, seed=i) for i in range(requests))
+        )
+        dt = time.perf_counter() - t0
+    tokens = sum(len(o[0].token_ids) for o in outs)
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / dt, 1),
+    }
+
+
+async def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    totals, saves = [], []
+    async with VLLMClient(url) as c:
+        pusher = CheckpointWeightPush(c, root, "bench", keep_last=1)
+        for v in range(repeats):
+            m = await pusher.push(model, v + 1)
+            totals.append(m["sync/total_seconds"])
+            saves.append(m["sync/save_seconds"])
+    params = sum(p.numel() for p in model.parameters())
+    return {"params": params, "push_seconds_median": round(statistics.median(totals), 3),
+            "save_seconds_median": round(statistics.median(saves), 3)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="grpoflow-inf-"))
+    tiny = build_tiny_model(root / "tiny")
+    result: dict = {"model": "tiny (2 layers, hidden 128)"}
+    with start_server(tiny, max_model_len=1024, log_path=root / "tiny.log") as server:
+        result["throughput"] = [
+            asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
+        ]
+        result["weight_push_tiny"] = asyncio.run(push_seconds(server.url, tiny, root))
+    print(json.dumps(result), flush=True)
+    if args.smollm2:
+        with start_server(
+            args.smollm2, max_model_len=1024, kv_cache_gb=2, log_path=root / "smol.log"
+        ) as server:
+            smol = {"model": "SmolLM2-135M-Instruct",
+                    "throughput": [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens))
+                                   for c in (1, 8, 32)],
+                    "weight_push": asyncio.run(push_seconds(server.url, Path(args.smollm2), root))}  # fmt: skip
+        print(json.dumps(smol), flush=True)
+
+
+if __name__ == "__main__":
+    main()
