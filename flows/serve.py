@@ -231,6 +231,7 @@ def policy_server(
     max_restarts: int = 3,
     check_every_s: float = 5.0,
     run_for_s: float | None = None,
+    stop_file: str | None = None,
 ) -> dict:
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff)."""
     log = get_run_logger()
@@ -247,6 +248,8 @@ def policy_server(
     try:
         while run_for_s is None or time.monotonic() - started < run_for_s:
             time.sleep(check_every_s)
+            if stop_file and Path(stop_file).exists():
+                break
             if handle.alive() and handle.healthy():
                 continue
             if handle.restarts >= max_restarts:

@@ -58,6 +58,14 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     # steps rows carry the timing breakdown and the pipeline respected its staleness bound
     _, srows = query(tmp_path, "SELECT max(staleness_max), min(wall_seconds), count(*) FROM steps")
     assert srows[0][0] <= cfg.algorithm.max_staleness and srows[0][1] > 0 and srows[0][2] == steps
+    # Prefect artifacts: progress (100%), step-metrics table, markdown summary with the store and SQL
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        arts = {a.key: a for a in client.read_artifacts() if a.key and a.key.startswith("up-")}
+    assert {"up-progress", "up-steps", "up-summary"} <= set(arts)
+    assert float(arts["up-progress"].data) == 100.0
+    assert "grpoflow sql" in arts["up-summary"].data and str(tmp_path) in arts["up-summary"].data
 
 
 def _losses(root: Path, run_id: str) -> list[float]:
