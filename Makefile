@@ -64,6 +64,11 @@ format: $(BIN)/.installed  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+deploy: $(BIN)/.installed  ## create the cpu/gpu process work pools and deploy every flow (needs PREFECT_API_URL)
+	$(BIN)/prefect work-pool create cpu --type process --overwrite
+	$(BIN)/prefect work-pool create gpu --type process --overwrite
+	$(BIN)/prefect --no-prompt deploy --all
+
 bench: install  ## run the benchmark scripts (figures go to BENCHMARKS.md by hand)
 	for b in benchmarks/*.py; do $(BIN)/python $$b; done
 

@@ -140,9 +140,17 @@ def client_kwargs(cfg: GRPOConfig) -> dict[str, Any]:
 
 
 @flow(name="grpo-train", log_prints=True)
-def grpo_train(config: GRPOConfig | None = None, resume: str | None = None) -> dict[str, Any]:
-    """Train a policy with async GRPO; `resume` continues a run from its latest checkpoint."""
-    cfg = config or GRPOConfig()
+def grpo_train(
+    config: GRPOConfig | None = None, resume: str | None = None, config_file: str | None = None
+) -> dict[str, Any]:
+    """Train a policy with async GRPO; `resume` continues a run from its latest checkpoint.
+
+    `config` is the whole config tree (the Prefect UI renders it as a form); `config_file` (a shipped
+    YAML, e.g. configs/tiny-letters.yaml) is used when `config` is not given.
+    """
+    from flows.config import load_config
+
+    cfg = config or (load_config(config_file) if config_file else GRPOConfig())
     check_imports(cfg)  # typos fail here, before any model is loaded or file written
     rows = load_rows(cfg)
     base = prepare_model(cfg)

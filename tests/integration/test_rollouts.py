@@ -42,7 +42,7 @@ async def test_multi_turn_tool_rollouts_round_trip_through_parquet_and_sql(
     async with VLLMClient(vllm_server.url) as client:
         groups = await generate_groups(
             [{"prompt": "What is 6*7?", "answer": 42}], [0], backend=FirstTurnScripted(client, tok), tokenizer=tok,
-            group_size=3, max_tokens=16, max_turns=2, seed=0, tools=[calculator],
+            group_size=3, max_tokens=16, max_turns=2, max_rollout_tokens=400, seed=0, tools=[calculator],
         )  # fmt: skip
     await score_groups_async(groups, [RewardSpec("n", "examples.rewards:exact_number", required=False)])
     (g,) = groups

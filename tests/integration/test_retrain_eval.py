@@ -1,0 +1,58 @@
+"""grpo-retrain, grpo-evaluate and rollout-sql flows on the real Prefect API and vLLM server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from storage.rollouts import RolloutStore
+from storage.sql import query
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    from flows.analyze import rollout_sql
+    from flows.retrain import grpo_retrain
+
+    cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
+        f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+        "run.checkpoint_every=2", "data.prompts_per_step=4",
+    ])  # fmt: skip
+    try:
+        first = grpo_retrain(lineage="nightly", extra_steps=3, config=cfg, eval_prompts=4)
+        second = grpo_retrain(lineage="nightly", extra_steps=2, config=cfg, eval_prompts=4)
+    finally:  # other tests share the server: put the base weights back
+        from transformers import AutoModelForCausalLM
+
+        from tasks.sync import push_weights_sync
+
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        push_weights_sync(base, 0, url=vllm_server.url, root=tmp_path, run_id="restore")
+    assert first["train"]["steps_trained"] == 3 and second["train"]["steps_trained"] == 2
+    store = RolloutStore(tmp_path)
+    assert store.steps_written("steps", "nightly") == [0, 1, 2, 3, 4]
+    meta = store.read_run_meta("nightly")
+    assert [(r["from_step"], r["to_step"]) for r in meta["retrains"]] == [(0, 2), (3, 4)]
+    # evaluation rows: split='eval', one file per evaluated checkpoint step, pass rate published
+    assert store.steps_written("rollouts", "nightly-eval") == [2, 4]
+    _, rows = query(
+        tmp_path, "SELECT DISTINCT split, count(*) OVER () FROM rollouts WHERE run_id = 'nightly-eval'"
+    )
+    assert rows == [("eval", 2 * 4 * 8)]
+    assert 0.0 <= second["eval"]["pass_rate"] <= 1.0 and second["eval"]["completions"] == 32
+
+    out = rollout_sql(root=str(tmp_path), canned="reward_curve", run="nightly")
+    assert out["rows"] == 5
+
+    async def artifact():
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as c:
+            return [a for a in await c.read_artifacts() if a.key == "rollout-sql"]
+
+    assert asyncio.run(artifact())
