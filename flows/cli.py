@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Prefect's ephemeral server would try to send telemetry; keep local runs quiet and offline.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     from flows.config import ConfigError
 
