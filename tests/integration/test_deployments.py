@@ -1,0 +1,107 @@
+"""prefect.yaml as shipped: `prefect server start`, `prefect deploy --all`, a process worker, and
+deployment runs triggered through the API (the way users run grpoflow from the UI)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flows.serve import free_port
+from storage.records import RolloutCompletion, RolloutGroup
+from storage.rollouts import RolloutStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect-home"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")  # fmt: skip
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in the finalizer
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    procs = [server]
+    try:
+        deadline = time.time() + 180
+        while not _up(api):
+            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[
+                -2000:
+            ]
+            time.sleep(0.5)
+        yield api, env, procs
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+def _cli(args: list[str], env: dict) -> str:
+    out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_deploy_all_then_run_deployments_through_the_api(
+    prefect_server, tmp_path, vllm_server, tiny_model_dir
+):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api, env, procs = prefect_server
+    _cli(["work-pool", "create", "cpu", "--type", "process", "--overwrite"], env)
+    _cli(["work-pool", "create", "gpu", "--type", "process", "--overwrite"], env)
+    _cli(["--no-prompt", "deploy", "--all"], env)
+    with open(tmp_path / "worker.log", "w") as wlog:
+        procs.append(subprocess.Popen([PREFECT, "worker", "start", "--pool", "cpu"], cwd=REPO, env=env,
+                                      stdout=wlog, stderr=subprocess.STDOUT))  # fmt: skip
+
+    store = tmp_path / "store"
+    comps = [RolloutCompletion(i, "a" * i, [1] * i, [1] * i, [-1.0] * i, reward=i / 4, reward_valid=True)
+             for i in range(1, 5)]  # fmt: skip
+    RolloutStore(store).write_rollouts("r", 0, [RolloutGroup("g", 0, "p", [0], comps)])
+    config = {"model": {"path": str(tiny_model_dir)}, "inference": {"url": vllm_server.url},
+              "storage": {"root": str(store)}, "generation": {"group_size": 2, "max_tokens": 4}}  # fmt: skip
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        sql_run = run_deployment("rollout-sql/rollout-sql", parameters={"root": str(store)}, timeout=600)
+        eval_run = run_deployment("grpo-evaluate/grpo-evaluate", parameters={"config": config, "prompts": 2},
+                                  timeout=600)  # fmt: skip
+        with get_client(sync_client=True) as client:
+            assert sql_run.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
+            assert eval_run.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
+            keys = {a.key for a in client.read_artifacts()}
+            assert "rollout-sql" in keys and "base-eval-0" in keys
+            retrain = client.read_deployment_by_name("grpo-retrain/grpo-retrain")
+            assert [s.schedule.cron for s in retrain.schedules] == ["0 3 * * *"]
+            assert retrain.concurrency_limit == 1
+            assert retrain.concurrency_options.collision_strategy == "CANCEL_NEW"
+            train = client.read_deployment_by_name("grpo-train/grpo-train")
+            schema = train.parameter_openapi_schema
+            assert "config" in schema["properties"]
+            defs = schema.get("definitions") or schema.get("$defs")
+            assert defs["GenerationConfig"]["properties"]["group_size"]["description"]
+    # the evaluation wrote its rollouts with split='eval'
+    assert RolloutStore(store).steps_written("rollouts", "base-eval") == [0]
