@@ -96,7 +96,8 @@ def test_deploy_all_then_run_deployments_through_the_api(
             assert "rollout-sql" in keys and "base-eval-0" in keys
             retrain = client.read_deployment_by_name("grpo-retrain/grpo-retrain")
             assert [s.schedule.cron for s in retrain.schedules] == ["0 3 * * *"]
-            assert retrain.concurrency_limit == 1
+            # prefect 3.8 moves a deployment's concurrency_limit into a global concurrency limit object
+            assert retrain.global_concurrency_limit.limit == 1
             assert retrain.concurrency_options.collision_strategy == "CANCEL_NEW"
             train = client.read_deployment_by_name("grpo-train/grpo-train")
             schema = train.parameter_openapi_schema
