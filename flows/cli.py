@@ -67,6 +67,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from flows.report import grpo_report_flow
+
+    print(grpo_report_flow()(run_id=args.run, root=_root(args), out_dir=args.out))
+    return 0
+
+
 def cmd_make_tiny_model(args) -> int:
     from tasks.tiny_model import build_tiny_model
 
@@ -105,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"))
     v.set_defaults(fn=cmd_serve)
+
+    rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")
+    rp.add_argument("run")
+    rp.add_argument("--root")
+    rp.add_argument("--out", help="output folder (default: <root>/reports/<run>)")
+    rp.set_defaults(fn=cmd_report)
 
     m = sub.add_parser("make-tiny-model", help="build the tiny random model + tokenizer")
     m.add_argument("dir")

@@ -4,6 +4,7 @@ deployment runs triggered through the API (the way users run grpoflow from the U
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,3 +107,24 @@ def test_deploy_all_then_run_deployments_through_the_api(
             assert defs["GenerationConfig"]["properties"]["group_size"]["description"]
     # the evaluation wrote its rollouts with split='eval'
     assert RolloutStore(store).steps_written("rollouts", "base-eval") == [0]
+
+    # The UI: headless Chromium renders grpo-train's run form, built from the pydantic config schema.
+    ui = api.removesuffix("/api")
+    dom = chromium(f"{ui}/deployments/deployment/{train.id}/run", tmp_path / "grpo-train-form.png")
+    assert "grpo-train" in dom
+    assert "Completions per prompt (G)" in dom  # GenerationConfig.group_size's description
+
+
+def chromium(url: str, screenshot: Path) -> str:
+    """Headless Debian Chromium: the page's DOM after its scripts ran, plus a screenshot."""
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={screenshot.parent / 'chromium-profile'}", "--virtual-time-budget=20000",
+             "--window-size=1280,2400"]  # fmt: skip
+    subprocess.run([binary, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
+    assert screenshot.stat().st_size > 10_000
+    out = subprocess.run([binary, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    return out.stdout

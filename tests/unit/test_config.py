@@ -66,3 +66,14 @@ def test_missing_reward_import_is_named():
 def test_duplicate_reward_names_rejected():
     with pytest.raises(ConfigError, match="duplicate"):
         load_config(None, ["rewards=[{name: r, fn: 'a:b'}, {name: r, fn: 'a:c'}]"])
+
+
+def test_prefect_yaml_train_defaults_equal_the_tiny_letters_config():
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    deployments = {d["name"]: d for d in yaml.safe_load((repo / "prefect.yaml").read_text())["deployments"]}
+    assert set(deployments) == {"grpo-train", "grpo-retrain", "grpo-evaluate", "policy-server", "rollout-sql"}
+    inline = GRPOConfig.model_validate(deployments["grpo-train"]["parameters"]["config"])
+    assert inline == load_config(repo / "configs" / "tiny-letters.yaml")
+    assert deployments["grpo-retrain"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
