@@ -76,4 +76,7 @@ def test_prefect_yaml_train_defaults_equal_the_tiny_letters_config():
     assert set(deployments) == {"grpo-train", "grpo-retrain", "grpo-evaluate", "policy-server", "rollout-sql"}
     inline = GRPOConfig.model_validate(deployments["grpo-train"]["parameters"]["config"])
     assert inline == load_config(repo / "configs" / "tiny-letters.yaml")
-    assert deployments["grpo-retrain"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
+    assert deployments["grpo-retrain"]["concurrency_limit"] == {
+        "limit": 1,
+        "collision_strategy": "CANCEL_NEW",
+    }
