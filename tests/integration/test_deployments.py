@@ -97,6 +97,8 @@ def test_deploy_all_then_run_deployments_through_the_api(
             assert "rollout-sql" in keys and "base-eval-0" in keys
             retrain = client.read_deployment_by_name("grpo-retrain/grpo-retrain")
             assert [s.schedule.cron for s in retrain.schedules] == ["0 3 * * *"]
+            automations = client.read_automations_by_name("grpo-retrain-on-dataset-updated")
+            assert automations and "dataset.updated" in automations[0].trigger.expect
             # prefect 3.8 moves a deployment's concurrency_limit into a global concurrency limit object
             assert retrain.global_concurrency_limit.limit == 1
             assert retrain.concurrency_options.collision_strategy == "CANCEL_NEW"

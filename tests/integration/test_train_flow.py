@@ -7,10 +7,12 @@ so runs sharing the server do not see each other's training.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +46,25 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
 
     steps = 16
     cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **{"run.steps": steps, "run.run_id": "up"})
-    summary = grpo_train(config=cfg)
+    # Readers during writes: SQL queries in a loop while the run writes never error or see partial files.
+    stop, errors, seen = threading.Event(), [], []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                seen.append(query(tmp_path, "SELECT count(*), count(DISTINCT step) FROM rollouts")[1][0])
+            except Exception as e:  # any error is a failure of the atomic-write guarantee
+                errors.append(repr(e))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        summary = grpo_train(config=cfg)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors[:3]
+    assert all(n == 64 * k for n, k in seen) and len({k for _, k in seen}) > 3  # whole steps only
     assert summary["steps_trained"] == steps
     for table in ("rollouts", "rewards", "steps"):
         assert step_files(tmp_path, table, "up") == list(range(steps)), table
@@ -66,6 +86,11 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert {"up-progress", "up-steps", "up-summary"} <= set(arts)
     assert float(arts["up-progress"].data) == 100.0
     assert "grpoflow sql" in arts["up-summary"].data and str(tmp_path) in arts["up-summary"].data
+    # grpoflow report on this finished run: the plotted reward curve is the SQL one
+    from flows.report import write_report
+
+    data = json.loads((write_report(tmp_path, "up") / "report.json").read_text())
+    assert [r for _, r in data["reward_curve"]] == pytest.approx([r[1] for r in rows])
 
 
 def _losses(root: Path, run_id: str) -> list[float]:
