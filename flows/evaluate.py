@@ -51,7 +51,8 @@ def grpo_evaluate(
     model, step = _model_for(cfg, run_id, checkpoint)
     eval_run = validate_run_id(f"{run_id or cfg.run.run_id or 'base'}-eval")
     run = RunState(eval_run, 0, 0, model, model, None, False)
-    with inference_server(cfg, run) as url:
+    with inference_server(cfg, run) as server:
+        url = server.url
         if cfg.inference.url and (checkpoint or run_id):
             # An external server must serve the evaluated weights: push them (pause/reload/resume).
             from transformers import AutoModelForCausalLM

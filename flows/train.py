@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
@@ -34,11 +35,17 @@ from tasks.steps import (
 )
 
 
+@dataclass
+class Server:
+    url: str
+    handle: Any = None  # flows.serve.ServerHandle for an embedded server; None for an external URL
+
+
 @contextmanager
 def inference_server(cfg: GRPOConfig, run: RunState):
     """The configured server URL, or an embedded vLLM server for this run (always stopped)."""
     if cfg.inference.url:
-        yield cfg.inference.url
+        yield Server(cfg.inference.url)
         return
     from flows.serve import embedded_server
 
@@ -54,8 +61,8 @@ def inference_server(cfg: GRPOConfig, run: RunState):
         extra_args=tuple(cfg.inference.extra_args),
         log_path=log,
         startup_timeout_s=cfg.inference.startup_timeout_s,
-    ) as server:
-        yield server.url
+    ) as handle:
+        yield Server(handle.url, handle)
 
 
 def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
@@ -139,6 +146,64 @@ def client_kwargs(cfg: GRPOConfig) -> dict[str, Any]:
     )
 
 
+class RolloutPipeline:
+    """Generation + scoring of future steps, submitted up to `max_staleness` ahead of training.
+
+    If the embedded vLLM server dies, its batches fail with InferenceUnavailableError once the client's
+    retries run out: the server is restarted (bounded), brought back to the learner's current weights,
+    and the lost batches are generated again. An external server is someone else's to restart.
+    """
+
+    def __init__(
+        self, cfg: GRPOConfig, rows, server: Server, roll_kw: dict, restore_weights, first_step: int
+    ):
+        self.cfg, self.rows, self.server, self.roll_kw = cfg, rows, server, roll_kw
+        self.restore_weights = restore_weights
+        self.ahead: deque = deque()
+        self.next_step = first_step
+        self.restarts = 0
+
+    def _submit(self, step: int) -> tuple[float, Any, int]:
+        d = self.cfg.data
+        batch_rows, cursor = rows_for_step(self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed,
+                                           shuffle=d.shuffle)  # fmt: skip
+        return time.perf_counter(), rollout_batch.submit(step, batch_rows, cursor, **self.roll_kw), step
+
+    def fill(self, step: int) -> None:
+        while (
+            self.next_step < self.cfg.run.steps and self.next_step <= step + self.cfg.algorithm.max_staleness
+        ):
+            self.ahead.append(self._submit(self.next_step))
+            self.next_step += 1
+
+    def next_batch(self):
+        """(batch, submit time) of the oldest step; recovers from a dead embedded server."""
+        from tasks.inference import InferenceUnavailableError
+
+        while True:
+            t_submit, future, _ = self.ahead[0]
+            try:
+                batch = future.result()
+            except InferenceUnavailableError as e:
+                self.recover(e)
+                continue
+            self.ahead.popleft()
+            return batch, t_submit
+
+    def recover(self, error: Exception) -> None:
+        handle, limit = self.server.handle, 3
+        if handle is None or self.restarts >= limit:
+            why = "external server" if handle is None else f"restarted {self.restarts} times already"
+            raise RuntimeError(f"vLLM server unavailable ({why}); the run is resumable: {error}") from error
+        if not (handle.alive() and handle.healthy()):
+            get_run_logger().warning("vLLM server down (%s); restarting it", error)
+            handle.restart()
+        self.restarts += 1
+        self.restore_weights()
+        # Every in-flight batch may have died with the server: generate them again under new futures.
+        self.ahead = deque(self._submit(step) for _, _, step in self.ahead)
+
+
 @flow(name="grpo-train", log_prints=True)
 def grpo_train(
     config: GRPOConfig | None = None, resume: str | None = None, config_file: str | None = None
@@ -171,7 +236,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     store = RolloutStore(Path(root))
     reporter = StepReporter(cfg, run)
     versions = VersionBox(run.policy_version)
-    with inference_server(cfg, run) as url:
+    with inference_server(cfg, run) as server:
+        url = server.url
         learner = build_learner(cfg, run)
         push_kw = dict(
             url=url,
@@ -183,21 +249,26 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
             push_weights(quote(learner), version=versions.get(), **push_kw)
         roll_kw = rollout_kwargs(cfg, url, run.base_model, versions)
-        ahead: deque = deque()
-        next_gen = run.start_step
+
+        def restore_weights() -> None:
+            push_weights(quote(learner), version=versions.get(), **push_kw)
+
+        pipeline = RolloutPipeline(cfg, rows, server, roll_kw, restore_weights, run.start_step)
+
+        def push(version: int) -> dict:
+            from tasks.inference import InferenceUnavailableError
+
+            try:
+                return push_weights(quote(learner), version=version, versions=quote(versions), **push_kw)
+            except InferenceUnavailableError as e:  # the server died: bring it back, then push again
+                pipeline.recover(e)
+                return push_weights(quote(learner), version=version, versions=quote(versions), **push_kw)
+
         for step in range(run.start_step, steps):
             t_step = time.perf_counter()
-            while next_gen < steps and next_gen <= step + a.max_staleness:
-                batch_rows, cursor = rows_for_step(
-                    rows, next_gen, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
-                )
-                ahead.append(
-                    (time.perf_counter(), rollout_batch.submit(next_gen, batch_rows, cursor, **roll_kw))
-                )
-                next_gen += 1
-            t_submit, future = ahead.popleft()
+            pipeline.fill(step)
             t_wait = time.perf_counter()
-            batch = future.result()
+            batch, t_submit = pipeline.next_batch()
             t_got = time.perf_counter()
             m = dict(batch.metrics)
             m.update(
@@ -216,7 +287,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             m["sync_seconds"] = 0.0
             if (step + 1) % cfg.sync.sync_every == 0 or step == steps - 1:
                 t0 = time.perf_counter()
-                sm = push_weights(quote(learner), version=step + 1, versions=quote(versions), **push_kw)
+                sm = push(step + 1)
                 m.update(sm)
                 m["sync_seconds"] = time.perf_counter() - t0
                 overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])
@@ -240,6 +311,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
             m.update(step_timing(t_step, t_wait, t_got, overhead))
             m["policy_version"] = versions.get()
+            m["server_restarts"] = pipeline.restarts
             store.write_step(run.run_id, step, m)
             reporter.step(step, m)
         reporter.finish()

@@ -88,3 +88,44 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
             proc.kill()
         subprocess.run(["pkill", "-9", "-f", f"api_server.*--port {port}"])
     assert not healthy(url)
+
+
+def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):
+    """SIGKILL the run's own vLLM server mid-run: it is restarted, gets the current weights back, and
+    every step lands exactly once."""
+    import shutil
+    import threading
+
+    from flows.config import load_config
+    from flows.train import grpo_train
+    from storage.rollouts import RolloutStore
+
+    model = tmp_path / "embedded-model"  # a unique path, so pgrep finds only this run's server
+    shutil.copytree(tiny_model_dir, model)
+    cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
+        f"storage.root={tmp_path}", f"model.path={model}", "run.steps=8", "run.run_id=phoenix",
+        "algorithm.max_staleness=1", "inference.retries=2",
+    ])  # fmt: skip
+    store = RolloutStore(tmp_path)
+    killed = []
+
+    def killer():
+        deadline = time.time() + 600
+        while time.time() < deadline and len(store.steps_written("steps", "phoenix")) < 3:
+            time.sleep(0.2)
+        out = subprocess.run(["pgrep", "-f", f"api_server --model {model}"], capture_output=True, text=True)
+        for pid in out.stdout.split():
+            os.killpg(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+
+    t = threading.Thread(target=killer)
+    t.start()
+    try:
+        summary = grpo_train(config=cfg)
+    finally:
+        t.join()
+    assert killed and summary["steps_trained"] == 8
+    for table in ("rollouts", "rewards", "steps"):
+        assert store.steps_written(table, "phoenix") == list(range(8))
+    restarts = [s["server_restarts"] for s in store.read_steps("phoenix")]
+    assert restarts[-1] >= 1 and restarts[0] == 0
