@@ -50,6 +50,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """GET <url>/health answered 200 (vLLM's and Prefect's API both have one)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def _tail(path: Path, n: int = 40) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -97,11 +106,7 @@ class ServerHandle:
         )
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return is_healthy(self.url)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

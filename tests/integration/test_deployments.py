@@ -8,26 +8,17 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from flows.serve import free_port
+from flows.serve import free_port, is_healthy
 from storage.records import RolloutCompletion, RolloutGroup
 from storage.rollouts import RolloutStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
-
-
-def _up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -42,7 +33,7 @@ def prefect_server(tmp_path):
     procs = [server]
     try:
         deadline = time.time() + 180
-        while not _up(api):
+        while not is_healthy(api):
             assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[
                 -2000:
             ]

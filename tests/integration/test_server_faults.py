@@ -8,24 +8,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from flows.serve import free_port
+from flows.serve import free_port, is_healthy
 from tasks.inference import InferenceUnavailableError, VLLMClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def wait_for(pred, timeout: float, what: str, proc=None) -> None:
@@ -57,7 +48,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        wait_for(lambda: healthy(url), 400, "first start", proc)
+        wait_for(lambda: is_healthy(url), 400, "first start", proc)
         first = server_pid(port)
 
         async def in_flight_then_kill():
@@ -71,7 +62,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
                 return time.perf_counter() - t0
 
         assert asyncio.run(in_flight_then_kill()) < 10  # bounded retries, then a clear error
-        wait_for(lambda: healthy(url), 400, "restart by the policy-server flow", proc)
+        wait_for(lambda: is_healthy(url), 400, "restart by the policy-server flow", proc)
         assert server_pid(port) != first
 
         async def works():
@@ -87,7 +78,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         except subprocess.TimeoutExpired:
             proc.kill()
         subprocess.run(["pkill", "-9", "-f", f"api_server.*--port {port}"])
-    assert not healthy(url)
+    assert not is_healthy(url)
 
 
 def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):
