@@ -6,7 +6,6 @@ Only flows see this tree; tasks receive flat, typed arguments taken from it. Val
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from storage.records import validate_run_id
+from tasks.imports import import_object
 
 
 class _Section(BaseModel):
@@ -205,14 +205,10 @@ def _check_import_path(v: str) -> str:
 
 def resolve_import(path: str, field: str) -> Any:
     """Import 'module:attr' or raise ConfigError naming the config field."""
-    module, _, attr = path.partition(":")
     try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
+        return import_object(path)
+    except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}") from e
-    return obj
 
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:

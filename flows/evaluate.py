@@ -15,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
 from flows.config import ConfigError, GRPOConfig, check_imports
+from flows.reporting import artifact_key
 from flows.runs import RunState, load_rows, prepare_model
 from flows.train import inference_server, rollout_kwargs
 from storage.checkpoints import CheckpointStore
@@ -85,7 +86,7 @@ def _publish(groups, eval_run: str, step: int, threshold: float, root: str) -> d
         "pass_rate": sum(r >= threshold for r in valid) / max(1, len(comps)),
         "pass_threshold": threshold,
     }
-    create_table_artifact(table=[result], key=f"{eval_run}-{step}".lower().replace("_", "-").replace(".", "-"),
+    create_table_artifact(table=[result], key=artifact_key(f"{eval_run}-{step}"),
                           description="grpo-evaluate result")  # fmt: skip
     create_markdown_artifact(
         markdown=f"# Evaluation `{eval_run}` at step {step}\n\npass rate **{result['pass_rate']:.3f}** "

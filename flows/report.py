@@ -141,12 +141,14 @@ def grpo_report_flow():
     from prefect import flow
     from prefect.artifacts import create_markdown_artifact
 
+    from flows.reporting import artifact_key
+
     @flow(name="grpo-report")
     def grpo_report(run_id: str, root: str = "runs", out_dir: str | None = None) -> str:
         out = write_report(root, run_id, out_dir)
         create_markdown_artifact(
             markdown=(out / "report.md").read_text() + f"\n\nFiles: `{out}`\n",
-            key=f"{run_id}-report".lower().replace("_", "-").replace(".", "-"),
+            key=artifact_key(f"{run_id}-report"),
             description=f"grpoflow report for {run_id}",
         )
         return str(out)

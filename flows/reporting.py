@@ -48,7 +48,7 @@ class StepReporter:
         self.log = get_run_logger()
         self.progress_id = create_progress_artifact(
             progress=100.0 * run.start_step / self.total,
-            key=_key(f"{run.run_id}-progress"),
+            key=artifact_key(f"{run.run_id}-progress"),
             description=f"grpo-train {run.run_id}: steps done",
         )
         self.bar = None
@@ -83,12 +83,14 @@ class StepReporter:
             self.bar.stop()
         if self.rows:
             create_table_artifact(
-                table=[{k: v for k, v in r.items()} for r in self.rows],
-                key=_key(f"{self.run.run_id}-steps"),
+                table=self.rows,
+                key=artifact_key(f"{self.run.run_id}-steps"),
                 description=f"Step metrics of {self.run.run_id}",
             )
         create_markdown_artifact(
-            markdown=self.markdown(), key=_key(f"{self.run.run_id}-summary"), description="Run summary"
+            markdown=self.markdown(),
+            key=artifact_key(f"{self.run.run_id}-summary"),
+            description="Run summary",
         )
 
     def summary(self) -> dict[str, Any]:
@@ -120,6 +122,6 @@ grpoflow sql --root {root} "SELECT reward_name, status, count(*) FROM rewards GR
 """
 
 
-def _key(s: str) -> str:
+def artifact_key(s: str) -> str:
     # Prefect artifact keys: lowercase letters, numbers and dashes only.
     return "".join(ch if ch.isalnum() else "-" for ch in s.lower())

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
-from flows.config import GRPOConfig, check_imports
+from flows.config import GRPOConfig, check_imports, load_config
 from flows.reporting import StepReporter
 from flows.runs import RunState, load_rows, open_run, prepare_model, rows_for_step, write_meta
 from storage.rollouts import RolloutStore
@@ -213,8 +213,6 @@ def grpo_train(
     `config` is the whole config tree (the Prefect UI renders it as a form); `config_file` (a shipped
     YAML, e.g. configs/tiny-letters.yaml) is used when `config` is not given.
     """
-    from flows.config import load_config
-
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
     check_imports(cfg)  # typos fail here, before any model is loaded or file written
     rows = load_rows(cfg)

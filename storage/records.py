@@ -7,7 +7,6 @@ row per (completion, reward function) for the Parquet tables described in DESIGN
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -368,16 +367,3 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
     for g in groups.values():
         g.completions.sort(key=lambda c: c.sample_index)
     return list(groups.values())
-
-
-def to_json(obj: Any) -> str:
-    """Stable JSON for run metadata (dataclasses and datetimes included)."""
-
-    def default(o: Any) -> Any:
-        if isinstance(o, datetime):
-            return o.isoformat()
-        if hasattr(o, "__dataclass_fields__"):
-            return asdict(o)
-        raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-    return json.dumps(obj, default=default, indent=2, sort_keys=True)

@@ -37,7 +37,7 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     root = Path(root)
     con = duckdb.connect(":memory:")
     for table, schema in SCHEMAS.items():
-        if any((root / table).glob("*/step-*.parquet")) if (root / table).is_dir() else False:
+        if any((root / table).glob("*/step-*.parquet")):
             union = ", union_by_name = true" if table == "steps" else ""
             con.execute(
                 f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_glob(root, table)}', "

@@ -133,7 +133,7 @@ class Rollout:
 
 
 async def _single_turn_group(
-    r: Rollout, row: dict, index: int, prompt_ids: list[int], g: int
+    r: Rollout, index: int, prompt_ids: list[int], g: int
 ) -> list[RolloutCompletion]:
     t0 = time.perf_counter()
     v0 = r.version_fn()
@@ -321,7 +321,7 @@ async def generate_groups(
             if len(prompt_ids) >= r.max_len:
                 comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
             else:
-                comps = await bounded(_single_turn_group(r, row, index, prompt_ids, group_size))
+                comps = await bounded(_single_turn_group(r, index, prompt_ids, group_size))
         else:
             pairs = await asyncio.gather(
                 *(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
-import importlib
 import inspect
 import math
 import multiprocessing as mp
@@ -26,6 +25,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from storage.records import RewardCell, RolloutGroup
+from tasks.imports import import_object
 
 
 class RewardImportError(ImportError):
@@ -43,26 +43,18 @@ class RewardSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _import(path: str) -> Callable[..., Any]:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def resolve_reward(spec: RewardSpec) -> Callable[..., Any]:
     if callable(spec.fn):
         return spec.fn
     try:
-        return _import(spec.fn)
+        return import_object(spec.fn)
     except (ImportError, AttributeError, ValueError) as e:
         raise RewardImportError(f"reward {spec.name!r}: cannot import {spec.fn!r}: {e}") from e
 
 
 def _call_by_path(path: str, kwargs: dict[str, Any]) -> Any:
     """Process-pool entry point: the child imports the function itself (functions don't pickle well)."""
-    return _import(path)(**kwargs)
+    return import_object(path)(**kwargs)
 
 
 def _call_module(fn: Any, kwargs: dict[str, Any]) -> Any:
@@ -96,7 +88,7 @@ def _cells_from_values(spec: RewardSpec, values: Any, n: int, seconds: float) ->
 
     if hasattr(values, "tolist"):  # numpy arrays and torch tensors
         values = values.tolist()
-    if isinstance(values, str | bytes | dict) or not isinstance(values, Sequence | tuple | list):
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         return [cell(None, "failed", f"returned {type(values).__name__}, expected a list of {n} numbers")] * n
     values = list(values)
     if len(values) != n:

@@ -8,7 +8,6 @@ wrapped in `quote(...)` so Prefect's argument walker never traverses token lists
 from __future__ import annotations
 
 import asyncio
-import importlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from storage.checkpoints import CheckpointStore
 from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
 from tasks.grpo import group_advantages
+from tasks.imports import import_object
 
 
 class VersionBox:
@@ -51,24 +51,10 @@ class RolloutBatch:
     body_end: float = 0.0
 
 
-def _tokenizer(path: str):
-    from tasks.generate import load_tokenizer
-
-    return load_tokenizer(path)
-
-
-def _resolve(path: str):
-    module, _, attr = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _tool_kwargs(tool_paths: list[str], environment_path: str | None, **rest) -> dict[str, Any]:
     return dict(
-        tools=[_resolve(p) for p in tool_paths] or None,
-        environment_factory=_resolve(environment_path) if environment_path else None,
+        tools=[import_object(p) for p in tool_paths] or None,
+        environment_factory=import_object(environment_path) if environment_path else None,
         **rest,
     )
 
@@ -86,7 +72,7 @@ async def _rollout_async(
     versions: VersionBox,
     client_kwargs,
 ) -> RolloutBatch:
-    from tasks.generate import generate_groups
+    from tasks.generate import generate_groups, load_tokenizer
     from tasks.inference import VLLMClient
     from tasks.score import score_groups_async
 
@@ -96,7 +82,7 @@ async def _rollout_async(
             rows,
             prompt_indices,
             backend=client,
-            tokenizer=_tokenizer(tokenizer_path),
+            tokenizer=load_tokenizer(tokenizer_path),
             version_fn=versions.get,
             **gen,
             **_tool_kwargs(**tools),
