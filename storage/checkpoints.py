@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from storage.faults import failpoint
 from storage.records import validate_run_id
 from storage.rollouts import fsync_dir
 
@@ -25,8 +26,9 @@ STATE_FILE = "state.json"
 class VersionedDirs:
     """Directories `<base>/<run>/<prefix><NNNNNN>/`, each published atomically with a marker file."""
 
-    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE):
+    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE, failpoint: str | None = None):
         self.base, self.prefix, self.marker = Path(base), prefix, marker
+        self.failpoint = failpoint  # storage.faults point hit just before publishing
 
     def run_dir(self, run_id: str) -> Path:
         return self.base / validate_run_id(run_id)
@@ -74,6 +76,8 @@ class VersionedDirs:
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
+            if self.failpoint:
+                failpoint(self.failpoint)
             if final.exists():  # re-saving the same step: move the old one aside, then replace
                 old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
                 os.replace(final, old)
@@ -109,7 +113,7 @@ class CheckpointStore:
     """Training checkpoints: `<root>/checkpoints/<run>/step-<NNNNNN>/` with a `state.json`."""
 
     def __init__(self, root: str | Path):
-        self.dirs = VersionedDirs(Path(root) / "checkpoints", "step-")
+        self.dirs = VersionedDirs(Path(root) / "checkpoints", "step-", failpoint="checkpoint_write")
 
     def save(
         self,

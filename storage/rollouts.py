@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.faults import failpoint
 from storage.records import (
     REWARDS_SCHEMA,
     ROLLOUTS_SCHEMA,
@@ -66,6 +67,7 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        failpoint("parquet_write")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -177,9 +179,15 @@ class RolloutStore:
         return sorted(found)
 
     def delete_steps_after(self, run_id: str, step: int) -> list[Path]:
-        """Remove every table's files with a step > `step` (a resumed run redoes those steps)."""
+        """Remove every table's files with a step > `step` (a resumed run redoes those steps), and the
+        temp files a killed writer left behind (never visible to readers, but they take space)."""
         removed = []
         for table in TABLES:
+            d = self.table_dir(table, run_id)
+            if d.is_dir():
+                for tmp in d.glob(".step-*.tmp"):
+                    tmp.unlink(missing_ok=True)
+                    removed.append(tmp)
             for s in self.steps_written(table, run_id):
                 if s > step:
                     p = self.step_path(table, run_id, s)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
@@ -328,6 +329,7 @@ async def generate_groups(
             )
             comps = [c for c, _ in pairs]
             prompt_ids = pairs[0][1]  # the same for every sample (environment reset notes included)
+        failpoint("generate")
         return RolloutGroup(
             group_id=f"{split}-{index:08d}",
             prompt_index=index,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import functools
 import inspect
 import math
 import multiprocessing as mp
@@ -24,8 +23,10 @@ from typing import Any, Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from storage.faults import failpoint
 from storage.records import RewardCell, RolloutGroup
 from tasks.imports import import_object
+from tasks.threads import in_daemon_thread
 
 
 class RewardImportError(ImportError):
@@ -124,9 +125,9 @@ async def _run_one(
             no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
             coro = loop.run_in_executor(pools["process"], _call_by_path, spec.fn, no_env)
         elif _is_module(fn):
-            coro = loop.run_in_executor(pools["thread"], _call_module, fn, kwargs)
-        else:
-            coro = loop.run_in_executor(pools["thread"], functools.partial(fn, **kwargs))
+            coro = in_daemon_thread(_call_module, fn, kwargs)
+        else:  # a daemon thread: a hung function is abandoned at its timeout, never joined
+            coro = in_daemon_thread(fn, **kwargs)
         values = await asyncio.wait_for(coro, timeout=spec.timeout_s)
     except TimeoutError:
         dt = time.perf_counter() - t0
@@ -213,15 +214,11 @@ async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardSpec]
     """Score every completion with every reward, concurrently; fills the completions in place."""
     t0 = time.perf_counter()
     inputs = _batch_inputs(groups)
-    threads = cf.ThreadPoolExecutor(max_workers=max(4, len(specs)), thread_name_prefix="reward")
-    pools: dict[str, cf.Executor] = {"thread": threads}
+    pools: dict[str, cf.Executor] = {}
     if any(s.executor == "process" for s in specs):
         pools["process"] = _process_pool()
-    try:
-        per_fn = await asyncio.gather(*(_run_one(s, inputs, pools) for s in specs))
-    finally:
-        # A timed-out sync function keeps its thread; don't wait for it (it must not hang the batch).
-        threads.shutdown(wait=False, cancel_futures=True)
+    per_fn = await asyncio.gather(*(_run_one(s, inputs, pools) for s in specs))
+    failpoint("score")
     _apply(groups, specs, per_fn)
     return _metrics(groups, specs, per_fn, time.perf_counter() - t0)
 

@@ -18,6 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from storage.checkpoints import CheckpointStore
+from storage.faults import failpoint
 from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
 from tasks.grpo import group_advantages
@@ -166,6 +167,7 @@ def persist_step_fn(root: str, run_id: str, step: int, groups: list[RolloutGroup
 def train_fn(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     from tasks.learn import samples_from_groups
 
+    failpoint("train")
     return learner.train_step(samples_from_groups(groups))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from storage.checkpoints import weights_store
+from storage.faults import failpoint
 from tasks.inference import InferenceError, VLLMClient
 
 
@@ -57,6 +58,7 @@ class CheckpointWeightPush:
         )
         t1 = time.perf_counter()
         await self.client.pause(mode="keep", clear_cache=False)
+        failpoint("weight_push")
         try:
             try:
                 await self.client.reload_weights(str(path))

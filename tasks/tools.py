@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from storage.records import ToolCallRecord
+from tasks.threads import in_daemon_thread
 
 
 @dataclass
@@ -121,8 +122,9 @@ class ToolBox:
             if inspect.iscoroutinefunction(fn):
                 out = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
             else:
-                # A thread, so a slow sync tool never blocks other rollouts on the event loop.
-                out = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), self.timeout_s)
+                # A thread, so a slow sync tool never blocks other rollouts on the event loop; a
+                # daemon thread, so a hung one is abandoned after its timeout.
+                out = await asyncio.wait_for(in_daemon_thread(fn, **call.arguments), self.timeout_s)
         except TimeoutError:
             err = f"tool {call.name} timed out after {self.timeout_s}s"
             return record(f"Error: {err}", err)

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -143,12 +142,28 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
+# SIGKILL at each named point of a step (storage/faults.py), then `grpoflow train --resume`.
+# 6 steps x 8 groups, checkpoints after steps 1, 3 and 5, max_staleness 1, one push per step (the
+# initial push to the external server is push 1).
+KILL_POINTS = {
+    "generation": "generate@28:kill",  # the 4th group of step 3, generated while step 2 trains
+    "scoring": "score@3:kill",  # step 2's rewards computed, not yet applied
+    "parquet_write": "parquet_write@8:kill",  # step 2's rewards file fsynced, not yet renamed
+    "weight_push": "weight_push@3:kill",  # step 1's weights saved, server paused, no reload yet
+    "checkpoint_write": "checkpoint_write@2:kill",  # step 3's checkpoint written, not yet published
+}
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_has_every_step_once(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    """Kill the training process (SIGKILL) mid-run, resume it, and find each step exactly once."""
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_at_each_point_then_resume_has_every_step_once(
+    point, tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """SIGKILL the training process at a named point; after --resume every table has each step once,
+    checkpoints are whole, and the data cursor and policy version continue."""
     from prefect.settings import PREFECT_API_URL
 
-    steps, kill_after = 8, 4
+    steps, per_step, run_id = 6, 8, "killme"
     sets = [
         f"storage.root={tmp_path}",
         f"model.path={tiny_model_dir}",
@@ -159,34 +174,61 @@ def test_sigkill_then_resume_has_every_step_once(tmp_path, vllm_server, tiny_mod
     ]
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     set_args = [a for s in sets for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", "killme", *set_args]
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    while time.time() < deadline and len(step_files(tmp_path, "steps", "killme")) < kill_after:
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done_before = step_files(tmp_path, "steps", "killme")
-    assert kill_after <= len(done_before) < steps
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
+    try:
+        killed = subprocess.run(
+            cmd, cwd=REPO, env={**env, "GRPOFLOW_FAULTS": KILL_POINTS[point]},
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+        done_before = step_files(tmp_path, "steps", run_id)
+        assert len(done_before) < steps
+        # what a reader sees right after the crash is whole steps only
+        _, rows = query(tmp_path, "SELECT step, count(*) FROM rollouts GROUP BY step")
+        assert all(n == per_step * 8 for _, n in rows)
 
-    resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", "killme", *set_args]
-    resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
+        resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    finally:  # a kill at weight_push leaves the shared server paused; later tests need it serving
+        import asyncio
+
+        from tasks.inference import VLLMClient
+
+        async def unpause():
+            async with VLLMClient(vllm_server.url) as c:
+                await c.resume()
+
+        asyncio.run(unpause())
     for table in ("rollouts", "rewards", "steps"):
-        assert step_files(tmp_path, table, "killme") == list(range(steps)), table
+        assert step_files(tmp_path, table, run_id) == list(range(steps)), table
+        leftovers = list((tmp_path / table / f"run_id={run_id}").glob(".*"))
+        assert not leftovers, leftovers  # the killed writer's temp files were swept
     _, rows = query(
         tmp_path,
         "SELECT step, count(*), count(DISTINCT group_id), min(prompt_index), "
         "max(prompt_index) FROM rollouts GROUP BY step ORDER BY step",
     )
-    per_step = 8  # prompts_per_step of tiny-letters.yaml
     for step, n, groups, lo, hi in rows:
         assert groups == per_step and n == per_step * 8
         # the data cursor continues exactly: step s trains rows s*per_step .. s*per_step+per_step-1
         assert (lo, hi) == (step * per_step, step * per_step + per_step - 1)
-    _, dup = query(
-        tmp_path, "SELECT count(*) FROM (SELECT step FROM steps GROUP BY step HAVING count(*) > 1)"
-    )
-    assert dup[0][0] == 0
+    _, rows = query(tmp_path, "SELECT count(*), count(DISTINCT (group_id, sample_index)) FROM rewards")
+    assert rows[0] == (steps * per_step * 8, steps * per_step * 8)  # one reward cell per completion
+    # the policy version continues: one push per step, so step s trains version s -> s+1
+    _, vrows = query(tmp_path, "SELECT step, policy_version FROM steps ORDER BY step")
+    assert [v for _, v in vrows] == [s + 1 for s in range(steps)]
+    # checkpoints are whole: published ones load, no temp dir is left
+    from safetensors import safe_open
+
+    from storage.checkpoints import CheckpointStore
+
+    ckpts = CheckpointStore(tmp_path)
+    assert ckpts.list(run_id) == [3, 5]  # keep_checkpoints=2 of steps 1, 3, 5
+    for n in ckpts.list(run_id):
+        d = ckpts.dirs.path(run_id, n)
+        assert CheckpointStore.load_state(d)["step"] == n
+        with safe_open(str(d / "model" / "model.safetensors"), "pt") as f:
+            assert len(list(f.keys())) > 0
+        assert (d / "trainer_state.pt").stat().st_size > 0
+    assert not [p for p in (tmp_path / "checkpoints" / run_id).iterdir() if p.name.startswith(".")]

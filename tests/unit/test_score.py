@@ -211,7 +211,7 @@ def test_nn_module_reward_model_runs_off_the_loop():
     groups = make_groups(1, 2)
     score_groups(groups, [RewardSpec("rm", model)])
     assert [c.reward for c in groups[0].completions] == [1.0, 2.0]
-    assert model.thread.startswith("reward")
+    assert model.thread.startswith("grpoflow-")  # a daemon worker thread, not the event loop
 
 
 def test_bad_import_path_is_named():

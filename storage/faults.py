@@ -1,0 +1,74 @@
+"""Failpoints: named places where crash-safety tests and benchmarks/faults.py inject faults.
+
+They live in `storage`, the lowest layer, so that every layer can call them.
+
+Inert unless the environment variable GRPOFLOW_FAULTS is set (one dict lookup per call otherwise).
+Its value is a comma-separated list of `<point>[@<hit>]:<action>`:
+
+    GRPOFLOW_FAULTS="parquet_write@5:kill"     SIGKILL this process at the 5th Parquet write
+    GRPOFLOW_FAULTS="train:sleep=0.5"          every train step sleeps 0.5 s (a slow learner)
+
+`hit` counts the calls of that point in this process (1-based); without it the action fires on every
+call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the worst crash there is) and
+`sleep=<seconds>`. Points, in the order a step reaches them:
+
+    generate          a group's completions are done (generation is still going for the others)
+    score             the rewards of a batch are computed, not yet applied
+    parquet_write     a Parquet file is written and fsynced under its temp name, not yet renamed
+    train             a train step is about to run
+    weight_push       new weights are saved and the server is paused, the reload not yet requested
+    checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+ENV = "GRPOFLOW_FAULTS"
+POINTS = ("generate", "score", "parquet_write", "train", "weight_push", "checkpoint_write")
+
+_hits: Counter[str] = Counter()
+_lock = threading.Lock()
+_parsed: tuple[str, list[tuple[str, int | None, str, float]]] | None = None
+
+
+def parse(spec: str) -> list[tuple[str, int | None, str, float]]:
+    """`point[@hit]:action` items -> (point, hit, action, arg); a clear error names the bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        where, _, action = item.partition(":")
+        point, _, hit = where.partition("@")
+        if point not in POINTS:
+            raise ValueError(f"{ENV}: unknown failpoint {point!r} in {item!r}; known: {', '.join(POINTS)}")
+        if hit and not hit.isdigit():
+            raise ValueError(f"{ENV}: hit count must be a positive integer in {item!r}")
+        name, _, arg = action.partition("=")
+        if name == "kill" and not arg:
+            out.append((point, int(hit) if hit else None, "kill", 0.0))
+        elif name == "sleep" and arg:
+            out.append((point, int(hit) if hit else None, "sleep", float(arg)))
+        else:
+            raise ValueError(f"{ENV}: action must be 'kill' or 'sleep=<seconds>' in {item!r}")
+    return out
+
+
+def failpoint(point: str) -> None:
+    """Count a call of `point` and run the fault configured for it, if any."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    global _parsed
+    with _lock:
+        if _parsed is None or _parsed[0] != spec:
+            _parsed = (spec, parse(spec))
+        _hits[point] += 1
+        n = _hits[point]
+        todo = [(a, arg) for p, hit, a, arg in _parsed[1] if p == point and hit in (None, n)]
+    for action, arg in todo:
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(arg)

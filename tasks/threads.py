@@ -1,0 +1,38 @@
+"""Blocking user code (sync tools and reward functions) on daemon threads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+async def in_daemon_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn(*args, **kwargs)` on its own daemon thread and await the result.
+
+    Unlike `asyncio.to_thread` or a ThreadPoolExecutor, a call that never returns (a hung tool or reward
+    function) is abandoned once its caller's timeout fires: it blocks neither `asyncio.run`'s executor
+    shutdown nor interpreter exit, so one bad function can never stall a step or a run.
+    """
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():  # cancelled by a timeout: nobody wants the late result
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target() -> None:
+        try:
+            value, ok = ctx.run(fn, *args, **kwargs), True
+        except BaseException as e:  # handed to the awaiting coroutine, which classifies it
+            value, ok = e, False
+        with contextlib.suppress(RuntimeError):  # a closed loop: its caller gave up long ago
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    name = f"grpoflow-{getattr(fn, '__name__', 'call')}"
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await fut

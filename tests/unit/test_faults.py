@@ -1,0 +1,115 @@
+"""Failpoints (storage/faults.py) and hung user code: a stuck tool or reward never stalls a run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from storage import faults
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_py(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_spec_parsing_and_clear_errors():
+    assert faults.parse("parquet_write@5:kill, train:sleep=0.25") == [
+        ("parquet_write", 5, "kill", 0.0),
+        ("train", None, "sleep", 0.25),
+    ]
+    with pytest.raises(ValueError, match="unknown failpoint 'parket_write'"):
+        faults.parse("parket_write:kill")
+    with pytest.raises(ValueError, match="hit count must be a positive integer in 'score@x:kill'"):
+        faults.parse("score@x:kill")
+    with pytest.raises(ValueError, match="action must be 'kill' or 'sleep=<seconds>' in 'score:explode'"):
+        faults.parse("score:explode")
+
+
+def test_failpoints_are_inert_without_the_variable(monkeypatch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    for p in faults.POINTS:
+        faults.failpoint(p)  # nothing happens, nothing is counted
+
+
+def test_kill_fires_at_exactly_the_configured_hit():
+    out = run_py(
+        """
+        from storage.faults import failpoint
+        for i in range(1, 6):
+            print(i, flush=True)
+            failpoint("score")
+        """,
+        GRPOFLOW_FAULTS="score@3:kill",
+    )
+    assert out.returncode == -signal.SIGKILL
+    assert out.stdout.split() == ["1", "2", "3"]  # killed inside the 3rd call, not before or after
+
+
+def test_atomic_parquet_write_killed_before_rename_leaves_no_visible_file(tmp_path):
+    out = run_py(
+        f"""
+        import pyarrow as pa
+        from storage.rollouts import atomic_write_parquet
+        atomic_write_parquet(__import__("pathlib").Path({str(tmp_path)!r}) / "step-000000.parquet",
+                             pa.table({{"x": [1, 2, 3]}}))
+        """,
+        GRPOFLOW_FAULTS="parquet_write@1:kill",
+    )
+    assert out.returncode == -signal.SIGKILL
+    assert not list(tmp_path.glob("*.parquet"))  # readers' glob sees nothing
+    assert len(list(tmp_path.glob(".step-000000.parquet.*.tmp"))) == 1  # swept on resume
+
+
+def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
+    """A sync reward and a sync tool that never return: both time out, the step's asyncio.run
+    returns, and the interpreter exits (asyncio.to_thread or a ThreadPoolExecutor would join them)."""
+    out = run_py(
+        """
+        import asyncio, threading
+        from storage.records import RolloutCompletion, RolloutGroup
+        from tasks.score import RewardSpec, score_groups
+        from tasks.tools import ParsedCall, ToolBox
+
+        def stuck(completions, **_):
+            threading.Event().wait()
+
+        def ok(completions, **_):
+            return [1.0] * len(completions)
+
+        def stuck_tool(x: int) -> str:
+            threading.Event().wait()
+
+        comp = RolloutCompletion(sample_index=0, completion="a", completion_ids=[1],
+                                 completion_mask=[1], logprobs=[-1.0])
+        groups = [RolloutGroup(group_id="g", prompt_index=0, prompt="p", prompt_ids=[1],
+                               completions=[comp])]
+        m = score_groups(groups, [RewardSpec("stuck", stuck, timeout_s=0.5, required=False),
+                                  RewardSpec("ok", ok)])
+        print("reward", m["reward/stuck/timeout_rate"], comp.reward)
+        box = ToolBox.from_functions([stuck_tool], timeout_s=0.5)
+        rec = asyncio.run(box.call(ParsedCall("stuck_tool", {"x": 1}, "{}"), turn=0))
+        print("tool", rec.failed, rec.error)
+        """,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "reward 1.0 1.0"  # the optional stuck reward timed out; the run goes on
+    assert lines[1] == "tool True tool stuck_tool timed out after 0.5s"
