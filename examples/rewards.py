@@ -7,6 +7,7 @@ one value per completion; None means "no meaningful score" and masks the complet
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 
@@ -67,3 +68,52 @@ def slow_sync(completions: list[str], delay: float = 0.2, **_) -> list[float]:
 async def slow_async(completions: list[str], delay: float = 0.2, **_) -> list[float]:
     await asyncio.sleep(delay)
     return [float(len(c)) for c in completions]
+
+
+# --- misbehaving rewards and tools, for fault drills (configs/tiny-faults.yaml, benchmarks/faults.py) --
+
+
+def _unit(*parts: object) -> float:
+    """A deterministic pseudo-random number in [0, 1) from `parts` (stable across processes)."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def chaos_letters(
+    completions: list[str], fail_rate: float = 0.3, target_letter: str = "a", **_
+) -> list[float | None]:
+    """letter_fraction, except that about `fail_rate` of the values come back broken in mixed ways:
+    None and NaN (status `invalid`) and a string (status `failed`: the whole call's values are rejected
+    only when the length is wrong, so a non-numeric value fails just its own cell)."""
+    out: list[float | str | None] = []
+    for i, (text, value) in enumerate(
+        zip(completions, letter_fraction(completions, target_letter), strict=True)
+    ):
+        u = _unit(text, i)
+        if u < fail_rate / 3:
+            out.append(None)
+        elif u < 2 * fail_rate / 3:
+            out.append(float("nan"))
+        elif u < fail_rate:
+            out.append("not a number")
+        else:
+            out.append(value)
+    return out  # type: ignore[return-value]
+
+
+_STUCK_CALLS = itertools.count()
+
+
+def sometimes_stuck(
+    completions: list[str], pattern: str = "ok,hang,ok,raise", hang_s: float = 3600.0, **_
+) -> list[float]:
+    """A whole-batch reward that, call after call, follows `pattern`: `ok`, `hang` (far past any sane
+    timeout) or `raise`; a flaky remote judge."""
+    mode = pattern.split(",")[next(_STUCK_CALLS) % len(pattern.split(","))].strip()
+    if mode == "hang":
+        time.sleep(hang_s)
+    elif mode == "raise":
+        raise RuntimeError("reward service unavailable")
+    return [float(len(c)) / 100 for c in completions]

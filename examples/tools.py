@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import time
 
 _OPS = {
     ast.Add: operator.add,
@@ -46,3 +47,16 @@ def calculator(expression: str) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
+
+
+def flaky_lookup(key: int) -> str:
+    """Look up the value stored under a key.
+
+    Args:
+        key: A key between 0 and 9.
+    """
+    if key % 4 == 0:
+        time.sleep(3600)  # a hung backend: the tool timeout must cut it off
+    if key % 4 == 1:
+        raise ConnectionError(f"lookup backend refused key {key}")
+    return f"value {key * 7}"

@@ -24,6 +24,9 @@ def cmd_train(args) -> int:
         overrides.append(f"run.run_id={args.run_id}")
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     cfg = load_config(config_path, overrides)
+    from flows.runs import preflight
+
+    preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
     from flows.train import grpo_train
 
     summary = grpo_train(config=cfg, resume=args.resume)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.config import ConfigError, GRPOConfig, resolve_import
+from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
@@ -33,6 +33,28 @@ class RunState:
     resumed: bool
 
 
+def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]]:
+    """Every check that can fail without loading a model or writing a file; returns the dataset rows.
+
+    Run by `grpoflow train` before a flow run is even created, and again by the flow (deployments).
+    """
+    check_imports(cfg)  # reward / tool / environment / generator import paths
+    rows = load_rows(cfg)
+    if cfg.model.path != "tiny":
+        check_model_dir(Path(cfg.model.path))
+    store = RolloutStore(Path(cfg.storage.root))
+    if resume is not None:
+        try:
+            validate_run_id(resume)
+        except ValueError as e:
+            raise ConfigError(f"--resume: {e}") from None
+        if store.read_run_meta(resume) is None:
+            raise ConfigError(f"--resume: no run {resume!r} under {cfg.storage.root}")
+    elif cfg.run.run_id and store.read_run_meta(cfg.run.run_id) is not None:
+        raise ConfigError(f"run.run_id: run {cfg.run.run_id!r} already exists; use --resume {cfg.run.run_id}")
+    return rows
+
+
 def prepare_model(cfg: GRPOConfig) -> Path:
     """Resolve `model.path`; 'tiny' builds the tiny random model once under <root>/models/tiny."""
     if cfg.model.path == "tiny":
@@ -42,7 +64,10 @@ def prepare_model(cfg: GRPOConfig) -> Path:
 
             build_tiny_model(out, seed=cfg.run.seed)
         return out
-    p = Path(cfg.model.path)
+    return check_model_dir(Path(cfg.model.path))
+
+
+def check_model_dir(p: Path) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path: {p} is not a model directory (no config.json)")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 REPO = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server, stdlib only
 
 
 class ServerStartError(RuntimeError):
@@ -189,10 +190,15 @@ def server_command(
         # request is split by chunked prefill; whole-prompt prefill with a large token budget avoids it.
         budget = max(8192, max_model_len or 0)
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-    if api_key:
-        cmd += ["--api-key", api_key]
     cmd += list(extra_args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
+        # leaves the control endpoints open, so a middleware guards every path but /health.
+        env["VLLM_API_KEY"] = api_key
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
+        cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     if _cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning

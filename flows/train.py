@@ -18,9 +18,9 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
-from flows.config import GRPOConfig, check_imports, load_config
+from flows.config import GRPOConfig, load_config
 from flows.reporting import StepReporter
-from flows.runs import RunState, load_rows, open_run, prepare_model, rows_for_step, write_meta
+from flows.runs import RunState, open_run, preflight, prepare_model, rows_for_step, write_meta
 from storage.rollouts import RolloutStore
 from tasks.learn import Learner
 from tasks.score import RewardSpec
@@ -214,8 +214,7 @@ def grpo_train(
     YAML, e.g. configs/tiny-letters.yaml) is used when `config` is not given.
     """
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
-    check_imports(cfg)  # typos fail here, before any model is loaded or file written
-    rows = load_rows(cfg)
+    rows = preflight(cfg, resume)  # bad input fails here, before any model is loaded or file written
     base = prepare_model(cfg)
     run = open_run(cfg, resume, base)
     flow_run = FlowRunContext.get()

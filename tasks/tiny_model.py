@@ -102,3 +102,58 @@ def build_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def teach_tool_calls(
+    model_dir: str | Path,
+    tool,
+    make_arguments,
+    prompts: list[str],
+    *,
+    steps: int = 150,
+    lr: float = 3e-3,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> Path:
+    """Supervised warm-up of a tiny model (in place): after any of `prompts`, write one Hermes tool call
+    to `tool` with `make_arguments(rng)` as arguments, then end the turn.
+
+    A random model never writes a well-formed tool call, so tool paths (and tool faults) would never be
+    exercised through the real server; a few seconds of SFT make most sampled completions a call.
+    """
+    import json
+    import random
+
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tasks.tools import tool_schema
+
+    out = Path(model_dir)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = LlamaForCausalLM.from_pretrained(out)
+    schemas, rng = [tool_schema(tool)], random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        ids, labels = [], []
+        for _ in range(batch_size):
+            msgs = [{"role": "user", "content": rng.choice(prompts)}]
+            prompt = tok.apply_chat_template(msgs, tools=schemas, add_generation_prompt=True, tokenize=False)
+            call = json.dumps({"name": tool.__name__, "arguments": make_arguments(rng)})
+            p_ids = tok.encode(prompt, add_special_tokens=False)
+            t_ids = tok.encode(f"<tool_call>{call}</tool_call><|im_end|>", add_special_tokens=False)
+            ids.append(p_ids + t_ids)
+            labels.append([-100] * len(p_ids) + t_ids)
+        width = max(map(len, ids))
+        pad = tok.pad_token_id
+        x = torch.tensor([s + [pad] * (width - len(s)) for s in ids])
+        y = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in ids])
+        loss = model(input_ids=x, attention_mask=attn, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out, safe_serialization=True)
+    return out

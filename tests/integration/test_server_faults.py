@@ -1,4 +1,5 @@
-"""Server faults with real processes: SIGKILL the vLLM server mid-request under `grpoflow serve`."""
+"""Server faults with real processes: SIGKILL the vLLM server mid-request under `grpoflow serve` (run with
+an API key, which must guard every endpoint but /health)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,8 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    key = "grpoflow-test-key"
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), GRPOFLOW_API_KEY=key)
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir),
@@ -50,9 +54,18 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
     try:
         wait_for(lambda: is_healthy(url), 400, "first start", proc)
         first = server_pid(port)
+        # With a key, every endpoint but /health needs it, the control ones (weight reload) included,
+        # and the key never appears on a command line.
+        for method, path in [("POST", "/v1/completions"), ("POST", "/pause"), ("POST", "/collective_rpc")]:
+            req = urllib.request.Request(url + path, data=b"{}", method=method)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401, path
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "api_server" in ps and key not in ps
 
         async def in_flight_then_kill():
-            async with VLLMClient(url, retries=2, backoff_s=0.2) as c:
+            async with VLLMClient(url, api_key=key, retries=2, backoff_s=0.2) as c:
                 req = asyncio.create_task(c.complete([5] * 16, max_tokens=1000, temperature=1.0, seed=1))
                 await asyncio.sleep(0.3)
                 os.killpg(first, signal.SIGKILL)
@@ -66,7 +79,9 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         assert server_pid(port) != first
 
         async def works():
-            async with VLLMClient(url) as c:
+            async with VLLMClient(url, api_key=key) as c:
+                await c.pause(mode="keep", clear_cache=False)  # the client sends the key everywhere
+                await c.resume()
                 return await c.complete([5] * 8, max_tokens=4, temperature=0.0)
 
         assert len(asyncio.run(works())[0].token_ids) >= 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import load_config
+from storage.faults import KILL_DRILL, KILL_DRILL_SETS
 from storage.sql import query
 
 pytestmark = pytest.mark.integration
@@ -142,20 +143,11 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
-# SIGKILL at each named point of a step (storage/faults.py), then `grpoflow train --resume`.
-# 6 steps x 8 groups, checkpoints after steps 1, 3 and 5, max_staleness 1, one push per step (the
-# initial push to the external server is push 1).
-KILL_POINTS = {
-    "generation": "generate@28:kill",  # the 4th group of step 3, generated while step 2 trains
-    "scoring": "score@3:kill",  # step 2's rewards computed, not yet applied
-    "parquet_write": "parquet_write@8:kill",  # step 2's rewards file fsynced, not yet renamed
-    "weight_push": "weight_push@3:kill",  # step 1's weights saved, server paused, no reload yet
-    "checkpoint_write": "checkpoint_write@2:kill",  # step 3's checkpoint written, not yet published
-}
+# SIGKILL at each named point of a step (storage/faults.py: KILL_DRILL), then `grpoflow train --resume`.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", list(KILL_POINTS))
+@pytest.mark.parametrize("point", list(KILL_DRILL))
 def test_sigkill_at_each_point_then_resume_has_every_step_once(
     point, tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
@@ -168,16 +160,14 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
         f"storage.root={tmp_path}",
         f"model.path={tiny_model_dir}",
         f"inference.url={vllm_server.url}",
-        f"run.steps={steps}",
-        "run.checkpoint_every=2",
-        "algorithm.max_staleness=1",
+        *KILL_DRILL_SETS,
     ]
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     set_args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
     try:
         killed = subprocess.run(
-            cmd, cwd=REPO, env={**env, "GRPOFLOW_FAULTS": KILL_POINTS[point]},
+            cmd, cwd=REPO, env={**env, "GRPOFLOW_FAULTS": KILL_DRILL[point]},
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]

@@ -1,0 +1,203 @@
+"""Fault matrix: inject each fault into a real run, and count what it cost.
+
+One vLLM CPU server (tiny model) and one temporary Prefect API are shared by every drill:
+
+- SIGKILL of the training process at each named point (storage/faults.py KILL_DRILL), then
+  `grpoflow train --resume`;
+- SIGKILL of the run's own embedded vLLM server mid-run (the flow restarts it);
+- ~30% failing reward cells in mixed ways, a reward that hangs or raises, and a tool that hangs or raises
+  (configs/tiny-faults.yaml, with the tiny model taught to call the tool).
+
+Per drill it prints one JSON object: faults injected, whether the run completed, rows lost (expected
+completions minus stored ones), duplicate rows, and wall seconds. Then a table.
+
+    .venv/bin/python benchmarks/faults.py [--skip-server-kill]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+REPO = Path(__file__).resolve().parents[1]
+PER_STEP, GROUP = 8, 8  # prompts per step and group size of configs/tiny-letters.yaml / tiny-faults.yaml
+
+
+def store_counts(root: Path, run_id: str, steps: int) -> dict:
+    from storage.sql import query
+
+    _, rows = query(
+        root,
+        f"SELECT count(*), count(DISTINCT (step, group_id, sample_index)) FROM rollouts WHERE run_id = '{run_id}'",
+    )
+    n, distinct = rows[0]
+    _, srows = query(root, f"SELECT count(*), count(DISTINCT step) FROM steps WHERE run_id = '{run_id}'")
+    return {
+        "rows_lost": steps * PER_STEP * GROUP - distinct,
+        "duplicate_rows": n - distinct + (srows[0][0] - srows[0][1]),
+        "steps_stored": srows[0][1],
+    }
+
+
+def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
+    from storage.faults import KILL_DRILL, KILL_DRILL_SETS
+
+    out = []
+    for point, spec in KILL_DRILL.items():
+        run_id = f"kill-{point.replace('_', '-')}"
+        sets = [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", *KILL_DRILL_SETS]
+        args = [a for s in sets for a in ("--set", s)]
+        base = [sys.executable, "-m", "flows.cli", "train"]
+        t0 = time.perf_counter()
+        first = subprocess.run([*base, "--run-id", run_id, *args], cwd=REPO, capture_output=True,
+                               env={**env, "GRPOFLOW_FAULTS": spec}, timeout=900)  # fmt: skip
+        again = subprocess.run([*base, "--resume", run_id, *args], cwd=REPO, capture_output=True, env=env,
+                               timeout=900)  # fmt: skip
+        out.append(
+            {
+                "fault": f"SIGKILL at {point}",
+                "faults_injected": int(first.returncode == -signal.SIGKILL),
+                "completed": again.returncode == 0,
+                **store_counts(root, run_id, 6),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def server_kill_drill(root: Path, model: Path) -> dict:
+    """The run's own embedded server is SIGKILLed after step 3 is stored."""
+    from flows.config import load_config
+    from flows.train import grpo_train
+    from storage.rollouts import RolloutStore
+
+    own = root / "embedded-model"  # a unique path, so pgrep finds only this run's server
+    shutil.copytree(model, own)
+    steps, run_id = 8, "kill-server"
+    cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
+        f"storage.root={root}", f"model.path={own}", f"run.steps={steps}", f"run.run_id={run_id}",
+        "algorithm.max_staleness=1", "inference.retries=2",
+    ])  # fmt: skip
+    store, killed = RolloutStore(root), []
+
+    def killer():
+        deadline = time.time() + 900
+        while time.time() < deadline and len(store.steps_written("steps", run_id)) < 3:
+            time.sleep(0.2)
+        pids = subprocess.run(["pgrep", "-f", f"api_server --model {own}"], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            os.killpg(int(pid), signal.SIGKILL)
+            killed.append(pid)
+
+    t0 = time.perf_counter()
+    t = threading.Thread(target=killer)
+    t.start()
+    try:
+        completed = grpo_train(config=cfg)["steps_trained"] == steps
+    except Exception as e:
+        print(f"server-kill run failed: {e!r}", file=sys.stderr)
+        completed = False
+    t.join()
+    out = {
+        "fault": "SIGKILL of the vLLM server",
+        "faults_injected": len(killed),
+        "completed": completed,
+        **store_counts(root, run_id, steps),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
+    from examples.envs import letters_rows
+    from examples.tools import flaky_lookup
+    from flows.config import load_config
+    from flows.train import grpo_train
+    from storage.sql import query
+    from tasks.tiny_model import teach_tool_calls
+
+    caller = root / "tool-caller"
+    shutil.copytree(model, caller)
+    teach_tool_calls(caller, flaky_lookup, lambda rng: {"key": rng.randint(0, 9)},
+                     [r["prompt"] for r in letters_rows(64)])  # fmt: skip
+    steps, run_id = 8, "reward-tool-faults"
+    cfg = load_config(REPO / "configs" / "tiny-faults.yaml", [
+        f"storage.root={root}", f"model.path={caller}", f"inference.url={url}", f"run.steps={steps}",
+        f"run.run_id={run_id}",
+    ])  # fmt: skip
+    t0 = time.perf_counter()
+    completed = grpo_train(config=cfg)["steps_trained"] == steps
+    seconds = time.perf_counter() - t0
+    _, r = query(root, f"SELECT count(*) FILTER (WHERE status <> 'valid'), count(*) FILTER (WHERE reward_name = "
+                       f"'letters' AND status <> 'valid') FROM rewards WHERE run_id = '{run_id}'")  # fmt: skip
+    _, t = query(root, f"SELECT count(*), count(*) FILTER (WHERE failed), count(*) FILTER (WHERE error LIKE "
+                       f"'%timed out%') FROM tool_calls WHERE run_id = '{run_id}'")  # fmt: skip
+    _, s = query(root, f"SELECT max(wall_seconds), median(wall_seconds) FROM steps WHERE run_id = '{run_id}'")
+    cells = steps * PER_STEP * GROUP
+    out = {
+        "fault": "failing rewards + hanging tool",
+        "faults_injected": r[0][0] + t[0][1],
+        "reward_cells_bad": r[0][0],
+        "letters_bad_frac": round(r[0][1] / cells, 3),
+        "tool_calls": t[0][0],
+        "tool_failures": t[0][1],
+        "tool_timeouts": t[0][2],
+        "slowest_step_s": round(s[0][0], 2),
+        "median_step_s": round(s[0][1], 2),
+        "completed": completed,
+        **store_counts(root, run_id, steps),
+        "seconds": round(seconds, 1),
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-server-kill", action="store_true", help="skip the drill that restarts a server")
+    args = ap.parse_args()
+
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.serve import embedded_server
+    from tasks.tiny_model import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="grpoflow-faults-"))
+    model = build_tiny_model(root / "tiny")
+    results = []
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        embedded_server(str(model), max_model_len=1024, kv_cache_gb=1, log_path=root / "vllm.log") as server,
+    ):
+        env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+        results += kill_drill(root, model, server.url, env)
+        results.append(reward_tool_drill(root, model, server.url))
+        if not args.skip_server_kill:
+            results.append(server_kill_drill(root, model))
+    print(f"\n{'fault':36} {'injected':>8} {'completed':>9} {'rows lost':>9} {'dupes':>5} {'seconds':>7}")
+    for r in results:
+        print(f"{r['fault']:36} {r['faults_injected']:>8} {r['completed']!s:>9} {r['rows_lost']:>9} "
+              f"{r['duplicate_rows']:>5} {r['seconds']:>7}")  # fmt: skip
+    runs = sum(r["completed"] for r in results)
+    print(f"\n{len(results)} drills, {runs} runs completed, {sum(r['rows_lost'] for r in results)} rows lost")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow_auth.RequireApiKey`).
+
+vLLM's own `--api-key` guards only /v1, /v2, /inference and /cohere; the dev-mode control endpoints
+grpoflow needs (/pause, /resume, /collective_rpc, used to reload weights) stay open. When the server has
+a key (env VLLM_API_KEY), this middleware requires `Authorization: Bearer <key>` on every path except
+the health probes. Standard library only: it runs in the server's own environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+
+OPEN_PATHS = ("/health", "/ping")
+
+
+class RequireApiKey:
+    def __init__(self, app):
+        self.app = app
+        key = os.environ.get("VLLM_API_KEY") or ""
+        self.digest = hashlib.sha256(key.encode()).digest() if key else None
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers") or []:
+            if name.lower() == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.digest)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if self.digest is None or scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in OPEN_PATHS or scope.get("method") == "OPTIONS" or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = json.dumps({"error": "Unauthorized"}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

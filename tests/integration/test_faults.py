@@ -1,0 +1,135 @@
+"""Faults at scale through the real vLLM server and Prefect: misbehaving rewards and tools, and stale
+groups under a slow learner. The hung reward, raising reward and flaky tool are real functions (in
+examples/), not mocks; only their failures are staged."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from storage.sql import query
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tool_caller_dir(tiny_model_dir, tmp_path_factory):
+    """The session's tiny model after a few seconds of SFT to call examples.tools:flaky_lookup."""
+    from examples.envs import letters_rows
+    from examples.tools import flaky_lookup
+    from tasks.tiny_model import teach_tool_calls
+
+    out = tmp_path_factory.mktemp("models") / "tool-caller"
+    shutil.copytree(tiny_model_dir, out)
+    prompts = [r["prompt"] for r in letters_rows(64)]
+    return teach_tool_calls(out, flaky_lookup, lambda rng: {"key": rng.randint(0, 9)}, prompts)
+
+
+@pytest.mark.slow
+def test_failing_rewards_and_hanging_tools_run_completes_with_rates(
+    tmp_path, vllm_server, tool_caller_dir, prefect_api
+):
+    from flows.train import grpo_train
+
+    steps = 6
+    cfg = load_config(
+        REPO / "configs" / "tiny-faults.yaml",
+        [
+            f"storage.root={tmp_path}",
+            f"model.path={tool_caller_dir}",
+            f"inference.url={vllm_server.url}",
+            f"run.steps={steps}",
+            "run.run_id=chaos",
+        ],
+    )
+    summary = grpo_train(config=cfg)
+    assert summary["steps_trained"] == steps
+
+    # every (completion, reward) cell has a status; ~30% of `letters` cells are broken in mixed ways
+    _, rows = query(tmp_path, "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL")
+    cells = {(name, status): n for name, status, n in rows}
+    total = steps * 8 * 8
+    assert sum(n for (name, _), n in cells.items() if name == "letters") == total
+    bad = cells.get(("letters", "invalid"), 0) + cells.get(("letters", "failed"), 0)
+    assert cells.get(("letters", "invalid")) and cells.get(("letters", "failed"))
+    assert 0.15 * total < bad < 0.45 * total
+    # the optional judge hung on some steps (cut off at 2 s) and raised on others
+    assert cells[("judge", "timeout")] == 64 * sum(1 for s in range(steps) if s % 4 == 1)
+    assert cells[("judge", "failed")] == 64 * sum(1 for s in range(steps) if s % 4 == 3)
+
+    # the steps table shows the rates, and the learner trained on the valid completions only
+    _, srows = query(
+        tmp_path,
+        'SELECT sum("reward/letters/invalid_rate" + "reward/letters/failed_rate") / count(*), '
+        'sum("gen/tool_calls"), sum("gen/tool_failures"), max(wall_seconds), '
+        'avg("reward/valid_frac") FROM steps',
+    )
+    rate, tool_calls, tool_failures, slowest, valid_frac = srows[0]
+    assert rate == pytest.approx(bad / total)
+    assert valid_frac == pytest.approx(1 - bad / total)
+    assert tool_calls > 0 and 0 < tool_failures < tool_calls
+    # no step stalls beyond the configured timeouts (tool 1 s x 2 turns, reward 2 s): an hour-long
+    # hang would show here as a step of an hour
+    assert slowest < 60
+    _, trows = query(
+        tmp_path,
+        "SELECT count(*) FILTER (WHERE error LIKE '%timed out after 1%'), "
+        "count(*) FILTER (WHERE error LIKE 'ConnectionError%') FROM tool_calls",
+    )
+    assert trows[0][0] > 0 and trows[0][1] > 0
+    _, mrows = query(
+        tmp_path,
+        "SELECT count(*) FILTER (WHERE trained), "
+        "count(*) FILTER (WHERE drop_reason LIKE 'reward invalid%') FROM rollouts WHERE NOT reward_valid",
+    )
+    assert mrows[0] == (0, bad)  # invalid rewards never reach the loss, and each says why
+
+
+@pytest.mark.slow
+def test_stale_groups_under_a_slow_learner_are_counted_and_stored(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api, monkeypatch
+):
+    """max_staleness 1, weights pushed every 2 steps, a slow learner (0.5 s extra per train step):
+    batches for steps 2 and 4 start under a version 2 steps old and are dropped, counted and stored."""
+    from flows.train import grpo_train
+
+    monkeypatch.setenv("GRPOFLOW_FAULTS", "train:sleep=0.5")
+    steps = 6
+    cfg = load_config(
+        REPO / "configs" / "tiny-letters.yaml",
+        [
+            f"storage.root={tmp_path}",
+            f"model.path={tiny_model_dir}",
+            f"inference.url={vllm_server.url}",
+            f"run.steps={steps}",
+            "run.run_id=stale",
+            "algorithm.max_staleness=1",
+            "sync.sync_every=2",
+        ],
+    )
+    grpo_train(config=cfg)
+    _, rows = query(
+        tmp_path,
+        'SELECT step, groups_dropped_stale, "train/samples", staleness_max FROM steps ORDER BY step',
+    )
+    dropped = {step: int(n) for step, n, _, _ in rows}
+    assert dropped == {0: 0, 1: 0, 2: 8, 3: 0, 4: 8, 5: 0}
+    assert all(samples == 0 for step, _, samples, _ in rows if dropped[step])
+    assert [int(m) for *_, m in rows] == [0, 1, 2, 1, 2, 1]
+    # stored with their reason, never trained; every completion's version span is recorded
+    _, rrows = query(
+        tmp_path,
+        "SELECT step, count(DISTINCT group_id) FILTER (WHERE drop_reason LIKE 'stale:%'), "
+        "count(*) FILTER (WHERE trained AND drop_reason LIKE 'stale:%'), "
+        "count(*) FILTER (WHERE policy_version_end < policy_version OR policy_version IS NULL), "
+        "min(policy_version), max(policy_version_end) FROM rollouts GROUP BY step ORDER BY step",
+    )
+    assert {s: n for s, n, *_ in rrows} == dropped
+    assert all(trained == 0 and broken == 0 for _, _, trained, broken, _, _ in rrows)
+    versions = {s: (lo, hi) for s, _, _, _, lo, hi in rrows}
+    assert versions[2][0] == 0 and versions[4][0] == 2  # generated two versions behind the step

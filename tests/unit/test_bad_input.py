@@ -1,0 +1,91 @@
+"""Bad input to `grpoflow train`: one clear error naming the field, row or path, before any model is
+loaded (torch and transformers are not even imported) and before anything is written to the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import sys
+from flows.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
+print("RC", rc, "HEAVY", ",".join(heavy) or "-")
+"""
+
+
+def train(root: Path, *args: str) -> tuple[int, str, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "train", "--root", str(root), *args],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"},  # never contacted
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("RC "), out.stdout + out.stderr
+    _, rc, _, heavy = last.split()
+    return int(rc), heavy, out.stderr
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    no_tok = tmp / "model-without-tokenizer"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text("{}")
+    missing_reward = tmp / "missing-reward.yaml"
+    missing_reward.write_text("rewards:\n  - name: r\n    fn: examples.rewards:no_such_reward\n")
+    return {
+        "malformed value": (["--set", "generation.group_size=1"], "generation.group_size"),
+        "wrong type": (["--set", "learner.lr=fast"], "learner.lr"),
+        "missing reward import": (["--config", str(missing_reward)], "examples.rewards:no_such_reward"),
+        "row without prompt": (
+            ["--set", f"data.path={_jsonl(tmp / 'rows.jsonl', [{'prompt': 'hi'}, {'question': 'x'}])}"],
+            "row 1 has no 'prompt'",
+        ),
+        "empty dataset": (["--set", f"data.path={_jsonl(tmp / 'empty.jsonl', [])}"], "dataset is empty"),
+        "model dir without tokenizer": (["--set", f"model.path={no_tok}"], f"{no_tok} has no tokenizer"),
+        "run id escaping the root": (["--run-id", "../outside"], "run.run_id"),
+        "resume id escaping the root": (["--resume", "../../etc"], "--resume: invalid run id"),
+        "resume of an unknown run": (["--resume", "ghost"], "--resume: no run 'ghost'"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "malformed value",
+        "wrong type",
+        "missing reward import",
+        "row without prompt",
+        "empty dataset",
+        "model dir without tokenizer",
+        "run id escaping the root",
+        "resume id escaping the root",
+        "resume of an unknown run",
+    ],
+)
+def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
+    args, named = cases(tmp_path)[case]
+    root = tmp_path / "store"
+    rc, heavy, err = train(root, *args)
+    assert rc == 2
+    assert err.startswith("error: ") and named in err, err
+    assert "Traceback" not in err
+    assert heavy == "-"  # no model was (or could have been) loaded
+    assert not root.exists()  # nothing written to the store
