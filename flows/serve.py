@@ -244,16 +244,34 @@ def policy_server(
     run_for_s: float | None = None,
     stop_file: str | None = None,
 ) -> dict:
-    """Start the vLLM server and keep it up: restart on crash (bounded, with backoff)."""
+    """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
+    dies while still starting."""
     log = get_run_logger()
-    handle = start_server(
-        model_dir,
-        host=host,
-        port=port,
-        api_key=api_key,
-        max_model_len=max_model_len,
-        log_path=Path(model_dir).parent / f"vllm-{port}.log",
+    cmd, env, url = server_command(
+        model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
     )
+    handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0)
+
+    def restart_or_give_up(why: str) -> None:
+        if handle.restarts >= max_restarts:
+            raise RuntimeError(
+                f"vLLM server died {handle.restarts + 1} times ({why}); giving up. Log tail:\n"
+                f"{_tail(handle.log_path)}"
+            )
+        handle.restarts += 1
+        log.warning("vLLM server down (%s); restart %d/%d", why, handle.restarts, max_restarts)
+        handle.stop()
+        time.sleep(min(30.0, 2.0 ** (handle.restarts - 1)))
+
+    def bring_up() -> None:
+        while True:
+            try:
+                handle.start()
+                return
+            except ServerStartError as e:
+                restart_or_give_up(str(e).splitlines()[0])
+
+    bring_up()
     log.info("vLLM server up at %s", handle.url)
     started = time.monotonic()
     try:
@@ -263,14 +281,8 @@ def policy_server(
                 break
             if handle.alive() and handle.healthy():
                 continue
-            if handle.restarts >= max_restarts:
-                raise RuntimeError(
-                    f"vLLM server died {handle.restarts + 1} times; giving up. Log tail:\n"
-                    f"{_tail(handle.log_path)}"
-                )
-            log.warning("vLLM server down; restart %d/%d", handle.restarts + 1, max_restarts)
-            time.sleep(min(30.0, 2.0**handle.restarts))
-            handle.restart()
+            restart_or_give_up("not alive" if not handle.alive() else "health check failed")
+            bring_up()
     finally:
         handle.stop()
     return {"url": handle.url, "restarts": handle.restarts}

@@ -113,7 +113,13 @@ class Rollout:
         return {"temperature": self.temperature, "top_p": self.top_p}
 
     def decode(self, ids: list[int]) -> str:
+        """The model's raw text, special tokens kept (tool-call parsing, EOS detection)."""
         return self.tok.decode(ids, skip_special_tokens=False)
+
+    def text(self, ids: list[int]) -> str:
+        """The completion as rewards and SQL see it: special tokens (EOS, role markers) dropped, as
+        TRL and users expect; `finish_reason` says whether the model stopped."""
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def glue_ids(self, history: list[dict], assistant_text: str, ended_with_eos: bool, tool_msgs, schemas):
         """Template tokens between the model's output and the next generation: closing of the
@@ -150,7 +156,7 @@ async def _single_turn_group(
         out.append(
             RolloutCompletion(
                 sample_index=i,
-                completion=text,
+                completion=r.text(ch.token_ids),
                 completion_ids=list(ch.token_ids),
                 completion_mask=[1] * len(ch.token_ids),
                 logprobs=list(ch.logprobs),
@@ -258,7 +264,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
         mask += [0] * len(glue)
         lps += [0.0] * len(glue)
     c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids) :], mask, lps
-    c.completion = r.decode(c.completion_ids)
+    c.completion = r.text(c.completion_ids)
     c.messages, c.turns, c.tool_calls = msgs, turns, calls
     c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
     return c, prompt_ids

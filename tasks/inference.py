@@ -163,8 +163,12 @@ class VLLMClient:
         n: int = 1,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        **sampling: Any,
     ) -> list[Choice]:
-        """`n` completions of one token-id prompt, with the sampled token ids and their logprobs."""
+        """`n` completions of one token-id prompt, with the sampled token ids and their logprobs.
+
+        Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
+        `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -182,6 +186,10 @@ class VLLMClient:
             body["stop"] = stop
         if stop_token_ids:
             body["stop_token_ids"] = stop_token_ids
+        clash = sorted(set(sampling) & set(body))
+        if clash:
+            raise ValueError(f"sampling parameters {clash} are set by complete() itself")
+        body.update(sampling)
         data = await self._request(
             "POST", "/v1/completions", json_body=body, timeout=self.gen_timeout, limited=True
         )

@@ -26,3 +26,21 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         yield handle
     finally:
         handle.stop()
+
+
+@pytest.fixture(autouse=True)
+def _base_weights_after_each_test(request, tmp_path_factory):
+    """Tests share one server, and training runs push new weights into it: after every test that used
+    the server, put the base weights back so no test sees another test's policy."""
+    if "vllm_server" not in request.fixturenames:
+        yield
+        return
+    server = request.getfixturevalue("vllm_server")
+    yield
+    from transformers import AutoModelForCausalLM
+
+    from tasks.sync import push_weights_sync
+
+    base = AutoModelForCausalLM.from_pretrained(server.model_dir)
+    root = tmp_path_factory.mktemp("restore")
+    push_weights_sync(base, 0, url=server.url, root=root, run_id="restore")

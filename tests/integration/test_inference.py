@@ -59,35 +59,28 @@ async def test_seed_makes_sampling_reproducible(vllm_server, tok):
 
 async def test_weight_push_while_a_request_is_in_flight(vllm_server, tiny_model_dir, tok, tmp_path):
     ids = prompt(tok, "push")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     version = {"v": 0}
-    try:
-        async with VLLMClient(vllm_server.url) as gen, VLLMClient(vllm_server.url) as ctl:
-            pusher = CheckpointWeightPush(
-                ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v)
-            )
-            # A long request (temperature 1, EOS possible but 900 tokens allowed) runs across the push.
-            v_start = version["v"]
-            long = asyncio.create_task(gen.complete(ids, max_tokens=900, temperature=1.0, seed=3))
-            await asyncio.sleep(0.3)
-            metrics = await pusher.push(perturbed, 1)
-            (done,) = await long
-            v_end = version["v"]
-            assert done.token_ids and (v_start, v_end) == (0, 1)  # completed, and its span is recorded
-            assert metrics["sync/total_seconds"] >= metrics["sync/reload_seconds"] > 0
-            assert not await ctl.is_paused()
-            (ch,) = await gen.complete(ids, max_tokens=16, temperature=0.0)
-        lp, picked = hf_logprobs(perturbed, ids, ch.token_ids)
-        assert lp.argmax(-1).tolist() == ch.token_ids
-        assert (picked - torch.tensor(ch.logprobs)).abs().max() < 1e-3
-        assert sorted(p.name for p in (tmp_path / "weights" / "push-test").iterdir()) == ["v000001"]
-    finally:  # other tests share this server: put the original weights back
-        async with VLLMClient(vllm_server.url) as ctl:
-            await CheckpointWeightPush(ctl, tmp_path, "restore").push(base, 0)
+    async with VLLMClient(vllm_server.url) as gen, VLLMClient(vllm_server.url) as ctl:
+        pusher = CheckpointWeightPush(ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v))
+        # A long request (temperature 1, EOS possible but 900 tokens allowed) runs across the push.
+        v_start = version["v"]
+        long = asyncio.create_task(gen.complete(ids, max_tokens=900, temperature=1.0, seed=3))
+        await asyncio.sleep(0.3)
+        metrics = await pusher.push(perturbed, 1)
+        (done,) = await long
+        v_end = version["v"]
+        assert done.token_ids and (v_start, v_end) == (0, 1)  # completed, and its span is recorded
+        assert metrics["sync/total_seconds"] >= metrics["sync/reload_seconds"] > 0
+        assert not await ctl.is_paused()
+        (ch,) = await gen.complete(ids, max_tokens=16, temperature=0.0)
+    lp, picked = hf_logprobs(perturbed, ids, ch.token_ids)
+    assert lp.argmax(-1).tolist() == ch.token_ids
+    assert (picked - torch.tensor(ch.logprobs)).abs().max() < 1e-3
+    assert sorted(p.name for p in (tmp_path / "weights" / "push-test").iterdir()) == ["v000001"]
 
 
 async def test_too_long_prompt_is_a_400_with_the_servers_message(vllm_server):

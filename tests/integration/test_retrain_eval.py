@@ -23,16 +23,8 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
         f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
         "run.checkpoint_every=2", "data.prompts_per_step=4",
     ])  # fmt: skip
-    try:
-        first = grpo_retrain(lineage="nightly", extra_steps=3, config=cfg, eval_prompts=4)
-        second = grpo_retrain(lineage="nightly", extra_steps=2, config=cfg, eval_prompts=4)
-    finally:  # other tests share the server: put the base weights back
-        from transformers import AutoModelForCausalLM
-
-        from tasks.sync import push_weights_sync
-
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        push_weights_sync(base, 0, url=vllm_server.url, root=tmp_path, run_id="restore")
+    first = grpo_retrain(lineage="nightly", extra_steps=3, config=cfg, eval_prompts=4)
+    second = grpo_retrain(lineage="nightly", extra_steps=2, config=cfg, eval_prompts=4)
     assert first["train"]["steps_trained"] == 3 and second["train"]["steps_trained"] == 2
     store = RolloutStore(tmp_path)
     assert store.steps_written("steps", "nightly") == [0, 1, 2, 3, 4]

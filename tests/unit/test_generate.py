@@ -87,6 +87,8 @@ def test_single_turn_group_and_masks(tok):
         assert c.completion_ids[:-1] == tok.encode("a" * (k + 1), add_special_tokens=False)
         assert c.completion_mask == [1] * len(c.completion_ids) and len(c.logprobs) == len(c.completion_ids)
         assert c.messages[0].content == "a" * (k + 1) and c.policy_version == c.policy_version_end == 4
+        # rewards see the text without the EOS marker the model stopped with (as TRL decodes it)
+        assert c.completion == "a" * (k + 1) and c.finish_reason == "stop"
 
 
 def test_multi_turn_trajectory_masks_and_logprobs_align(tok):

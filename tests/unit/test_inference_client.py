@@ -43,6 +43,7 @@ async def replay_server(aiohttp_unused_port=None):
     async def completions(request: web.Request) -> web.Response:
         app["seen"].append((request.method, request.path_qs, request.headers.get("Authorization")))
         body = await request.json()
+        app.setdefault("bodies", []).append(body)
         if app["fail_first"] > 0:
             app["fail_first"] -= 1
             return web.Response(status=503, text='{"error": "overloaded"}', content_type="application/json")
@@ -87,6 +88,16 @@ async def test_completions_parse_token_ids_and_logprobs(replay_server):
         assert ch.logprobs == pytest.approx(rc["logprobs"]["token_logprobs"])
         assert ch.finish_reason == rc["finish_reason"]
     assert all(auth == "Bearer sekrit" for *_, auth in app["seen"])
+
+
+async def test_extra_sampling_parameters_reach_the_server_and_cannot_override_the_protocol(replay_server):
+    app, url = replay_server
+    async with VLLMClient(url) as c:
+        await c.complete([1, 2], max_tokens=4, ignore_eos=True, min_tokens=2)
+        with pytest.raises(ValueError, match="logprobs"):
+            await c.complete([1, 2], max_tokens=4, logprobs=5)
+    (body,) = app["bodies"]
+    assert body["ignore_eos"] is True and body["min_tokens"] == 2 and body["logprobs"] == 0
 
 
 async def test_control_endpoints(replay_server):

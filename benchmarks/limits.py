@@ -1,0 +1,309 @@
+"""How close the pipeline gets to its limits: raw generation and raw training, measured in the same run.
+
+Per workload, with one vLLM CPU server:
+1. raw generation: the vLLM server alone, through tasks.inference.VLLMClient, for the batch shape of a
+   step (prompts_per_step requests of n = group_size completions of max_tokens, all in flight at once,
+   the real prompts, temperature 1, seeded), no training. EOS may end completions early, as in the
+   pipeline (no ignore_eos): tokens are counted, not assumed.
+2. raw train: tasks.learn.Learner.train_step alone (built like grpo-train builds it) on samples of the
+   same shape, made from the completions of one batch of (1) (the timed batch with the median token
+   count: its prompt and completion ids, vLLM logprobs, advantages +-1), no generation; also the raw
+   weight push (save + pause/reload/resume) of that learner.
+3. the pipeline: grpo-train for N steps with max_staleness 2 against the same server; medians over steps
+   1..N-1 of the `steps` table (step 0 includes warm-up), like benchmarks/pipeline.py.
+
+ratio = pipeline s/step / max(raw gen s, raw train s); target <= 1.25. Also printed: the ratio against
+max(gen, train + push), since the pipeline pushes weights on the learner's critical path every step, and
+the ratio to gen + train + push: on a CPU-only machine both sides compete for the same cores, so the sum,
+not the max, is what full overlap can reach there.
+
+    .venv/bin/python benchmarks/limits.py [--workloads tiny smollm2] [--smollm2 models/smollm2-135m]
+        [--steps N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import tempfile
+import time
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = 1.25
+
+# The workloads of benchmarks/vs_trl.py.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {"config": REPO / "configs" / "tiny-letters.yaml", "steps": 10},
+    "smollm2": {"config": REPO / "configs" / "smollm2-arith-tools.yaml", "steps": 8},
+}
+
+
+def workload_overrides(name: str, smollm2_dir: str) -> list[str]:
+    if name == "smollm2":  # no tools: one turn of at most 32 tokens (as in vs_trl.py)
+        return [
+            f"model.path={smollm2_dir}",
+            "tools.tools=[]",
+            "generation.max_turns=1",
+            "generation.max_rollout_tokens=null",
+            "generation.max_tokens=32",
+        ]
+    return []
+
+
+def med(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rnd(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# -- 1. raw generation ----------------------------------------------------------------------------
+
+
+def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
+    """Token ids of step `step`'s prompts, rendered exactly as tasks/generate.py renders them."""
+    from flows.runs import rows_for_step
+    from tasks.generate import prompt_messages, render
+
+    d = cfg.data
+    batch, cursor = rows_for_step(rows, step, d.prompts_per_step, seed=cfg.run.seed, shuffle=d.shuffle)
+    return [
+        tokenizer.encode(render(tokenizer, prompt_messages(row, i), None, True), add_special_tokens=False)
+        for row, i in zip(batch, cursor, strict=True)
+    ]
+
+
+async def raw_generation(cfg, url: str, batches: list[list[list[int]]]) -> dict[str, Any]:
+    """One timed batch per entry of `batches` (the first is a warm-up); all requests in flight at once."""
+    from tasks.inference import VLLMClient
+
+    g = cfg.generation
+    seconds, tokens, outputs = [], [], []
+    async with VLLMClient(url, max_in_flight=g.max_in_flight) as client:
+        max_len = await client.max_model_len()
+        for b, prompts in enumerate(batches):
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(
+                *(
+                    client.complete(
+                        ids,
+                        max_tokens=min(g.max_tokens, max_len - len(ids)),
+                        temperature=g.temperature,
+                        top_p=g.top_p,
+                        n=g.group_size,
+                        seed=cfg.run.seed * 1_000_003 + b * 10_007 + i,
+                    )
+                    for i, ids in enumerate(prompts)
+                )
+            )
+            seconds.append(time.perf_counter() - t0)
+            tokens.append(sum(len(ch.token_ids) for choices in outs for ch in choices))
+            outputs.append(list(zip(prompts, outs, strict=True)))
+    timed = slice(1, None) if len(seconds) > 1 else slice(None)
+    s, n = med(seconds[timed]), med(tokens[timed])
+    return {
+        "measure": "raw_generation",
+        "batches": len(seconds[timed]),
+        "completions_per_batch": len(batches[0]) * g.group_size,
+        "max_tokens": g.max_tokens,
+        "ignore_eos": False,
+        "seconds": rnd(s),
+        "tokens_per_batch": rnd(n, 1),
+        "tokens_per_s": rnd(n / s if s else None, 1),
+        # The train measure uses the timed batch whose token count is closest to the median.
+        "_outputs": outputs[min(range(1, len(outputs)) or [0], key=lambda b: abs(tokens[b] - n))],
+    }
+
+
+# -- 2. raw train (and raw push) ------------------------------------------------------------------
+
+
+def samples_like_a_step(outputs) -> list:
+    """TrainSamples of one step's shape from generated completions (advantages +-1: every sample trains)."""
+    from tasks.learn import TrainSample
+
+    out = []
+    for prompt_ids, choices in outputs:
+        for j, ch in enumerate(choices):
+            if not ch.token_ids:
+                continue
+            out.append(
+                TrainSample(
+                    input_ids=list(prompt_ids) + list(ch.token_ids),
+                    prompt_len=len(prompt_ids),
+                    completion_mask=[1] * len(ch.token_ids),
+                    behaviour_logprobs=list(ch.logprobs),
+                    advantage=1.0 if j % 2 == 0 else -1.0,
+                )
+            )
+    return out
+
+
+def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path) -> list[dict[str, Any]]:
+    from flows.runs import RunState
+    from flows.train import build_learner, client_kwargs
+    from tasks.sync import push_weights_sync
+
+    run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
+    learner = build_learner(cfg, run)
+    seconds = [learner.train_step(samples)["train/seconds"] for _ in range(repeats + 1)]
+    pushes = [
+        push_weights_sync(
+            learner.model,
+            v + 1,
+            url=url,
+            root=str(root),
+            run_id="limits-raw",
+            keep_last=1,
+            **client_kwargs(cfg),
+        )["sync/total_seconds"]
+        for v in range(repeats + 1)
+    ]
+    tokens = sum(sum(s.completion_mask) for s in samples)
+    train_s, push_s = med(seconds[1:]), med(pushes[1:])
+    del learner
+    gc.collect()
+    return [
+        {
+            "measure": "raw_train",
+            "steps": repeats,
+            "samples": len(samples),
+            "completion_tokens": tokens,
+            "micro_batch_size": cfg.learner.micro_batch_size,
+            "seconds": rnd(train_s),
+            "tokens_per_s": rnd(tokens / train_s if train_s else None, 1),
+        },
+        {"measure": "raw_push", "pushes": repeats, "seconds": rnd(push_s)},
+    ]
+
+
+# -- 3. the pipeline ------------------------------------------------------------------------------
+
+
+def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, staleness: int) -> dict[str, Any]:
+    from flows.config import load_config
+    from flows.train import grpo_train
+    from storage.sql import query
+
+    run_id = f"limits-s{staleness}"
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            f"inference.url={url}",
+            f"run.steps={steps}",
+            f"algorithm.max_staleness={staleness}",
+            f"run.run_id={run_id}",
+            f"run.checkpoint_every={steps}",
+        ],
+    )
+    grpo_train(config=cfg)
+    cols, rows = query(cfg.storage.root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
+    later = [dict(zip(cols, r, strict=True)) for r in rows][1:]  # step 0 includes warm-up
+    return {
+        "measure": "pipeline",
+        "max_staleness": staleness,
+        "steps": steps,
+        "seconds_per_step": rnd(med(s["wall_seconds"] for s in later)),
+        "gen_seconds": rnd(med(s["gen_seconds"] for s in later)),
+        "score_seconds": rnd(med(s["score_seconds"] for s in later)),
+        "train_seconds": rnd(med(s["train/seconds"] for s in later)),
+        "sync_seconds": rnd(med(s["sync_seconds"] for s in later)),
+        "learner_wait_seconds": rnd(med(s["wait_seconds"] for s in later)),
+        "gen_tokens_per_step": rnd(med(s["gen/tokens"] for s in later), 1),
+        "gen_tokens_per_s": rnd(med(s["gen/tokens_per_s"] for s in later), 1),
+    }
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["tiny", "smollm2"])
+    ap.add_argument("--smollm2", default=str(REPO / "models" / "smollm2-135m"), help="SmolLM2 model dir")
+    ap.add_argument("--steps", type=int, default=None, help="pipeline steps (default: tiny 10, smollm2 8)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed raw batches / train steps (+1 warm-up)")
+    ap.add_argument("--staleness", type=int, default=2)
+    args = ap.parse_args()
+
+    import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    from flows.config import load_config
+    from flows.runs import load_rows, prepare_model
+    from flows.serve import embedded_server
+    from tasks.generate import load_tokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))
+    table = []
+    for name in args.workloads:
+        if name == "smollm2" and not (Path(args.smollm2) / "config.json").is_file():
+            print(f"# skipping smollm2: no model at {args.smollm2} (pass --smollm2 DIR)", flush=True)
+            continue
+        spec = WORKLOADS[name]
+        steps = args.steps or spec["steps"]
+        wroot = root / name
+        base = load_config(spec["config"], [f"storage.root={wroot}", *workload_overrides(name, args.smollm2)])
+        model = prepare_model(base)
+        overrides = [f"storage.root={wroot}", *workload_overrides(name, args.smollm2), f"model.path={model}"]
+        cfg = load_config(spec["config"], overrides)
+        tokenizer, rows = load_tokenizer(str(model)), load_rows(cfg)
+        batches = [step_prompts(cfg, tokenizer, rows, s) for s in range(args.repeats + 1)]
+        with embedded_server(
+            str(model),
+            max_model_len=cfg.inference.max_model_len,
+            kv_cache_gb=cfg.inference.kv_cache_gb,
+            log_path=wroot / "vllm.log",
+        ) as server:
+            gen = asyncio.run(raw_generation(cfg, server.url, batches))
+            outputs = gen.pop("_outputs")
+            train, push = raw_train(cfg, model, samples_like_a_step(outputs), args.repeats, server.url, wroot)
+            pipe = pipeline(spec["config"], overrides, url=server.url, steps=steps, staleness=args.staleness)
+        bound = max(gen["seconds"], train["seconds"])
+        bound_push = max(gen["seconds"], train["seconds"] + push["seconds"])
+        limit = {
+            "measure": "limit",
+            "seconds_per_step": pipe["seconds_per_step"],
+            "raw_gen_seconds": gen["seconds"],
+            "raw_train_seconds": train["seconds"],
+            "raw_push_seconds": push["seconds"],
+            "ratio": rnd(pipe["seconds_per_step"] / bound),
+            "ratio_with_push": rnd(pipe["seconds_per_step"] / bound_push),
+            # Generation and training share the CPU cores: their sum is the bound without spare cores.
+            "ratio_to_sum": rnd(
+                pipe["seconds_per_step"] / (gen["seconds"] + train["seconds"] + push["seconds"])
+            ),
+            "target": TARGET,
+            "met": pipe["seconds_per_step"] / bound <= TARGET,
+        }
+        for r in (gen, train, push, pipe, limit):
+            print(json.dumps({"workload": name, **r}), flush=True)
+        table.append((name, gen, train, push, pipe, limit))
+
+    print()
+    print(
+        f"{'workload':<9} {'raw gen s':>9} {'gen tok':>8} {'raw train s':>11} {'raw push s':>10} "
+        f"{'pipe s/step':>11} {'pipe tok':>8} {'ratio':>6} {'w/ push':>7} {'to sum':>6}  target <= {TARGET}"
+    )
+    for name, gen, train, push, pipe, limit in table:
+        print(
+            f"{name:<9} {gen['seconds']:>9.3f} {gen['tokens_per_batch']:>8.0f} {train['seconds']:>11.3f} "
+            f"{push['seconds']:>10.3f} {pipe['seconds_per_step']:>11.3f} {pipe['gen_tokens_per_step']:>8.0f} "
+            f"{limit['ratio']:>6.2f} {limit['ratio_with_push']:>7.2f} {limit['ratio_to_sum']:>6.2f}  "
+            f"{'met' if limit['met'] else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
