@@ -237,6 +237,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="pipeline steps (default: tiny 10, smollm2 8)")
     ap.add_argument("--repeats", type=int, default=5, help="timed raw batches / train steps (+1 warm-up)")
     ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra config overrides")
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
@@ -256,7 +257,12 @@ def main() -> None:
         wroot = root / name
         base = load_config(spec["config"], [f"storage.root={wroot}", *workload_overrides(name, args.smollm2)])
         model = prepare_model(base)
-        overrides = [f"storage.root={wroot}", *workload_overrides(name, args.smollm2), f"model.path={model}"]
+        overrides = [
+            f"storage.root={wroot}",
+            *workload_overrides(name, args.smollm2),
+            f"model.path={model}",
+            *args.set,
+        ]
         cfg = load_config(spec["config"], overrides)
         tokenizer, rows = load_tokenizer(str(model)), load_rows(cfg)
         batches = [step_prompts(cfg, tokenizer, rows, s) for s in range(args.repeats + 1)]

@@ -309,6 +309,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: tiny 10, smollm2 8)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of TRL, grpoflow s0, grpoflow s2")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 2])
+    ap.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="grpoflow-only config overrides"
+    )
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
@@ -344,7 +347,7 @@ def main() -> None:
                     else:
                         r = run_grpoflow(
                             spec["config"],
-                            overrides,
+                            [*overrides, *args.set],
                             url=server.url,
                             steps=steps,
                             staleness=k,

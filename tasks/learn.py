@@ -54,13 +54,31 @@ def samples_from_groups(groups: list[RolloutGroup]) -> list[TrainSample]:
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
     """log p(x_t | x_<t) for t >= 1, shape [B, L-1]; logits scaled by the sampling temperature,
     because vLLM reports processed (post-temperature) logprobs and the ratio must compare like with like."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return _logprobs_from(model, input_ids, attention_mask, temperature, first=0)
+
+
+def _logprobs_from(model, input_ids, attention_mask, temperature: float, first: int) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) for positions t = first .. L-2, shape [B, L-1-first].
+
+    The LM head runs only on positions >= `first` (transformers' `logits_to_keep`): prompt positions
+    need no logits, and on a 49k vocabulary the head and its [B, L, V] float32 logits are a large
+    share of a CPU train step."""
+    L = input_ids.shape[1]
+    kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    logits = logits[:, -(L - first) : -1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, first + 1 :]
     # gather - logsumexp avoids materialising a full [B, L, V] log_softmax copy.
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _takes_logits_to_keep(model) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -106,6 +124,7 @@ class Learner:
         torch_threads: int | None = None,
         ref_model_path: str | Path | None = None,
         tokenizer_path: str | Path | None = None,
+        skip_zero_advantage: bool = True,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -146,11 +165,13 @@ class Learner:
             max_completion_length=max_completion_length,
         )
         self.pad_id = self.model.config.pad_token_id or 0
+        self.skip_zero_advantage = skip_zero_advantage and self.ref_model is None
 
     # -- training ---------------------------------------------------------------------------
 
     def _collate(self, samples: list[TrainSample]):
-        """Right-padded inputs plus [B, T] completion-aligned masks/logprobs and gather indices."""
+        """Right-padded inputs plus [B, T] completion-aligned masks/logprobs and gather indices into
+        the logprob grid, which starts at the first position that predicts a completion token."""
         L = max(len(s.input_ids) for s in samples)
         T = max(len(s.completion_mask) for s in samples)
         B = len(samples)
@@ -158,7 +179,8 @@ class Learner:
         attn = torch.zeros((B, L), dtype=torch.long)
         mask = torch.zeros((B, T))
         behav = torch.zeros((B, T))
-        index = torch.zeros((B, T), dtype=torch.long)  # position in the [B, L-1] logprob grid
+        first = min(s.prompt_len for s in samples) - 1
+        index = torch.zeros((B, T), dtype=torch.long)  # position in the [B, L-1-first] logprob grid
         for i, s in enumerate(samples):
             n, t = len(s.input_ids), len(s.completion_mask)
             ids[i, :n] = torch.tensor(s.input_ids)
@@ -166,13 +188,14 @@ class Learner:
             mask[i, :t] = torch.tensor(s.completion_mask, dtype=torch.float)
             behav[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float)
             # completion token j sits at input position P+j and is predicted from position P+j-1
-            index[i, :t] = torch.arange(s.prompt_len - 1, s.prompt_len - 1 + t)
+            index[i, :t] = torch.arange(s.prompt_len - 1 - first, s.prompt_len - 1 - first + t)
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float)
         dev = self.device
-        return ids.to(dev), attn.to(dev), mask.to(dev), behav.to(dev), index.to(dev), adv.to(dev)
+        tensors = ids.to(dev), attn.to(dev), mask.to(dev), behav.to(dev), index.to(dev), adv.to(dev)
+        return first, tensors
 
-    def _completion_logprobs(self, model, ids, attn, index):
-        lp = token_logprobs(model, ids, attn, self.temperature)
+    def _completion_logprobs(self, model, ids, attn, index, first: int):
+        lp = _logprobs_from(model, ids, attn, self.temperature, first)
         return lp.gather(1, index)
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -185,15 +208,22 @@ class Learner:
             return metrics
         total_sequences = len(samples)
         total_tokens = int(sum(sum(s.completion_mask) for s in samples))
+        # With no KL term a zero-advantage sample's loss and gradient are exactly 0 (every loss type
+        # multiplies each token by its advantage), so it skips the forward/backward but still counts
+        # in the normalisers: the update is the one the whole batch gives.
+        work = [s for s in samples if s.advantage != 0.0] if self.skip_zero_advantage else samples
+        metrics["train/skipped_zero_advantage"] = float(len(samples) - len(work))
+        # Similar lengths share a micro-batch: less padding (the update is a sum, order-free).
+        work = sorted(work, key=lambda s: (len(s.input_ids), s.prompt_len))
         sums: dict[str, float] = {}
-        mbs = [samples[i : i + self.micro_batch_size] for i in range(0, len(samples), self.micro_batch_size)]
+        mbs = [work[i : i + self.micro_batch_size] for i in range(0, len(work), self.micro_batch_size)]
         for mb in mbs:
-            ids, attn, mask, behav, index, adv = self._collate(mb)
-            logprobs = self._completion_logprobs(self.model, ids, attn, index)
+            first, (ids, attn, mask, behav, index, adv) = self._collate(mb)
+            logprobs = self._completion_logprobs(self.model, ids, attn, index, first)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = self._completion_logprobs(self.ref_model, ids, attn, index)
+                    ref = self._completion_logprobs(self.ref_model, ids, attn, index, first)
             loss, m = compute_loss(
                 logprobs,
                 behav,
@@ -205,12 +235,16 @@ class Learner:
                 **self.loss_kwargs,
             )
             loss.backward()
-            weight = len(mb) / total_sequences
+            weight = len(mb) / len(work)
             for k, v in m.items():
                 if v is None or isinstance(v, bool) or not isinstance(v, int | float):
                     continue
                 # The loss is already normalised globally, so it sums; statistics average.
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * weight)
+        if not work:  # all advantages 0: a zero gradient, and Adam still steps on its moments
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

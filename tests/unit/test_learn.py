@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.learn import Learner, TrainSample, token_logprobs
+from tasks.learn import Learner, TrainSample, _logprobs_from, token_logprobs
 from tasks.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.unit
@@ -77,3 +77,54 @@ def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
 def test_empty_batch_is_a_skipped_step(model_dir):
     learner = Learner(model_dir, lr=1e-3, total_steps=1)
     assert learner.train_step([])["train/skipped"] == 1.0
+
+
+def grads_of(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in learner.model.parameters()])
+
+
+def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(model_dir):
+    # A group with no reward signal (advantage 0) among trained ones: same gradient, loss and
+    # normaliser with or without its forward/backward pass.
+    batch = samples() + [
+        TrainSample([5, 6, 7, 75, 76, 77, 78], 3, [1, 1, 1, 1], [-5.5] * 4, 0.0),
+        TrainSample([9, 9, 95], 2, [1], [-5.5], 0.0),
+    ]
+    runs = {}
+    for skip in (False, True):
+        learner = Learner(
+            model_dir, lr=1e-3, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
+        )
+        learner.optimizer.step = lambda: None
+        runs[skip] = (learner.train_step(batch), grads_of(learner))
+    (m_all, g_all), (m_skip, g_skip) = runs[False], runs[True]
+    assert m_skip["train/skipped_zero_advantage"] == 2 and m_all["train/skipped_zero_advantage"] == 0
+    assert m_skip["train/tokens"] == m_all["train/tokens"] == 13
+    assert m_skip["train/loss"] == pytest.approx(m_all["train/loss"], rel=1e-5)
+    assert torch.allclose(g_skip, g_all, rtol=1e-4, atol=1e-8)
+
+
+def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
+    zero = [
+        TrainSample(s.input_ids, s.prompt_len, s.completion_mask, s.behaviour_logprobs, 0.0)
+        for s in samples()
+    ]
+    params = []
+    for skip in (False, True):
+        learner = Learner(
+            model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
+        )
+        learner.train_step(samples())
+        learner.train_step(zero)  # zero gradient, but Adam's moments still move the weights
+        params.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+def test_logits_only_where_completions_are_predicted(model_dir):
+    learner = Learner(model_dir, lr=1e-3, total_steps=1)
+    ids = torch.tensor([[5, 6, 7, 70, 71, 72, 3], [9, 9, 9, 9, 90, 91, 92]])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        full = token_logprobs(learner.model, ids, attn, 0.7)
+        tail = _logprobs_from(learner.model, ids, attn, 0.7, first=3)
+    assert tail.shape == (2, 3) and torch.allclose(tail, full[:, 3:], atol=1e-5)
