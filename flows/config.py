@@ -127,6 +127,11 @@ class LearnerConfig(_Section):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: leave torch's default)."
     )
+    share_prompt: bool | None = Field(
+        None,
+        description="Run each group's prompt once and reuse its KV cache for the group's completions "
+        "(same update, fewer FLOPs; None: on for models of 20M+ parameters).",
+    )
 
 
 class InferenceConfig(_Section):

@@ -89,6 +89,7 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
         max_completion_length=cfg.generation.max_rollout_tokens or cfg.generation.max_tokens,
         seed=cfg.run.seed,
         torch_threads=lc.torch_threads,
+        share_prompt=lc.share_prompt,
         ref_model_path=run.base_model,
         tokenizer_path=run.base_model,
     )

@@ -125,6 +125,7 @@ class Learner:
         ref_model_path: str | Path | None = None,
         tokenizer_path: str | Path | None = None,
         skip_zero_advantage: bool = True,
+        share_prompt: bool | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -166,6 +167,11 @@ class Learner:
         )
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and self.ref_model is None
+        # Completions of one group share their prompt: its forward runs once and its KV cache is
+        # repeated for the group (gradients flow through it), instead of once per completion. Pays
+        # once the model is big enough for FLOPs, not per-call overhead, to dominate (None: auto).
+        big = sum(p.numel() for p in self.model.parameters()) >= 20_000_000
+        self.share_prompt = (big if share_prompt is None else share_prompt) and not gradient_checkpointing
 
     # -- training ---------------------------------------------------------------------------
 
@@ -198,6 +204,53 @@ class Learner:
         lp = _logprobs_from(model, ids, attn, self.temperature, first)
         return lp.gather(1, index)
 
+    def _micro_batch(self, model, mb: list[TrainSample]):
+        """Completion logprobs [B, T] and the loss tensors of one micro-batch."""
+        if self.share_prompt:
+            return self._shared_prompt_logprobs(model, mb)
+        first, (ids, attn, mask, behav, index, adv) = self._collate(mb)
+        return self._completion_logprobs(model, ids, attn, index, first), mask, behav, adv
+
+    def _shared_prompt_logprobs(self, model, mb: list[TrainSample]):
+        """Like `_micro_batch` for samples with one prompt: the prompt runs once (batch 1), its KV
+        cache is repeated per completion, the completions run on top of it; the result is the same
+        as the padded full-sequence forward (causal attention: a prompt's states ignore what follows)."""
+        P, B = mb[0].prompt_len, len(mb)
+        T = max(len(s.completion_mask) for s in mb)
+        dev = self.device
+        comp = torch.full((B, T), self.pad_id, dtype=torch.long)
+        mask, behav = torch.zeros((B, T)), torch.zeros((B, T))
+        for i, s in enumerate(mb):
+            t = len(s.completion_mask)
+            comp[i, :t] = torch.tensor(s.input_ids[P:])
+            mask[i, :t] = torch.tensor(s.completion_mask, dtype=torch.float)
+            behav[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float)
+        comp = comp.to(dev)
+        head = model(
+            input_ids=torch.tensor([mb[0].input_ids[:P]], device=dev), use_cache=True, logits_to_keep=1
+        )
+        cache = head.past_key_values
+        cache.batch_repeat_interleave(B)
+        # Right padding after the real tokens: causal attention keeps it out of every real position.
+        tail = model(input_ids=comp, past_key_values=cache, use_cache=True).logits
+        logits = torch.cat([head.logits[:, -1:].expand(B, 1, -1), tail[:, :-1]], dim=1).float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        picked = logits.gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+        adv = torch.tensor([s.advantage for s in mb], dtype=torch.float, device=dev)
+        return picked - torch.logsumexp(logits, dim=-1), mask.to(dev), behav.to(dev), adv
+
+    def _micro_batches(self, work: list[TrainSample]) -> list[list[TrainSample]]:
+        n = self.micro_batch_size
+        if not self.share_prompt:
+            # Similar lengths share a micro-batch: less padding (the update is a sum, order-free).
+            work = sorted(work, key=lambda s: (len(s.input_ids), s.prompt_len))
+            return [work[i : i + n] for i in range(0, len(work), n)]
+        groups: dict[tuple[int, ...], list[TrainSample]] = {}
+        for s in work:
+            groups.setdefault(tuple(s.input_ids[: s.prompt_len]), []).append(s)
+        return [g[i : i + n] for g in groups.values() for i in range(0, len(g), n)]
+
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One optimizer step over all samples, micro-batched with gradient accumulation."""
         t0 = time.perf_counter()
@@ -213,17 +266,13 @@ class Learner:
         # in the normalisers: the update is the one the whole batch gives.
         work = [s for s in samples if s.advantage != 0.0] if self.skip_zero_advantage else samples
         metrics["train/skipped_zero_advantage"] = float(len(samples) - len(work))
-        # Similar lengths share a micro-batch: less padding (the update is a sum, order-free).
-        work = sorted(work, key=lambda s: (len(s.input_ids), s.prompt_len))
         sums: dict[str, float] = {}
-        mbs = [work[i : i + self.micro_batch_size] for i in range(0, len(work), self.micro_batch_size)]
-        for mb in mbs:
-            first, (ids, attn, mask, behav, index, adv) = self._collate(mb)
-            logprobs = self._completion_logprobs(self.model, ids, attn, index, first)
+        for mb in self._micro_batches(work):
+            logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = self._completion_logprobs(self.ref_model, ids, attn, index, first)
+                    ref = self._micro_batch(self.ref_model, mb)[0]
             loss, m = compute_loss(
                 logprobs,
                 behav,

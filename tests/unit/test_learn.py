@@ -128,3 +128,24 @@ def test_logits_only_where_completions_are_predicted(model_dir):
         full = token_logprobs(learner.model, ids, attn, 0.7)
         tail = _logprobs_from(learner.model, ids, attn, 0.7, first=3)
     assert tail.shape == (2, 3) and torch.allclose(tail, full[:, 3:], atol=1e-5)
+
+
+def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
+    # Two completions share the prompt [5, 6, 7]: with sharing it runs once and its KV cache is
+    # repeated; logprobs, loss and gradients match the full-sequence forward.
+    runs = {}
+    for share in (False, True):
+        learner = Learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share)
+        assert learner.share_prompt is share
+        learner.optimizer.step = lambda: None
+        runs[share] = (learner.train_step(samples()), grads_of(learner))
+    assert [len(mb) for mb in learner._micro_batches(samples())] == [2, 1]  # one per prompt
+    group = samples()[:2]
+    with torch.no_grad():
+        shared = learner._shared_prompt_logprobs(learner.model, group)[0]
+        for i, s in enumerate(group):
+            ids = torch.tensor([s.input_ids])
+            full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
+            assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
+    assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
+    assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
