@@ -4,13 +4,16 @@ Per workload, with one vLLM CPU server:
 1. raw generation: the vLLM server alone, through tasks.inference.VLLMClient, for the batch shape of a
    step (prompts_per_step requests of n = group_size completions of max_tokens, all in flight at once,
    the real prompts, temperature 1, seeded), no training. EOS may end completions early, as in the
-   pipeline (no ignore_eos): tokens are counted, not assumed.
+   pipeline (no ignore_eos): tokens are counted, not assumed. Measured with one batch in flight and
+   with max_staleness + 1 batches in flight (as the pipeline keeps them); the faster rate is the bound.
 2. raw train: tasks.learn.Learner.train_step alone (built like grpo-train builds it) on samples of the
    same shape, made from the completions of one batch of (1) (the timed batch with the median token
-   count: its prompt and completion ids, vLLM logprobs, advantages +-1), no generation; also the raw
-   weight push (save + pause/reload/resume) of that learner.
-3. the pipeline: grpo-train for N steps with max_staleness 2 against the same server; medians over steps
-   1..N-1 of the `steps` table (step 0 includes warm-up), like benchmarks/pipeline.py.
+   count: its prompt and completion ids, vLLM logprobs, advantages +-1 so every sample trains: the most
+   train work a step can hold), no generation; also the raw weight push (save + pause/reload/resume).
+3. the pipeline: grpo-train for N steps with max_staleness k against the same server; its s/step is the
+   mean over the steady steps k+1..N-1 of the `steps` table (step 0 waits for the first k + 1 batches,
+   which steps 1..k then find ready); the median over steps 1..N-1 and the whole run's mean are printed
+   too.
 
 ratio = pipeline s/step / max(raw gen s, raw train s); target <= 1.25. Also printed: the ratio against
 max(gen, train + push), since the pipeline pushes weights on the learner's critical path every step, and
@@ -85,15 +88,17 @@ def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
     ]
 
 
-async def raw_generation(cfg, url: str, batches: list[list[list[int]]]) -> dict[str, Any]:
-    """One timed batch per entry of `batches` (the first is a warm-up); all requests in flight at once."""
+async def raw_generation(cfg, url: str, batches: list[list[list[int]]], in_flight: int = 1) -> dict[str, Any]:
+    """Step-shaped batches, `in_flight` of them at once (all their requests together), the first round a
+    warm-up; seconds per batch = round seconds / in_flight. With max_staleness k the pipeline keeps up
+    to k + 1 batches in flight, and the server's throughput grows with its batch."""
     from tasks.inference import VLLMClient
 
     g = cfg.generation
     seconds, tokens, outputs = [], [], []
-    async with VLLMClient(url, max_in_flight=g.max_in_flight) as client:
+    async with VLLMClient(url, max_in_flight=g.max_in_flight * in_flight) as client:
         max_len = await client.max_model_len()
-        for b, prompts in enumerate(batches):
+        for r in range(0, len(batches) - in_flight + 1, in_flight):
             t0 = time.perf_counter()
             outs = await asyncio.gather(
                 *(
@@ -105,24 +110,27 @@ async def raw_generation(cfg, url: str, batches: list[list[list[int]]]) -> dict[
                         n=g.group_size,
                         seed=cfg.run.seed * 1_000_003 + b * 10_007 + i,
                     )
-                    for i, ids in enumerate(prompts)
+                    for b in range(r, r + in_flight)
+                    for i, ids in enumerate(batches[b])
                 )
             )
-            seconds.append(time.perf_counter() - t0)
-            tokens.append(sum(len(ch.token_ids) for choices in outs for ch in choices))
-            outputs.append(list(zip(prompts, outs, strict=True)))
+            seconds.append((time.perf_counter() - t0) / in_flight)
+            tokens.append(sum(len(ch.token_ids) for choices in outs for ch in choices) / in_flight)
+            prompts = [ids for b in range(r, r + in_flight) for ids in batches[b]]
+            outputs.append(list(zip(prompts, outs, strict=True))[: len(batches[r])])
     timed = slice(1, None) if len(seconds) > 1 else slice(None)
     s, n = med(seconds[timed]), med(tokens[timed])
     return {
         "measure": "raw_generation",
-        "batches": len(seconds[timed]),
+        "batches_in_flight": in_flight,
+        "rounds": len(seconds[timed]),
         "completions_per_batch": len(batches[0]) * g.group_size,
         "max_tokens": g.max_tokens,
         "ignore_eos": False,
         "seconds": rnd(s),
         "tokens_per_batch": rnd(n, 1),
         "tokens_per_s": rnd(n / s if s else None, 1),
-        # The train measure uses the timed batch whose token count is closest to the median.
+        # The train measure uses the timed round whose token count is closest to the median.
         "_outputs": outputs[min(range(1, len(outputs)) or [0], key=lambda b: abs(tokens[b] - n))],
     }
 
@@ -211,12 +219,18 @@ def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, stalen
     )
     grpo_train(config=cfg)
     cols, rows = query(cfg.storage.root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
-    later = [dict(zip(cols, r, strict=True)) for r in rows][1:]  # step 0 includes warm-up
+    every = [dict(zip(cols, r, strict=True)) for r in rows]
+    later = every[1:]  # step 0 includes warm-up
+    # Steady state: step 0 also waits for the first k + 1 batches, generated together, so steps 1..k
+    # find theirs ready; from step k + 1 on every batch is generated beside training.
+    steady = every[staleness + 1 :] or later
     return {
         "measure": "pipeline",
         "max_staleness": staleness,
         "steps": steps,
-        "seconds_per_step": rnd(med(s["wall_seconds"] for s in later)),
+        "seconds_per_step": rnd(sum(s["wall_seconds"] for s in steady) / len(steady)),
+        "median_seconds_per_step": rnd(med(s["wall_seconds"] for s in later)),
+        "run_seconds_per_step": rnd(sum(s["wall_seconds"] for s in every) / len(every)),
         "gen_seconds": rnd(med(s["gen_seconds"] for s in later)),
         "score_seconds": rnd(med(s["score_seconds"] for s in later)),
         "train_seconds": rnd(med(s["train/seconds"] for s in later)),
@@ -265,15 +279,22 @@ def main() -> None:
         ]
         cfg = load_config(spec["config"], overrides)
         tokenizer, rows = load_tokenizer(str(model)), load_rows(cfg)
-        batches = [step_prompts(cfg, tokenizer, rows, s) for s in range(args.repeats + 1)]
+        k = args.staleness + 1
+        batches = [step_prompts(cfg, tokenizer, rows, s) for s in range((args.repeats + 1) * k)]
         with embedded_server(
             str(model),
             max_model_len=cfg.inference.max_model_len,
             kv_cache_gb=cfg.inference.kv_cache_gb,
             log_path=wroot / "vllm.log",
         ) as server:
-            gen = asyncio.run(raw_generation(cfg, server.url, batches))
-            outputs = gen.pop("_outputs")
+            gen1 = asyncio.run(raw_generation(cfg, server.url, batches[: args.repeats + 1]))
+            outputs = gen1.pop("_outputs")
+            gen = gen1
+            if k > 1:  # the server's rate at the pipeline's concurrency; the bound takes the faster
+                genk = asyncio.run(raw_generation(cfg, server.url, batches, in_flight=k))
+                genk.pop("_outputs")
+                print(json.dumps({"workload": name, **gen1}), flush=True)
+                gen = min(gen1, genk, key=lambda g: g["seconds"])
             train, push = raw_train(cfg, model, samples_like_a_step(outputs), args.repeats, server.url, wroot)
             pipe = pipeline(spec["config"], overrides, url=server.url, steps=steps, staleness=args.staleness)
         bound = max(gen["seconds"], train["seconds"])
@@ -282,6 +303,7 @@ def main() -> None:
             "measure": "limit",
             "seconds_per_step": pipe["seconds_per_step"],
             "raw_gen_seconds": gen["seconds"],
+            "raw_gen_batches_in_flight": gen["batches_in_flight"],
             "raw_train_seconds": train["seconds"],
             "raw_push_seconds": push["seconds"],
             "ratio": rnd(pipe["seconds_per_step"] / bound),

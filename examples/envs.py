@@ -44,12 +44,14 @@ def letters_rows(n: int = 64, seed: int = 0) -> list[dict]:
     ]
 
 
-def arith_rows(n: int = 256, seed: int = 0) -> list[dict]:
-    """Short arithmetic word problems with integer answers."""
+def arith_rows(n: int = 256, seed: int = 0, hi: int = 40) -> list[dict]:
+    """Short arithmetic word problems with integer answers; operands up to `hi` (multipliers up to 9)."""
+    if hi < 2:
+        raise ValueError(f"hi must be at least 2, got {hi}")
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+        a, b, c = rng.randint(2, hi), rng.randint(2, hi), rng.randint(2, min(9, hi))
         kind = i % 3
         if kind == 0:
             q, ans = f"Tom has {a} apples and buys {b} more. How many apples does he have?", a + b

@@ -290,7 +290,8 @@ class Learner:
                     continue
                 # The loss is already normalised globally, so it sums; statistics average.
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * weight)
-        if not work:  # all advantages 0: a zero gradient, and Adam still steps on its moments
+        if not work:  # all advantages 0: the loss and gradient are 0, and Adam still steps on its moments
+            sums["loss"] = 0.0
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)

@@ -115,7 +115,8 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
             model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
         )
         learner.train_step(samples())
-        learner.train_step(zero)  # zero gradient, but Adam's moments still move the weights
+        m = learner.train_step(zero)  # zero gradient, but Adam's moments still move the weights
+        assert m["train/loss"] == 0.0 and m["train/skipped_zero_advantage"] == (3 if skip else 0)
         params.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-6)
 
