@@ -36,40 +36,16 @@ import argparse
 import asyncio
 import gc
 import json
-import statistics
 import tempfile
 import time
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
+
+from benchmarks.workloads import WORKLOADS, med, prepare, rnd, run_steps, serve
+
 TARGET = 1.25
-
-# The workloads of benchmarks/vs_trl.py.
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "tiny": {"config": REPO / "configs" / "tiny-letters.yaml", "steps": 10},
-    "smollm2": {"config": REPO / "configs" / "smollm2-arith-tools.yaml", "steps": 8},
-}
-
-
-def workload_overrides(name: str, smollm2_dir: str) -> list[str]:
-    if name == "smollm2":  # no tools: one turn of at most 32 tokens (as in vs_trl.py)
-        return [
-            f"model.path={smollm2_dir}",
-            "tools.tools=[]",
-            "generation.max_turns=1",
-            "generation.max_rollout_tokens=null",
-            "generation.max_tokens=32",
-        ]
-    return []
-
-
-def med(xs) -> float | None:
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def rnd(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(x, nd)
 
 
 # -- 1. raw generation ----------------------------------------------------------------------------
@@ -201,25 +177,9 @@ def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path)
 
 
 def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, staleness: int) -> dict[str, Any]:
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.sql import query
-
-    run_id = f"limits-s{staleness}"
-    cfg = load_config(
-        config,
-        [
-            *overrides,
-            f"inference.url={url}",
-            f"run.steps={steps}",
-            f"algorithm.max_staleness={staleness}",
-            f"run.run_id={run_id}",
-            f"run.checkpoint_every={steps}",
-        ],
+    every, _ = run_steps(
+        config, overrides, url=url, steps=steps, staleness=staleness, run_id=f"limits-s{staleness}"
     )
-    grpo_train(config=cfg)
-    cols, rows = query(cfg.storage.root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
-    every = [dict(zip(cols, r, strict=True)) for r in rows]
     later = every[1:]  # step 0 includes warm-up
     # Steady state: step 0 also waits for the first k + 1 batches, generated together, so steps 1..k
     # find theirs ready; from step k + 1 on every batch is generated beside training.
@@ -256,37 +216,24 @@ def main() -> None:
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from flows.config import load_config
-    from flows.runs import load_rows, prepare_model
-    from flows.serve import embedded_server
+    from flows.runs import load_rows
     from tasks.generate import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))
     table = []
     for name in args.workloads:
-        if name == "smollm2" and not (Path(args.smollm2) / "config.json").is_file():
-            print(f"# skipping smollm2: no model at {args.smollm2} (pass --smollm2 DIR)", flush=True)
+        prepared = prepare(name, root, args.smollm2)
+        if prepared is None:
             continue
+        wroot, model, overrides = prepared
         spec = WORKLOADS[name]
         steps = args.steps or spec["steps"]
-        wroot = root / name
-        base = load_config(spec["config"], [f"storage.root={wroot}", *workload_overrides(name, args.smollm2)])
-        model = prepare_model(base)
-        overrides = [
-            f"storage.root={wroot}",
-            *workload_overrides(name, args.smollm2),
-            f"model.path={model}",
-            *args.set,
-        ]
+        overrides = [*overrides, *args.set]
         cfg = load_config(spec["config"], overrides)
         tokenizer, rows = load_tokenizer(str(model)), load_rows(cfg)
         k = args.staleness + 1
         batches = [step_prompts(cfg, tokenizer, rows, s) for s in range((args.repeats + 1) * k)]
-        with embedded_server(
-            str(model),
-            max_model_len=cfg.inference.max_model_len,
-            kv_cache_gb=cfg.inference.kv_cache_gb,
-            log_path=wroot / "vllm.log",
-        ) as server:
+        with serve(cfg, model, wroot / "vllm.log") as server:
             gen1 = asyncio.run(raw_generation(cfg, server.url, batches[: args.repeats + 1]))
             outputs = gen1.pop("_outputs")
             gen = gen1

@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
+
+from benchmarks.workloads import serve
 
 
 def main() -> None:
@@ -34,7 +37,6 @@ def main() -> None:
 
     from flows.config import load_config
     from flows.runs import prepare_model
-    from flows.serve import embedded_server
     from flows.train import grpo_train
     from storage.sql import query
 
@@ -42,12 +44,7 @@ def main() -> None:
     base = load_config(args.config, [f"storage.root={root}", *args.set])
     model = prepare_model(base)
     results = []
-    with embedded_server(
-        str(model),
-        max_model_len=base.inference.max_model_len,
-        kv_cache_gb=base.inference.kv_cache_gb,
-        log_path=root / "vllm.log",
-    ) as server:
+    with serve(base, model, root / "vllm.log") as server:
         for k in args.staleness:
             run_id = f"bench-s{k}"
             cfg = load_config(

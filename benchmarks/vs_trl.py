@@ -36,66 +36,22 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import itertools
 import json
-import statistics
 import tempfile
 import time
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
 
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "tiny": {"config": REPO / "configs" / "tiny-letters.yaml", "steps": 10},
-    "smollm2": {"config": REPO / "configs" / "smollm2-arith-tools.yaml", "steps": 8},
-}
-
-
-def workload_overrides(name: str, smollm2_dir: str) -> list[str]:
-    """Config overrides that turn a shipped config into the benchmark workload."""
-    if name == "smollm2":
-        # No tools: one turn of at most 32 tokens, so TRL and grpoflow do exactly the same thing.
-        return [
-            f"model.path={smollm2_dir}",
-            "tools.tools=[]",
-            "generation.max_turns=1",
-            "generation.max_rollout_tokens=null",
-            "generation.max_tokens=32",
-        ]
-    return []
-
-
-def med(xs: list[float]) -> float | None:
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def rnd(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(x, nd)
-
+from benchmarks.workloads import WORKLOADS, med, prepare, rnd, run_steps, serve
 
 # -- grpoflow -------------------------------------------------------------------------------------
 
 
 def run_grpoflow(config: Path, overrides: list[str], *, url: str, steps: int, staleness: int, run_id: str):
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.sql import query
-
-    cfg = load_config(
-        config,
-        [
-            *overrides,
-            f"inference.url={url}",
-            f"run.steps={steps}",
-            f"algorithm.max_staleness={staleness}",
-            f"run.run_id={run_id}",
-            f"run.checkpoint_every={steps}",
-        ],
+    steps_rows, run_seconds = run_steps(
+        config, overrides, url=url, steps=steps, staleness=staleness, run_id=run_id
     )
-    t0 = time.perf_counter()
-    grpo_train(config=cfg)
-    run_seconds = time.perf_counter() - t0
-    cols, rows = query(cfg.storage.root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
-    steps_rows = [dict(zip(cols, r, strict=True)) for r in rows]
     later = steps_rows[1:] or steps_rows  # step 0 includes warm-up
     return {
         "system": f"grpoflow-s{staleness}",
@@ -316,28 +272,19 @@ def main() -> None:
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from flows.config import load_config
-    from flows.runs import prepare_model
-    from flows.serve import embedded_server
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-vs-trl-"))
     results: list[dict[str, Any]] = []
     for name in args.workloads:
-        if name == "smollm2" and not (Path(args.smollm2) / "config.json").is_file():
-            print(f"# skipping smollm2: no model at {args.smollm2} (pass --smollm2 DIR)", flush=True)
+        prepared = prepare(name, root, args.smollm2)
+        if prepared is None:
             continue
+        wroot, model, overrides = prepared
         spec = WORKLOADS[name]
         steps = args.steps or spec["steps"]
-        wroot = root / name
-        base = load_config(spec["config"], [f"storage.root={wroot}", *workload_overrides(name, args.smollm2)])
-        model = prepare_model(base)  # tiny: built once, seeded; both systems start from these weights
-        overrides = [f"storage.root={wroot}", *workload_overrides(name, args.smollm2), f"model.path={model}"]
+        base = load_config(spec["config"], overrides)
         t_server = time.perf_counter()
-        with embedded_server(
-            str(model),
-            max_model_len=base.inference.max_model_len,
-            kv_cache_gb=base.inference.kv_cache_gb,
-            log_path=wroot / "vllm.log",
-        ) as server:
+        with serve(base, model, wroot / "vllm.log") as server:
             print(f"# {name}: vLLM server up in {time.perf_counter() - t_server:.0f}s", flush=True)
             for rep in range(args.repeats):
                 runs = [("trl", None)] + [("grpoflow", k) for k in args.staleness]

@@ -1,0 +1,98 @@
+"""What benchmarks/vs_trl.py and benchmarks/limits.py share: the two workloads, a timed grpoflow run
+that returns its `steps` rows, and small number helpers."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {"config": REPO / "configs" / "tiny-letters.yaml", "steps": 10},
+    "smollm2": {"config": REPO / "configs" / "smollm2-arith-tools.yaml", "steps": 8},
+}
+
+
+def workload_overrides(name: str, smollm2_dir: str) -> list[str]:
+    """Config overrides that turn a shipped config into the benchmark workload."""
+    if name == "smollm2":
+        # No tools: one turn of at most 32 tokens, so TRL and grpoflow do exactly the same thing.
+        return [
+            f"model.path={smollm2_dir}",
+            "tools.tools=[]",
+            "generation.max_turns=1",
+            "generation.max_rollout_tokens=null",
+            "generation.max_tokens=32",
+        ]
+    return []
+
+
+def run_steps(
+    config: Path, overrides: list[str], *, url: str, steps: int, staleness: int, run_id: str
+) -> tuple[list[dict[str, Any]], float]:
+    """`grpo-train` for `steps` steps against the server at `url`: its `steps` rows and wall seconds."""
+    from flows.config import load_config
+    from flows.train import grpo_train
+    from storage.sql import query
+
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            f"inference.url={url}",
+            f"run.steps={steps}",
+            f"algorithm.max_staleness={staleness}",
+            f"run.run_id={run_id}",
+            f"run.checkpoint_every={steps}",
+        ],
+    )
+    t0 = time.perf_counter()
+    grpo_train(config=cfg)
+    seconds = time.perf_counter() - t0
+    cols, rows = query(cfg.storage.root, f"SELECT * FROM steps WHERE run_id = '{run_id}' ORDER BY step")
+    return [dict(zip(cols, r, strict=True)) for r in rows], seconds
+
+
+def med(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rnd(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[str]] | None:
+    """The workload's store root, model dir (the tiny model is built once, seeded) and overrides; None,
+    with a note, when the SmolLM2 model is missing."""
+    from flows.config import load_config
+    from flows.runs import prepare_model
+
+    if name == "smollm2" and not (Path(smollm2_dir) / "config.json").is_file():
+        print(f"# skipping smollm2: no model at {smollm2_dir} (pass --smollm2 DIR)", flush=True)
+        return None
+    wroot = root / name
+    base = load_config(
+        WORKLOADS[name]["config"], [f"storage.root={wroot}", *workload_overrides(name, smollm2_dir)]
+    )
+    model = prepare_model(base)
+    return (
+        wroot,
+        model,
+        [f"storage.root={wroot}", *workload_overrides(name, smollm2_dir), f"model.path={model}"],
+    )
+
+
+def serve(cfg, model: Path, log_path: Path):
+    """The embedded vLLM server for `model`, sized by the config's inference section."""
+    from flows.serve import embedded_server
+
+    return embedded_server(
+        str(model),
+        max_model_len=cfg.inference.max_model_len,
+        kv_cache_gb=cfg.inference.kv_cache_gb,
+        log_path=log_path,
+    )
