@@ -204,8 +204,27 @@ def server_command(
         # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
         # server threads made its train step ~2x slower on 2 cores (BENCHMARKS.md).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # vLLM's CPU default keeps one core for its front end and binds the engine to the rest: on
+        # 2 cores that is one core, and SmolLM2 generation ran 1.6x slower (BENCHMARKS.md). Bind it to
+        # every core this process may use; the OS shares them with the learner. A value in the
+        # environment wins.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return cmd, env, f"http://{connect_host}:{port}"
+
+
+def cpu_list(cores) -> str:
+    """Core ids as vLLM's thread-bind syntax: sorted ranges joined by commas, e.g. "0-3,6"."""
+    ids, parts = sorted(cores), []
+    start = prev = ids[0]
+    for c in [*ids[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
 
 
 def _cpu_only() -> bool:
