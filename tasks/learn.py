@@ -66,11 +66,15 @@ def _logprobs_from(model, input_ids, attention_mask, temperature: float, first: 
     L = input_ids.shape[1]
     kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
-    logits = logits[:, -(L - first) : -1].float()
+    return _picked_logprobs(logits[:, -(L - first) : -1], input_ids[:, first + 1 :], temperature)
+
+
+def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log-softmax of temperature-scaled float32 logits [B, T, V] at `targets` [B, T]."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, first + 1 :]
-    # gather - logsumexp avoids materialising a full [B, L, V] log_softmax copy.
+    # gather - logsumexp avoids materialising a full [B, T, V] log_softmax copy.
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -233,12 +237,9 @@ class Learner:
         cache.batch_repeat_interleave(B)
         # Right padding after the real tokens: causal attention keeps it out of every real position.
         tail = model(input_ids=comp, past_key_values=cache, use_cache=True).logits
-        logits = torch.cat([head.logits[:, -1:].expand(B, 1, -1), tail[:, :-1]], dim=1).float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        picked = logits.gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+        logits = torch.cat([head.logits[:, -1:].expand(B, 1, -1), tail[:, :-1]], dim=1)
         adv = torch.tensor([s.advantage for s in mb], dtype=torch.float, device=dev)
-        return picked - torch.logsumexp(logits, dim=-1), mask.to(dev), behav.to(dev), adv
+        return _picked_logprobs(logits, comp, self.temperature), mask.to(dev), behav.to(dev), adv
 
     def _micro_batches(self, work: list[TrainSample]) -> list[list[TrainSample]]:
         n = self.micro_batch_size
