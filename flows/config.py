@@ -82,10 +82,12 @@ class RewardConfig(_Section):
 class ToolsConfig(_Section):
     tools: list[str] = Field(default_factory=list, description="Tool functions, 'module:function'.")
     environment: str | None = Field(
-        None, description="Environment factory 'module:Class'; its public methods become tools."
+        None,
+        description="Environment factory 'module:Class'; its public methods become tools. Each finished "
+        "rollout's environment reaches the reward functions as an isolated snapshot: the environment's "
+        "own snapshot() when it defines one, else a deep copy.",
     )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
-    deepcopy_env: bool = Field(False, description="Snapshot environments with deepcopy, not copy.copy.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
 
     @field_validator("tools")
@@ -151,6 +153,12 @@ class SyncConfig(_Section):
     backend: Literal["checkpoint"] = Field("checkpoint", description="Weight push backend.")
     sync_every: int = Field(1, ge=1, description="Push weights to vLLM every N training steps.")
     keep_last: int = Field(2, ge=1, description="Pushed weight versions kept on disk.")
+    reload_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds one weight reload into vLLM may take before the push fails (the server is "
+        "resumed either way). Generous: a large model from a slow disk takes minutes.",
+    )
 
 
 class StorageConfig(_Section):
@@ -216,6 +224,27 @@ def resolve_import(path: str, field: str) -> Any:
         raise ConfigError(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}") from e
 
 
+def check_environment(factory: Any, path: str) -> None:
+    """An environment must snapshot in isolation (its own `snapshot()`, or a deep copy): a shallow copy
+    would share state with the pooled instance that the next rollout resets."""
+    import copy
+
+    try:
+        env = factory()
+    except Exception as e:
+        raise ConfigError(f"tools.environment: {path}() failed: {type(e).__name__}: {e}") from e
+    if callable(getattr(env, "snapshot", None)):
+        return
+    try:
+        copy.deepcopy(env)
+    except Exception as e:
+        raise ConfigError(
+            f"tools.environment: {path} instances cannot be deep-copied ({type(e).__name__}: {e}); "
+            "define a snapshot() method that returns an isolated copy of the state your reward "
+            "functions read"
+        ) from e
+
+
 def _set_dotted(d: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     for p in parts[:-1]:
@@ -255,6 +284,6 @@ def check_imports(cfg: GRPOConfig) -> None:
     for i, t in enumerate(cfg.tools.tools):
         resolve_import(t, f"tools.tools[{i}]")
     if cfg.tools.environment:
-        resolve_import(cfg.tools.environment, "tools.environment")
+        check_environment(resolve_import(cfg.tools.environment, "tools.environment"), cfg.tools.environment)
     if cfg.data.generator and not cfg.data.path:
         resolve_import(cfg.data.generator, "data.generator")

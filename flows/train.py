@@ -117,7 +117,6 @@ def rollout_kwargs(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: Ver
             tool_paths=t.tools,
             environment_path=t.environment,
             env_slots=t.env_slots,
-            deepcopy_env=t.deepcopy_env,
             tool_timeout_s=t.tool_timeout_s,
         ),
         reward_specs=[

@@ -112,6 +112,11 @@ class RolloutCompletion:
     trained: bool = False
     drop_reason: str | None = None  # why a generated completion was not trained on (e.g. stale)
     environment: Any = None  # snapshot of the environment when the completion finished; not persisted
+    # The prompt this completion was generated from. Samples of one group differ when an environment's
+    # reset note differs per sample; None (hand-built records) means the group's prompt.
+    prompt_ids: list[int] | None = None  # [P]
+    prompt: str | None = None  # rendered prompt text
+    prompt_input: Any = None  # the prompt as reward functions receive it (row form); not persisted
 
     @property
     def num_turns(self) -> int:
@@ -134,6 +139,13 @@ class RolloutGroup:
     @property
     def size(self) -> int:
         return len(self.completions)
+
+    def prompt_ids_of(self, c: RolloutCompletion) -> list[int]:
+        """The prompt tokens completion `c` was generated from (and is trained on)."""
+        return self.prompt_ids if c.prompt_ids is None else c.prompt_ids
+
+    def prompt_of(self, c: RolloutCompletion) -> str:
+        return self.prompt if c.prompt is None else c.prompt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +266,8 @@ def rollout_rows(
                     "group_id": g.group_id,
                     "sample_index": c.sample_index,
                     "prompt_index": g.prompt_index,
-                    "prompt": g.prompt,
-                    "prompt_ids": g.prompt_ids,
+                    "prompt": g.prompt_of(c),
+                    "prompt_ids": g.prompt_ids_of(c),
                     "messages": [asdict(m) for m in c.messages],
                     "completion": c.completion,
                     "completion_ids": c.completion_ids,
@@ -362,6 +374,8 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
                 advantage=r["advantage"],
                 trained=r["trained"],
                 drop_reason=r["drop_reason"],
+                prompt_ids=list(r["prompt_ids"]),
+                prompt=r["prompt"],
             )
         )
     for g in groups.values():

@@ -14,9 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
@@ -63,11 +60,15 @@ def _seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | 
 
 
 class EnvPool:
-    """Environment instances pooled per concurrent slot and reused after `reset`."""
+    """Environment instances pooled per concurrent slot and reused after `reset`.
+
+    A slot whose tool call timed out is retired: the hung call may still be running on its thread and
+    mutating that instance, so it is dropped and a fresh instance takes its place in the pool."""
 
     def __init__(self, factory: Callable[[], Any], slots: int):
         self.factory, self.slots, self.made = factory, slots, 0
         self.free: asyncio.Queue = asyncio.Queue()
+        self.retired = 0
 
     async def acquire(self) -> Any:
         if self.free.empty() and self.made < self.slots:
@@ -77,6 +78,10 @@ class EnvPool:
 
     def release(self, env: Any) -> None:
         self.free.put_nowait(env)
+
+    def retire(self, env: Any) -> None:
+        self.retired += 1
+        self.free.put_nowait(self.factory())
 
 
 class Rollout:
@@ -97,7 +102,6 @@ class Rollout:
         parser,
         tool_timeout_s,
         env_pool,
-        deepcopy_env,
         version_fn,
     ):
         self.backend, self.tok = backend, tokenizer
@@ -105,7 +109,7 @@ class Rollout:
         self.max_turns = max_turns
         self.budget = max_rollout_tokens or max_tokens * max_turns
         self.tools, self.parser, self.tool_timeout_s = tools or [], parser, tool_timeout_s
-        self.env_pool, self.deepcopy_env, self.version_fn = env_pool, deepcopy_env, version_fn
+        self.env_pool, self.version_fn = env_pool, version_fn
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
 
@@ -121,22 +125,34 @@ class Rollout:
         TRL and users expect; `finish_reason` says whether the model stopped."""
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def glue_ids(self, history: list[dict], assistant_text: str, ended_with_eos: bool, tool_msgs, schemas):
-        """Template tokens between the model's output and the next generation: closing of the
-        assistant turn (minus the EOS the model already produced), tool messages, generation prompt."""
-        with_asst = render(
-            self.tok, history + [{"role": "assistant", "content": assistant_text}], schemas, False
-        )
-        full = render(
-            self.tok, history + [{"role": "assistant", "content": assistant_text}] + tool_msgs, schemas, True
-        )
-        closing = (
-            with_asst[with_asst.rindex(assistant_text) + len(assistant_text) :] if assistant_text else ""
-        )
-        if ended_with_eos and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text) :]
-        glue = closing + full[len(with_asst) :]
+    def glue_ids(self, history: list[dict], ended_with_eos: bool, tool_msgs, schemas) -> list[int]:
+        """Template tokens between the model's output and the next generation: the closing of the
+        assistant turn (minus the EOS the model already produced), tool messages, generation prompt.
+
+        The assistant turn is rendered with a sentinel in place of the model's text and the glue is
+        what follows the sentinel: templates that trim or rewrite the content (Llama-3's `| trim`), or
+        that render earlier turns differently once more follow, cannot shift it. The model's own
+        tokens are kept as sampled, never re-rendered."""
+        asst = {"role": "assistant", "content": _SENTINEL}
+        full = render(self.tok, history + [asst] + tool_msgs, schemas, True)
+        if full.count(_SENTINEL) != 1:
+            raise TemplateError(
+                "the chat template does not render an assistant message's content verbatim once "
+                f"(found it {full.count(_SENTINEL)} times); multi-turn rollouts need that"
+            )
+        glue = full[full.index(_SENTINEL) + len(_SENTINEL) :]
+        if ended_with_eos and self.eos_text and glue.lstrip(" \t").startswith(self.eos_text):
+            glue = glue.lstrip(" \t")[len(self.eos_text) :]
         return self.tok.encode(glue, add_special_tokens=False)
+
+
+# Stands in for the assistant's text when rendering glue: plain ASCII with no whitespace, so no
+# template filter (trim, strip) alters it, and no tokenizer or model ever sees it.
+_SENTINEL = "GRPOFLOWASSISTANTCONTENT8d1f"
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot support multi-turn rollouts."""
 
 
 async def _single_turn_group(
@@ -196,48 +212,44 @@ async def _multi_turn(r: Rollout, row: dict, index: int, sample: int, messages: 
         if isinstance(note, str) and note:
             history[-1] = {**history[-1], "content": f"{history[-1]['content']}\n\n{note}"}
         tools.update(environment_tools(env))
+    # Rewards see the prompt in the row's own form, with this sample's reset note in it.
+    prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]
+    box = ToolBox(tools, r.tool_timeout_s)
     try:
-        c, prompt_ids = await _run_turns(r, index, sample, history, tools)
+        c = await _run_turns(r, index, sample, history, box)
+        c.prompt_input = prompt_input
         if env is not None:  # snapshot before the slot goes back to the pool and is reset
-            c.environment = copy.deepcopy(env) if r.deepcopy_env else snapshot(env)
-        return c, prompt_ids
+            c.environment = snapshot(env)
+        return c
     finally:
         if env is not None:
-            r.env_pool.release(env)
+            (r.env_pool.retire if box.timed_out else r.env_pool.release)(env)
 
 
 def snapshot(env: Any) -> Any:
-    return copy.copy(env)
+    """An isolated copy of a finished rollout's environment for the reward functions: the
+    environment's own `snapshot()` when it defines one, else a deep copy (a shallow copy would share
+    lists and dicts with the pooled instance, which the next `reset` rewrites)."""
+    own = getattr(env, "snapshot", None)
+    return own() if callable(own) else copy.deepcopy(env)
 
 
-async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], tools: dict):
-    schemas = [tool_schema(f) for f in tools.values()]
-    prompt_ids = r.tok.encode(render(r.tok, history, schemas, True), add_special_tokens=False)
-    box = ToolBox(tools, r.tool_timeout_s)
+async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], box: ToolBox):
+    schemas = [tool_schema(f) for f in box.tools.values()]
+    prompt_text = render(r.tok, history, schemas, True)
+    prompt_ids = r.tok.encode(prompt_text, add_special_tokens=False)
     ids, mask, lps, msgs, turns, calls = list(prompt_ids), [], [], [], [], []
     c = RolloutCompletion(
         sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[]
     )
+    c.prompt_ids, c.prompt = prompt_ids, prompt_text
     t_start, c.policy_version = time.perf_counter(), r.version_fn()
     for turn in range(r.max_turns):
         limit = min(r.max_tokens, r.budget - len(mask), r.max_len - len(ids))
         if limit <= 0:
             c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
             break
-        t0 = time.perf_counter()
-        (ch,) = await r.backend.complete(
-            ids, max_tokens=limit, n=1, seed=_seed(r.seed, index, sample, turn), **r.sample_kwargs()
-        )
-        turns.append(
-            TurnRecord(
-                len(ids),
-                len(ch.token_ids),
-                time.perf_counter() - t0,
-                ch.finish_reason,
-                list(ch.token_ids),
-                list(ch.logprobs),
-            )
-        )
+        ch = await _turn(r, ids, limit, _seed(r.seed, index, sample, turn), turns)
         ids += ch.token_ids
         mask += [1] * len(ch.token_ids)
         lps += list(ch.logprobs)
@@ -248,7 +260,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
         if ch.finish_reason == "length":
             c.truncated, c.truncation_reason = True, "max_tokens"
             break
-        parsed = r.parser.parse(text) if tools else []
+        parsed = r.parser.parse(text) if box.tools else []
         if not parsed:
             break
         if turn == r.max_turns - 1:
@@ -258,7 +270,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
         calls += records
         tool_msgs = [{"role": "tool", "name": rec.name, "content": rec.result} for rec in records]
         msgs += [TaggedMessage("tool", rec.result, False) for rec in records]
-        glue = r.glue_ids(history, text, raw.endswith(r.eos_text) and bool(r.eos_text), tool_msgs, schemas)
+        glue = r.glue_ids(history, bool(r.eos_text) and raw.endswith(r.eos_text), tool_msgs, schemas)
         history += [{"role": "assistant", "content": text}, *tool_msgs]
         ids += glue
         mask += [0] * len(glue)
@@ -267,7 +279,24 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], t
     c.completion = r.text(c.completion_ids)
     c.messages, c.turns, c.tool_calls = msgs, turns, calls
     c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
-    return c, prompt_ids
+    return c
+
+
+async def _turn(r: Rollout, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
+    """One generation request of a multi-turn rollout, recorded in `turns`."""
+    t0 = time.perf_counter()
+    (ch,) = await r.backend.complete(ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
+    turns.append(
+        TurnRecord(
+            len(ids),
+            len(ch.token_ids),
+            time.perf_counter() - t0,
+            ch.finish_reason,
+            list(ch.token_ids),
+            list(ch.logprobs),
+        )
+    )
+    return ch
 
 
 async def generate_groups(
@@ -288,7 +317,6 @@ async def generate_groups(
     tool_timeout_s: float = 10.0,
     environment_factory: Callable[[], Any] | None = None,
     env_slots: int | None = None,
-    deepcopy_env: bool = False,
     max_in_flight: int = 32,
     version_fn: Callable[[], int] = lambda: 0,
     split: str = "train",
@@ -311,7 +339,6 @@ async def generate_groups(
         parser=tool_parser or HermesToolParser(),
         tool_timeout_s=tool_timeout_s,
         env_pool=pool,
-        deepcopy_env=deepcopy_env,
         version_fn=version_fn,
     )
     r.max_len = await backend.max_model_len()
@@ -324,23 +351,18 @@ async def generate_groups(
 
     async def one_group(row, index, msgs) -> RolloutGroup:
         if simple:
-            prompt_ids = tokenizer.encode(render(tokenizer, msgs, None, True), add_special_tokens=False)
-            if len(prompt_ids) >= r.max_len:
-                comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
-            else:
-                comps = await bounded(_single_turn_group(r, index, prompt_ids, group_size))
+            comps = await _one_prompt_group(r, row, index, msgs, group_size, bounded)
         else:
-            pairs = await asyncio.gather(
+            comps = await asyncio.gather(
                 *(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size))
             )
-            comps = [c for c, _ in pairs]
-            prompt_ids = pairs[0][1]  # the same for every sample (environment reset notes included)
         failpoint("generate")
+        first = comps[0]  # each completion carries its own prompt; the group shows sample 0's
         return RolloutGroup(
             group_id=f"{split}-{index:08d}",
             prompt_index=index,
-            prompt=tokenizer.decode(prompt_ids),
-            prompt_ids=prompt_ids,
+            prompt=first.prompt,
+            prompt_ids=first.prompt_ids,
             completions=list(comps),
             row=row,
             split=split,
@@ -352,6 +374,19 @@ async def generate_groups(
             *(one_group(row, i, m) for row, i, m in zip(rows, prompt_indices, messages, strict=True))
         )
     )
+
+
+async def _one_prompt_group(r: Rollout, row: dict, index: int, msgs, group_size: int, bounded):
+    """Single-turn group: one request with n=G over the shared prompt."""
+    text = render(r.tok, msgs, None, True)
+    prompt_ids = r.tok.encode(text, add_special_tokens=False)
+    if len(prompt_ids) >= r.max_len:
+        comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
+    else:
+        comps = await bounded(_single_turn_group(r, index, prompt_ids, group_size))
+    for c in comps:
+        c.prompt_ids, c.prompt, c.prompt_input = prompt_ids, text, row["prompt"]
+    return comps
 
 
 def _too_long(sample: int, version: int) -> RolloutCompletion:
@@ -374,25 +409,3 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-@task(name="generate-rollouts", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def generate_rollouts(
-    url: str,
-    tokenizer_path: str,
-    rows: list[dict[str, Any]],
-    prompt_indices: list[int],
-    *,
-    api_key: str | None = None,
-    **gen_kwargs: Any,
-) -> list[RolloutGroup]:
-    """Prefect task: generate groups on the vLLM server at `url` (flat arguments only)."""
-    from tasks.inference import VLLMClient
-
-    async def go() -> list[RolloutGroup]:
-        async with VLLMClient(url, api_key=api_key) as client:
-            return await generate_groups(
-                rows, prompt_indices, backend=client, tokenizer=load_tokenizer(tokenizer_path), **gen_kwargs
-            )
-
-    return asyncio.run(go())

@@ -39,10 +39,11 @@ def samples_from_groups(groups: list[RolloutGroup]) -> list[TrainSample]:
         for c in g.completions:
             if not c.trained or not any(c.completion_mask):
                 continue
+            prompt_ids = g.prompt_ids_of(c)  # its own prompt: reset notes may differ per sample
             out.append(
                 TrainSample(
-                    input_ids=list(g.prompt_ids) + list(c.completion_ids),
-                    prompt_len=len(g.prompt_ids),
+                    input_ids=list(prompt_ids) + list(c.completion_ids),
+                    prompt_len=len(prompt_ids),
                     completion_mask=list(c.completion_mask),
                     behaviour_logprobs=list(c.logprobs),
                     advantage=float(c.advantage),

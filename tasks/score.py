@@ -74,7 +74,8 @@ def _batch_inputs(groups: list[RolloutGroup]) -> dict[str, list[Any]]:
         cols[k] = []
     for g in groups:
         for c in g.completions:
-            cols["prompts"].append(g.row.get("prompt", g.prompt))
+            own = c.prompt_input  # the prompt this completion was generated from (reset notes included)
+            cols["prompts"].append(own if own is not None else g.row.get("prompt", g.prompt))
             cols["completions"].append(c.completion)
             cols["completion_ids"].append(c.completion_ids)
             cols["environments"].append(c.environment)

@@ -72,7 +72,7 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
 
 def environment_tools(env: Any) -> dict[str, Callable[..., Any]]:
     """Public methods of an environment instance, except its lifecycle/reward methods."""
-    skip = {"reset", "get_reward"}
+    skip = {"reset", "get_reward", "snapshot"}
     out = {}
     for name in dir(env):
         if name.startswith("_") or name in skip:
@@ -88,6 +88,9 @@ class ToolBox:
 
     def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float = 10.0):
         self.tools, self.timeout_s = tools, timeout_s
+        # A timed-out sync call keeps running on its thread: whatever state it touches (an
+        # environment) must not be handed to anyone else.
+        self.timed_out = False
 
     @classmethod
     def from_functions(cls, fns: list[Callable[..., Any]], timeout_s: float = 10.0) -> ToolBox:
@@ -118,16 +121,22 @@ class ToolBox:
         except TypeError as e:
             err = f"wrong arguments for {call.name}: {e}"
             return record(f"Error: {err}", err)
-        try:
-            if inspect.iscoroutinefunction(fn):
-                out = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
-            else:
-                # A thread, so a slow sync tool never blocks other rollouts on the event loop; a
-                # daemon thread, so a hung one is abandoned after its timeout.
-                out = await asyncio.wait_for(in_daemon_thread(fn, **call.arguments), self.timeout_s)
-        except TimeoutError:
+        if inspect.iscoroutinefunction(fn):
+            job = asyncio.ensure_future(fn(**call.arguments))
+        else:
+            # A thread, so a slow sync tool never blocks other rollouts on the event loop; a daemon
+            # thread, so a hung one is abandoned after its timeout.
+            job = asyncio.ensure_future(in_daemon_thread(fn, **call.arguments))
+        # asyncio.wait, not wait_for: a tool that raises TimeoutError itself is a failure with its
+        # own message, not a timeout of ours.
+        done, _ = await asyncio.wait({job}, timeout=self.timeout_s)
+        if not done:
+            job.cancel()
+            self.timed_out = True
             err = f"tool {call.name} timed out after {self.timeout_s}s"
             return record(f"Error: {err}", err)
+        try:
+            out = job.result()
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
             return record(f"Error: {err}", err)

