@@ -113,7 +113,13 @@ class AlgorithmConfig(_Section):
     )
     correction_cap: float = Field(2.0, gt=1, description="Cap / band of the importance weights.")
     max_staleness: int = Field(
-        1, ge=0, description="Batches generated ahead of training; 0 = synchronous on-policy."
+        1,
+        ge=0,
+        description="Batches generated ahead of training; 0 = synchronous on-policy (needs "
+        "sync.sync_every 1). A sample's staleness is the number of training steps between the policy "
+        "that generated it and the policy trained on it; the pipeline keeps it at most max_staleness + "
+        "sync.sync_every - 1, and a group staler than that (e.g. delayed by a server restart) is "
+        "dropped, stored with its reason.",
     )
 
 
@@ -151,7 +157,12 @@ class InferenceConfig(_Section):
 
 class SyncConfig(_Section):
     backend: Literal["checkpoint"] = Field("checkpoint", description="Weight push backend.")
-    sync_every: int = Field(1, ge=1, description="Push weights to vLLM every N training steps.")
+    sync_every: int = Field(
+        1,
+        ge=1,
+        description="Push weights to vLLM every N training steps: fewer pushes, samples up to N - 1 "
+        "steps staler (see algorithm.max_staleness).",
+    )
     keep_last: int = Field(2, ge=1, description="Pushed weight versions kept on disk.")
     reload_timeout_s: float = Field(
         300.0,
@@ -196,6 +207,16 @@ class GRPOConfig(_Section):
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight push to vLLM.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where data lands.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
+
+    @model_validator(mode="after")
+    def _on_policy_pushes_every_step(self) -> GRPOConfig:
+        if self.algorithm.max_staleness == 0 and self.sync.sync_every > 1:
+            raise ValueError(
+                f"algorithm.max_staleness 0 (on-policy) needs sync.sync_every 1, got "
+                f"sync.sync_every {self.sync.sync_every}: pushing less often trains on samples up to "
+                f"{self.sync.sync_every - 1} steps old; set algorithm.max_staleness >= 1 to allow that"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_rewards(self) -> GRPOConfig:

@@ -69,7 +69,7 @@ def grpo_evaluate(
         for g in batch.groups:
             g.split = "eval"
             g.group_id = g.group_id.replace("train-", "eval-")
-        persist_step(cfg.storage.root, eval_run, step, quote(batch.groups), step)
+        persist_step(cfg.storage.root, eval_run, step, quote(batch.groups))
     return _publish(batch.groups, eval_run, step, pass_threshold, cfg.storage.root)
 
 

@@ -159,7 +159,9 @@ def open_run(cfg: GRPOConfig, resume: str | None, base_model: Path) -> RunState:
     return RunState(
         run_id=run_id,
         start_step=last + 1,
-        policy_version=int(state["policy_version"]),
+        # A checkpoint after step s holds weights with s + 1 updates: that is their version, whatever
+        # was last pushed (with sync_every > 1 the server may have been behind).
+        policy_version=last + 1,
         model_path=str(ckpt / "model"),
         base_model=str(base_model),
         checkpoint=ckpt,

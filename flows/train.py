@@ -246,9 +246,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
             push_weights(quote(learner), version=versions.get(), **push_kw)
         roll_kw = rollout_kwargs(cfg, url, run.base_model, versions)
+        trained = [run.policy_version]  # optimizer updates in the learner's weights: their version
 
-        def restore_weights() -> None:
-            push_weights(quote(learner), version=versions.get(), **push_kw)
+        def restore_weights() -> None:  # a restarted server gets the learner's weights as they are now
+            push_weights(quote(learner), version=trained[0], versions=quote(versions), **push_kw)
 
         pipeline = RolloutPipeline(cfg, rows, server, roll_kw, restore_weights, run.start_step)
 
@@ -273,13 +274,15 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                     batch.groups,
                     step=step,
                     max_staleness=a.max_staleness,
+                    sync_every=cfg.sync.sync_every,
                     scale=a.scale,
                     filter_zero_std=a.filter_zero_std,
                 )
             )
-            writer = persist_step.submit(root, run.run_id, step, quote(batch.groups), versions.get())
+            writer = persist_step.submit(root, run.run_id, step, quote(batch.groups))
             t0 = time.perf_counter()
             m.update(train_on_batch(quote(learner), quote(batch.groups)))
+            trained[0] = step + 1
             overhead = (time.perf_counter() - t0) - m["train/seconds"]
             m["sync_seconds"] = 0.0
             if (step + 1) % cfg.sync.sync_every == 0 or step == steps - 1:
@@ -292,7 +295,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             if (step + 1) % cfg.run.checkpoint_every == 0 or step == steps - 1:
                 state = {
                     "step": step,
-                    "policy_version": versions.get(),
+                    "policy_version": trained[0],
                     "data_cursor": (step + 1) * cfg.data.prompts_per_step,
                     "run_id": run.run_id,
                 }

@@ -70,7 +70,11 @@ class TurnRecord:
 
 @dataclass
 class RewardCell:
-    """The outcome of one reward function on one completion."""
+    """The outcome of one reward function on one completion.
+
+    `imputed`: an optional reward without a valid value here counted as `imputed_value` (the mean of
+    its valid values in the group) in the completion's total; status, value (None) and reason stay.
+    """
 
     name: str
     value: float | None
@@ -78,6 +82,8 @@ class RewardCell:
     reason: str = ""
     weight: float = 1.0
     duration_s: float = 0.0
+    imputed: bool = False
+    imputed_value: float | None = None
 
 
 @dataclass
@@ -221,6 +227,8 @@ REWARDS_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("reason", pa.string()),
         ("duration_s", pa.float64()),
+        ("imputed", pa.bool_()),
+        ("imputed_value", pa.float64()),
     ]
 )
 
@@ -247,14 +255,13 @@ def _now() -> datetime:
 
 
 def rollout_rows(
-    groups: list[RolloutGroup], *, run_id: str, step: int, current_version: int | None = None
+    groups: list[RolloutGroup], *, run_id: str, step: int
 ) -> list[dict[str, Any]]:
     """One dict per completion, matching ROLLOUTS_SCHEMA."""
     created = _now()
     rows = []
     for g in groups:
         for c in g.completions:
-            version_now = c.policy_version_end if current_version is None else current_version
             rows.append(
                 {
                     "run_id": run_id,
@@ -262,7 +269,8 @@ def rollout_rows(
                     "step": step,
                     "policy_version": c.policy_version,
                     "policy_version_end": c.policy_version_end,
-                    "staleness": max(0, version_now - c.policy_version),
+                    # training steps between the generating policy and the one trained at `step`
+                    "staleness": max(0, step - c.policy_version),
                     "group_id": g.group_id,
                     "sample_index": c.sample_index,
                     "prompt_index": g.prompt_index,
@@ -316,6 +324,8 @@ def reward_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[d
             "status": cell.status,
             "reason": cell.reason,
             "duration_s": cell.duration_s,
+            "imputed": cell.imputed,
+            "imputed_value": cell.imputed_value,
         }
         for g in groups
         for c in g.completions
@@ -335,6 +345,9 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
                 reason=r["reason"] or "",
                 weight=r["weight"],
                 duration_s=r["duration_s"],
+                # .get: reward files written before imputation existed lack both columns
+                imputed=bool(r.get("imputed")),
+                imputed_value=r.get("imputed_value"),
             )
         )
     groups: dict[str, RolloutGroup] = {}

@@ -108,9 +108,9 @@ class RolloutStore:
         return path
 
     def write_rollouts(
-        self, run_id: str, step: int, groups: list[RolloutGroup], current_version: int | None = None
+        self, run_id: str, step: int, groups: list[RolloutGroup]
     ) -> Path:
-        rows = rollout_rows(groups, run_id=run_id, step=step, current_version=current_version)
+        rows = rollout_rows(groups, run_id=run_id, step=step)
         return self.write_table("rollouts", run_id, step, pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA))
 
     def write_rewards(self, run_id: str, step: int, groups: list[RolloutGroup]) -> Path:

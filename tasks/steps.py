@@ -115,18 +115,37 @@ def rollout_batch_fn(step: int, rows, prompt_indices, **kwargs) -> RolloutBatch:
     return asyncio.run(_rollout_async(step, rows, prompt_indices, **kwargs))
 
 
+def max_lag(max_staleness: int, sync_every: int) -> int:
+    """The largest staleness the pipeline produces by construction: a batch is generated up to
+    `max_staleness` steps ahead, under weights pushed up to `sync_every - 1` steps before that."""
+    return max_staleness + sync_every - 1
+
+
 def assign_advantages(
-    groups: list[RolloutGroup], *, step: int, max_staleness: int, scale: str, filter_zero_std: bool
+    groups: list[RolloutGroup],
+    *,
+    step: int,
+    max_staleness: int,
+    sync_every: int = 1,
+    scale: str,
+    filter_zero_std: bool,
 ) -> dict[str, float]:
-    """Drop stale groups, compute masked advantages, and mark which completions are trained on."""
-    fresh, stale = [], 0
+    """Drop stale groups, compute masked advantages, and mark which completions are trained on.
+
+    Staleness, here, in the `rollouts` table and in the metrics, is one number: training steps between
+    the policy that generated a sample (its version = optimizer updates in those weights) and the
+    policy being trained at `step`. Only what exceeds `max_lag` (a server restart, a late batch) drops."""
+    fresh, stale, limit = [], 0, max_lag(max_staleness, sync_every)
     for g in groups:
         staleness = max(step - c.policy_version for c in g.completions) if g.completions else 0
-        if staleness > max_staleness:
+        if staleness > limit:
             stale += 1
             for c in g.completions:
                 c.trained, c.advantage = False, 0.0
-                c.drop_reason = f"stale: generated under version {c.policy_version}, step {step}"
+                c.drop_reason = (
+                    f"stale: generated under version {c.policy_version}, trained at step {step} "
+                    f"(lag {staleness} > {limit})"
+                )
         else:
             fresh.append(g)
     rewards = [[c.reward if c.reward_valid else None for c in g.completions] for g in fresh]
@@ -155,11 +174,11 @@ def assign_advantages(
     return out
 
 
-def persist_step_fn(root: str, run_id: str, step: int, groups: list[RolloutGroup], version: int) -> float:
+def persist_step_fn(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
     """Write the step's rollouts and rewards (atomic Parquet files); returns seconds."""
     t0 = time.perf_counter()
     store = RolloutStore(Path(root))
-    store.write_rollouts(run_id, step, groups, current_version=version)
+    store.write_rollouts(run_id, step, groups)
     store.write_rewards(run_id, step, groups)
     return time.perf_counter() - t0
 

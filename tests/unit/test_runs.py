@@ -91,3 +91,42 @@ def test_stale_groups_are_dropped_with_a_reason_and_counted():
     a, b, invalid = fresh.completions
     assert a.trained and b.trained and a.advantage > 0 > b.advantage
     assert not invalid.trained and invalid.advantage == 0.0 and "reward invalid" in invalid.drop_reason
+
+
+@pytest.mark.parametrize("max_staleness,sync_every", [(1, 1), (1, 2), (2, 3), (1, 4), (3, 2)])
+def test_pushing_every_n_steps_drops_nothing_and_staleness_is_one_number(max_staleness, sync_every):
+    """Versions as the loop makes them: the batch of step s is generated when step s - max_staleness
+    starts, under the last push (after step t, version t + 1 when (t + 1) % sync_every == 0). No batch
+    is dropped by construction, and the check, the metric and the stored column agree."""
+    from storage.records import rollout_rows
+
+    def served_at_start_of(u: int) -> int:
+        return max([t + 1 for t in range(u) if (t + 1) % sync_every == 0], default=0)
+
+    lags = []
+    for step in range(12):
+        v = served_at_start_of(max(0, step - max_staleness))
+        g = _group(f"g{step}", [1.0, 0.0], [v, v])
+        m = assign_advantages(
+            [g],
+            step=step,
+            max_staleness=max_staleness,
+            sync_every=sync_every,
+            scale="group",
+            filter_zero_std=False,
+        )
+        assert m["groups_dropped_stale"] == 0 and all(c.trained for c in g.completions)
+        (row, _) = rollout_rows([g], run_id="r", step=step)
+        assert row["staleness"] == step - v == m["staleness_max"]
+        lags.append(step - v)
+    assert max(lags) == max_staleness + sync_every - 1  # the documented bound is reached, not exceeded
+
+
+def test_on_policy_with_infrequent_pushes_is_refused_naming_both_fields():
+    from flows.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match=r"algorithm.max_staleness 0 .*sync.sync_every 1.*got sync.sync_every 2"
+    ):
+        load_config(None, ["algorithm.max_staleness=0", "sync.sync_every=2"])
+    load_config(None, ["algorithm.max_staleness=1", "sync.sync_every=2"])  # allowed: lag <= 2
