@@ -387,8 +387,9 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
                 advantage=r["advantage"],
                 trained=r["trained"],
                 drop_reason=r["drop_reason"],
-                prompt_ids=list(r["prompt_ids"]),
-                prompt=r["prompt"],
+                # its own prompt only where it differs from the group's (per-sample reset notes)
+                prompt_ids=None if list(r["prompt_ids"]) == g.prompt_ids else list(r["prompt_ids"]),
+                prompt=None if r["prompt"] == g.prompt else r["prompt"],
             )
         )
     for g in groups.values():
