@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from storage.records import validate_run_id
-from tasks.imports import import_object
+from tasks.imports import add_search_dir, import_object
 
 
 class _Section(BaseModel):
@@ -192,6 +200,8 @@ class RunConfig(_Section):
 class GRPOConfig(_Section):
     """The whole run: what to train, on what, how, and where it lands."""
 
+    _config_dir: Path | None = PrivateAttr(None)  # folder of the YAML file it was loaded from
+
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollouts.")
@@ -291,11 +301,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--set expects key=value, got {item!r}")
         _set_dotted(raw, key.strip(), yaml.safe_load(value))
     try:
-        return GRPOConfig.model_validate(raw)
+        cfg = GRPOConfig.model_validate(raw)
     except ValidationError as e:
         lines = [f"{'.'.join(str(x) for x in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()]
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
+    if path is not None:
+        here = Path(path).resolve().parent
+        add_search_dir(here)  # the user's reward/tool/environment modules beside their config
+        cfg._config_dir = here
+        cfg.data.path = _beside_config(cfg.data.path, here)
+        if cfg.model.path != "tiny":
+            cfg.model.path = _beside_config(cfg.model.path, here)
+    return cfg
+
+
+def _beside_config(value: str | None, config_dir: Path) -> str | None:
+    """A relative path that does not exist under the current directory is looked up next to the
+    config file (when it is in neither place, preflight's error names both)."""
+    if value is None or Path(value).is_absolute() or Path(value).exists():
+        return value
+    beside = config_dir / value
+    return str(beside) if beside.exists() else value
+
+
+def where_searched(cfg: GRPOConfig, value: str) -> str:
+    """The places a relative path was looked for, for a not-found error."""
+    places = [str(Path.cwd() / value)]
+    if cfg._config_dir is not None and not Path(value).is_absolute():
+        places.append(str(cfg._config_dir / value))
+    return " nor ".join(places)
 
 
 def check_imports(cfg: GRPOConfig) -> None:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import
+from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
@@ -41,6 +41,8 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     check_imports(cfg)  # reward / tool / environment / generator import paths
     rows = load_rows(cfg)
     if cfg.model.path != "tiny":
+        if not Path(cfg.model.path).exists():
+            raise ConfigError(f"model.path: not found: {where_searched(cfg, cfg.model.path)}")
         check_model_dir(Path(cfg.model.path))
     store = RolloutStore(Path(cfg.storage.root))
     if resume is not None:
@@ -80,7 +82,7 @@ def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
     if cfg.data.path:
         p = Path(cfg.data.path)
         if not p.is_file():
-            raise ConfigError(f"data.path: file not found: {p}")
+            raise ConfigError(f"data.path: file not found: {where_searched(cfg, cfg.data.path)}")
         if p.suffix == ".parquet":
             import pyarrow.parquet as pq
 

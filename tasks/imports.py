@@ -1,9 +1,37 @@
-"""Resolve the `module:attribute` import paths that configs use for rewards, tools and environments."""
+"""Resolve the `module:attribute` import paths that configs use for rewards, tools and environments.
+
+A user's own modules live next to their config file or in the directory they run from: both are
+searched, after the installed packages (appended to `sys.path`, never shadowing them). Process-pool
+reward workers are spawned with the parent's `sys.path`, so they find the same modules.
+"""
 
 from __future__ import annotations
 
-import importlib
+import os
+import pkgutil
+import sys
+from pathlib import Path
 from typing import Any
+
+_SEARCH_DIRS: list[str] = []  # directories of loaded config files, in load order
+
+
+def add_search_dir(directory: str | Path) -> None:
+    """Make modules in `directory` (a config file's folder) importable by config import paths."""
+    d = str(Path(directory).resolve())
+    if d not in _SEARCH_DIRS:
+        _SEARCH_DIRS.append(d)
+
+
+def search_dirs() -> list[str]:
+    """Where a user's modules are looked for beyond the installed packages: config dirs, then cwd."""
+    return [*_SEARCH_DIRS, os.getcwd()]
+
+
+def _extend_sys_path() -> None:
+    for d in search_dirs():
+        if d not in sys.path:
+            sys.path.append(d)
 
 
 def import_object(path: str) -> Any:
@@ -11,7 +39,15 @@ def import_object(path: str) -> Any:
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"expected an import path 'module:attribute', got {path!r}")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    _extend_sys_path()
+    try:
+        return pkgutil.resolve_name(path)
+    except ModuleNotFoundError as e:
+        # Name the places searched only when the configured module itself is missing, not when it
+        # exists and fails on an import of its own (that error is the user's to read as it is).
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            where = ", ".join(search_dirs())
+            raise ModuleNotFoundError(
+                f"no module named {e.name!r} in the installed packages or in {where}", name=e.name
+            ) from e
+        raise

@@ -1,0 +1,124 @@
+"""A user's own reward, tool and dataset next to their config, used from another directory with no
+PYTHONPATH: imports (thread and process rewards alike), relative data paths, and the errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+TASK = '''
+import json as _json  # the standard library's, not a user file named json.py
+
+
+def exact(prompts, completions, answer, **_):
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: the key
+    """
+    return _json.dumps({"key": key})
+'''
+
+CONFIG = """
+data:
+  path: data.jsonl
+rewards:
+  - {name: exact, fn: "task:exact"}
+  - {name: exact_in_a_process, fn: "task:exact", executor: process}
+tools:
+  tools: ["task:lookup"]
+"""
+
+
+def _project(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "task.py").write_text(TASK)
+    (proj / "data.jsonl").write_text('{"prompt": "1+1?", "answer": 2}\n{"prompt": "2+2?", "answer": 4}\n')
+    (proj / "cfg.yaml").write_text(CONFIG)
+    (proj / "json.py").write_text("raise SystemExit('a user file shadowed the standard library')\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    return proj, elsewhere
+
+
+def _run(code: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path):
+    proj, elsewhere = _project(tmp_path)
+    out = _run(
+        f"""
+        from flows.config import load_config
+        from flows.runs import preflight
+        from storage.records import RolloutCompletion, RolloutGroup
+        from tasks.score import RewardSpec, score_groups
+
+        cfg = load_config({str(proj / "cfg.yaml")!r})
+        rows = preflight(cfg)  # imports every path, reads the rows
+        comps = [RolloutCompletion(i, t, [1], [1], [-1.0]) for i, t in enumerate(["2", "3"])]
+        g = RolloutGroup("g", 0, "p", [1], comps, row=rows[0])
+        specs = [RewardSpec(r.name, r.fn, executor=r.executor) for r in cfg.rewards]
+        score_groups([g], specs)
+        print(len(rows), [[c.status for c in x.reward_cells] for x in comps], comps[0].reward)
+        """,
+        cwd=elsewhere,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[0] == "2 [['valid', 'valid'], ['valid', 'valid']] 2.0"
+
+
+def test_a_module_that_cannot_be_imported_names_the_directories_searched(tmp_path):
+    proj, elsewhere = _project(tmp_path)
+    (proj / "cfg.yaml").write_text(CONFIG.replace("task:exact", "no_such_task:exact"))
+    out = _run(
+        f"""
+        from flows.config import ConfigError, load_config
+        from flows.runs import preflight
+        try:
+            preflight(load_config({str(proj / "cfg.yaml")!r}))
+        except ConfigError as e:
+            print(e)
+        """,
+        cwd=elsewhere,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rewards[0].fn" in out.stdout and "no_such_task" in out.stdout
+    assert str(proj) in out.stdout and str(elsewhere) in out.stdout
+
+
+def test_a_missing_data_file_names_both_places_looked(tmp_path):
+    proj, elsewhere = _project(tmp_path)
+    (proj / "cfg.yaml").write_text(CONFIG.replace("data.jsonl", "gone.jsonl"))
+    out = _run(
+        f"""
+        from flows.config import ConfigError, load_config
+        from flows.runs import preflight
+        try:
+            preflight(load_config({str(proj / "cfg.yaml")!r}))
+        except ConfigError as e:
+            print(e)
+        """,
+        cwd=elsewhere,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert str(elsewhere / "gone.jsonl") in out.stdout and str(proj / "gone.jsonl") in out.stdout
