@@ -84,22 +84,22 @@ def _unit(*parts: object) -> float:
 def chaos_letters(
     completions: list[str], fail_rate: float = 0.3, target_letter: str = "a", **_
 ) -> list[float | None]:
-    """letter_fraction, except that about `fail_rate` of the values come back broken in mixed ways:
-    None and NaN (status `invalid`) and a string (status `failed`: the whole call's values are rejected
-    only when the length is wrong, so a non-numeric value fails just its own cell)."""
+    """letter_fraction, except that exactly floor(`fail_rate` x n) of the n values come back broken, in
+    mixed ways: None and NaN (status `invalid`) and a string (status `failed`: the whole call's values
+    are rejected only when the length is wrong, so a non-numeric value fails just its own cell). Which
+    positions break depends on the position only, never on the generated text, so the rate is the
+    same whatever the model writes (an empty completion scores 0.0 here, not None as in
+    letter_fraction, so that only the chosen cells are broken)."""
+    n = len(completions)
+    broken = sorted(range(n), key=lambda i: _unit(i, n))[: int(fail_rate * n)]
+    kinds = {i: k % 3 for k, i in enumerate(broken)}  # None, NaN, string in turn
     out: list[float | str | None] = []
-    for i, (text, value) in enumerate(
-        zip(completions, letter_fraction(completions, target_letter), strict=True)
-    ):
-        u = _unit(text, i)
-        if u < fail_rate / 3:
-            out.append(None)
-        elif u < 2 * fail_rate / 3:
-            out.append(float("nan"))
-        elif u < fail_rate:
-            out.append("not a number")
+    for i, value in enumerate(letter_fraction(completions, target_letter)):
+        kind = kinds.get(i)
+        if kind is None:
+            out.append(0.0 if value is None else value)
         else:
-            out.append(value)
+            out.append((None, float("nan"), "not a number")[kind])
     return out  # type: ignore[return-value]
 
 
