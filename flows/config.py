@@ -78,7 +78,14 @@ class RewardConfig(_Section):
     executor: Literal["thread", "process"] = Field(
         "thread", description="Where sync functions run: thread pool or process pool (CPU-bound)."
     )
-    required: bool = Field(True, description="If not valid, the completion is masked out of the loss.")
+    required: bool = Field(
+        True,
+        description="If not valid, the completion is masked out of the loss. An optional reward "
+        "(false) that is invalid, failed or timed out counts as the mean of its valid values in the "
+        "same group, over completions whose required rewards are valid (nothing if there are none), "
+        "so it neither helps nor hurts the completion's advantage; the cell keeps its status and "
+        "reason and is marked `imputed`.",
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments.")
 
     @field_validator("fn")

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
+from tasks.inference import cache_salt_for
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
 
@@ -31,6 +32,7 @@ class CompletionBackend(Protocol):
         n: int = 1,
         stop=None,
         stop_token_ids=None,
+        cache_salt: str | None = None,
     ) -> list: ...
 
     async def max_model_len(self) -> int: ...
@@ -162,7 +164,12 @@ async def _single_turn_group(
     v0 = r.version_fn()
     limit = min(r.max_tokens, r.budget, r.max_len - len(prompt_ids))
     choices = await r.backend.complete(
-        prompt_ids, max_tokens=limit, n=g, seed=_seed(r.seed, index, 0, 0), **r.sample_kwargs()
+        prompt_ids,
+        max_tokens=limit,
+        n=g,
+        seed=_seed(r.seed, index, 0, 0),
+        cache_salt=cache_salt_for(v0),  # never prefix-cache KV computed under other weights
+        **r.sample_kwargs(),
     )
     v1, dt = r.version_fn(), time.perf_counter() - t0
     out = []
@@ -285,7 +292,10 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], b
 async def _turn(r: Rollout, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
     """One generation request of a multi-turn rollout, recorded in `turns`."""
     t0 = time.perf_counter()
-    (ch,) = await r.backend.complete(ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
+    salt = cache_salt_for(r.version_fn())  # each turn: the weights may have changed in between
+    (ch,) = await r.backend.complete(
+        ids, max_tokens=limit, n=1, seed=seed, cache_salt=salt, **r.sample_kwargs()
+    )
     turns.append(
         TurnRecord(
             len(ids),

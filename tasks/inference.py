@@ -3,13 +3,24 @@
 One `ClientSession`, `aiohttp.ClientTimeout` objects everywhere, a semaphore bounding requests in
 flight, and one retry policy for GET and POST: exponential backoff with jitter on connection errors,
 timeouts and 5xx; never on other 4xx (their body is in the exception). When retries run out the
-caller gets `InferenceUnavailableError`, never a silent None.
+caller gets `InferenceUnavailableError`, never a silent None. A 2xx answer whose body is not the JSON
+the method needs raises `InferenceProtocolError`, never a TypeError/KeyError from deep inside.
+
+Prefix cache and weight pushes: a reload with `pause(mode="keep")` does not clear vLLM's prefix cache,
+so KV computed under the old weights would be reused by new requests with the same prompt prefix.
+Generation therefore salts every request with `cache_salt_for(version)`: the weight push draws a new
+salt for each version it loads (`renew_cache_salt`), so no request after a reload can hit KV blocks
+computed before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
+import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +43,42 @@ class InferenceUnavailableError(InferenceError):
     """Retries ran out on connection errors, timeouts or 5xx."""
 
 
+class InferenceProtocolError(InferenceError):
+    """The server answered 2xx with a body that is not what the API promises (empty, not JSON, or
+    JSON without the expected fields): a proxy in the way, or an incompatible server version."""
+
+
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
-class _NoGate:
-    async def __aenter__(self) -> None:
-        return None
+_NO_GATE = contextlib.nullcontext()  # supports `async with`, and is reusable
 
-    async def __aexit__(self, *exc: object) -> None:
-        return None
+# -- prefix-cache salt per policy version ----------------------------------------------------------
+
+# vLLM (0.32) accepts a salt of at most 128 characters without '@', '/', '\\' or NUL.
+_PROCESS_NONCE = secrets.token_hex(4)
+_salts: dict[int, str] = {}
+_salts_lock = threading.Lock()
 
 
-_NO_GATE = _NoGate()
+def cache_salt_for(version: int) -> str:
+    """The `cache_salt` of a completion request generated under policy `version`.
+
+    Requests with the same salt share prefix-cache blocks; different salts never do. The salt is the
+    one the last weight push of `version` in this process drew (`renew_cache_salt`), so pushing the
+    same version number again with other weights (a resumed run, a second run against the same
+    server) still gets a fresh cache. Without a push in this process (weights the server started
+    with) it is fixed for the process."""
+    with _salts_lock:
+        return _salts.get(version) or f"policy-v{version}-{_PROCESS_NONCE}"
+
+
+def renew_cache_salt(version: int) -> str:
+    """Draw a new salt for `version`: called by the weight push once the server holds its weights."""
+    salt = f"policy-v{version}-{secrets.token_hex(8)}"
+    with _salts_lock:
+        _salts[version] = salt
+    return salt
 
 
 @dataclass
@@ -52,6 +87,38 @@ class Choice:
     logprobs: list[float]  # [N] processed (post-temperature) logprob of each generated token
     finish_reason: str  # "stop" | "length" | "abort"
     text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one completion request (None where the server did not report them)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # Prompt tokens served from the prefix cache; reported only with --enable-prompt-tokens-details.
+    cached_tokens: int | None = None
+
+
+def _int_or_none(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _json_object(text: str, where: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A 2xx body as a JSON object holding `required`; InferenceProtocolError otherwise."""
+    if not text.strip():
+        raise InferenceProtocolError(f"{where} answered 2xx with an empty body; expected a JSON object")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise InferenceProtocolError(
+            f"{where} answered 2xx with a body that is not JSON ({e}): {text[:300]!r}"
+        ) from None
+    if not isinstance(data, dict):
+        raise InferenceProtocolError(f"{where} answered 2xx with JSON that is not an object: {text[:300]!r}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise InferenceProtocolError(f"{where} answered 2xx with JSON without {missing}: {text[:300]!r}")
+    return data
 
 
 class VLLMClient:
@@ -116,7 +183,9 @@ class VLLMClient:
         timeout: aiohttp.ClientTimeout | None = None,
         retries: int | None = None,
         limited: bool = False,
-    ) -> Any:
+        headers: dict[str, str] | None = None,
+    ) -> str:
+        """The body of a 2xx answer, as text (callers that need JSON parse it with `_json_object`)."""
         session = self._get_session()
         url = f"{self.base_url}{path}"
         attempts = (self.retries if retries is None else retries) + 1
@@ -129,15 +198,17 @@ class VLLMClient:
                 async with (
                     gate,
                     session.request(
-                        method, url, json=json_body, params=params, timeout=timeout or self.control_timeout
+                        method,
+                        url,
+                        json=json_body,
+                        params=params,
+                        headers=headers,
+                        timeout=timeout or self.control_timeout,
                     ) as resp,
                 ):
                     text = await resp.text()
                     if resp.status < 400:
-                        if not text:
-                            return None
-                        ctype = resp.headers.get("Content-Type", "")
-                        return await resp.json(content_type=None) if "json" in ctype else text
+                        return text
                     if resp.status not in RETRY_STATUS:
                         raise InferenceHTTPError(resp.status, text, url)
                     last = f"HTTP {resp.status}: {text[:300]}"
@@ -163,12 +234,45 @@ class VLLMClient:
         n: int = 1,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
         **sampling: Any,
     ) -> list[Choice]:
         """`n` completions of one token-id prompt, with the sampled token ids and their logprobs.
 
+        `cache_salt`: requests share prefix-cache blocks only with requests of the same salt; pass
+        `cache_salt_for(version)` so that no request reuses KV computed under other weights.
         Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
         `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
+        choices, _ = await self.complete_with_usage(
+            prompt_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            n=n,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            cache_salt=cache_salt,
+            **sampling,
+        )
+        return choices
+
+    async def complete_with_usage(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        n: int = 1,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+        **sampling: Any,
+    ) -> tuple[list[Choice], Usage]:
+        """`complete`, plus the request's token usage (e.g. how many prompt tokens the prefix cache
+        served)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -186,24 +290,47 @@ class VLLMClient:
             body["stop"] = stop
         if stop_token_ids:
             body["stop_token_ids"] = stop_token_ids
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         clash = sorted(set(sampling) & set(body))
         if clash:
             raise ValueError(f"sampling parameters {clash} are set by complete() itself")
         body.update(sampling)
-        data = await self._request(
+        text = await self._request(
             "POST", "/v1/completions", json_body=body, timeout=self.gen_timeout, limited=True
         )
-        return [self._choice(c) for c in sorted(data["choices"], key=lambda c: c["index"])]
+        where = f"POST {self.base_url}/v1/completions"
+        data = _json_object(text, where, ("choices",))
+        try:
+            raw = sorted(data["choices"], key=lambda c: c["index"])
+            choices = [self._choice(c) for c in raw]
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            raise InferenceProtocolError(
+                f"{where} answered 2xx with malformed choices ({type(e).__name__}: {e}): {text[:300]!r}"
+            ) from None
+        return choices, self._usage(data.get("usage"))
 
     @staticmethod
     def _choice(c: dict[str, Any]) -> Choice:
-        ids = list(c.get("token_ids") or [])
+        ids = [int(t) for t in c.get("token_ids") or []]
         lp = (c.get("logprobs") or {}).get("token_logprobs") or []
         if len(lp) != len(ids):
-            raise InferenceError(f"server returned {len(ids)} token ids but {len(lp)} logprobs")
+            raise InferenceProtocolError(f"server returned {len(ids)} token ids but {len(lp)} logprobs")
         # vLLM may report -inf for a token the processed distribution excluded; keep it finite.
         logprobs = [float(x) if x is not None and x != float("-inf") else -1e4 for x in lp]
         return Choice(ids, logprobs, c.get("finish_reason") or "stop", c.get("text") or "")
+
+    @staticmethod
+    def _usage(u: Any) -> Usage:
+        if not isinstance(u, dict):
+            return Usage()
+        details = u.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return Usage(
+            _int_or_none(u.get("prompt_tokens")),
+            _int_or_none(u.get("completion_tokens")),
+            _int_or_none(cached),
+        )
 
     async def health(self) -> bool:
         try:
@@ -222,13 +349,24 @@ class VLLMClient:
         raise InferenceUnavailableError(f"{self.base_url}/health not ready after {timeout_s}s")
 
     async def models(self) -> list[dict[str, Any]]:
-        return (await self._request("GET", "/v1/models"))["data"]
+        where = f"GET {self.base_url}/v1/models"
+        text = await self._request("GET", "/v1/models")
+        data = _json_object(text, where, ("data",))["data"]
+        if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+            raise InferenceProtocolError(f"{where}: 'data' is not a list of objects: {text[:300]!r}")
+        return data
 
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
             models = await self.models()
-            match = [m for m in models if m["id"] == self.model] or models
-            self._max_model_len = int(match[0]["max_model_len"])
+            match = [m for m in models if m.get("id") == self.model] or models
+            try:
+                self._max_model_len = int(match[0]["max_model_len"])
+            except (IndexError, KeyError, TypeError, ValueError) as e:
+                raise InferenceProtocolError(
+                    f"GET {self.base_url}/v1/models: no max_model_len for model {self.model!r} "
+                    f"({type(e).__name__}: {e}); models: {models!r:.300}"
+                ) from None
         return self._max_model_len
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
@@ -239,8 +377,37 @@ class VLLMClient:
         await self._request("POST", "/resume")
 
     async def is_paused(self) -> bool:
-        return bool((await self._request("GET", "/is_paused"))["is_paused"])
+        text = await self._request("GET", "/is_paused")
+        value = _json_object(text, f"GET {self.base_url}/is_paused", ("is_paused",))["is_paused"]
+        if not isinstance(value, bool):
+            raise InferenceProtocolError(
+                f"GET {self.base_url}/is_paused: 'is_paused' is not a bool: {text!r:.300}"
+            )
+        return value
 
-    async def reload_weights(self, path: str) -> Any:
+    async def reload_weights(self, path: str, *, timeout_s: float | None = None) -> Any:
+        """Load the weights under `path` into the running model (the server should be paused).
+
+        `timeout_s` bounds this call (default: the client's control timeout); never retried. Returns
+        the per-worker results, or None when vLLM answers with an empty body (it does when
+        `collective_rpc` returns None).
+
+        On its own connection: vLLM answers a failed reload with a 500 and drops the connection, which
+        a pooled connection would only reveal on the next call (a reset, not retried for a reload)."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-        return await self._request("POST", "/collective_rpc", json_body=body, retries=0)
+        timeout = (
+            aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
+            if timeout_s is not None
+            else None
+        )
+        text = await self._request(
+            "POST",
+            "/collective_rpc",
+            json_body=body,
+            retries=0,
+            timeout=timeout,
+            headers={"Connection": "close"},
+        )
+        if not text.strip():
+            return None
+        return _json_object(text, f"POST {self.base_url}/collective_rpc")

@@ -200,6 +200,7 @@ def push_fn(
     keep_last: int,
     client_kwargs,
     versions: VersionBox | None = None,
+    reload_timeout_s: float = 300.0,
 ) -> dict:
     """Push the learner's weights as `version`; `versions` flips to it between reload and resume."""
     from tasks.sync import push_weights_sync
@@ -211,6 +212,7 @@ def push_fn(
         root=root,
         run_id=run_id,
         keep_last=keep_last,
+        reload_timeout_s=reload_timeout_s,
         on_reloaded=versions.set if versions is not None else None,
         **client_kwargs,
     )

@@ -2,8 +2,19 @@
 
 `checkpoint` (default): save safetensors to `<root>/weights/<run>/v<NNNNNN>/` atomically, then
 pause(keep) -> reload_weights -> resume. With `mode=keep` requests in flight are frozen, not aborted,
-and continue under the new weights after resume; the server is always resumed, even if the reload
-fails.
+and continue under the new weights after resume. The server is always resumed, also when the pause
+itself or the reload fails or times out; a failed push raises WeightPushError naming the version and
+the weights path (and a failed resume, if any).
+
+A failed reload cannot simply be resumed from: vLLM 0.32 moves the model's layers to the meta device
+before it reads the new files, so after a failure the next forward pass crashes the server. The push
+therefore reloads the last weights this process loaded into that server (else the model the server
+started with) before it resumes; if that fails too the error is a WeightPushUnavailableError (the
+server must be restarted).
+
+`mode=keep` leaves vLLM's prefix cache as it is, so a successful reload draws a new prefix-cache salt
+for the version (`tasks.inference.renew_cache_salt`) before the version flips: requests salted with
+`cache_salt_for(version)` never reuse KV computed under other weights.
 """
 
 from __future__ import annotations
@@ -16,11 +27,22 @@ from typing import Any, Protocol
 
 from storage.checkpoints import weights_store
 from storage.faults import failpoint
-from tasks.inference import InferenceError, VLLMClient
+from tasks.inference import InferenceError, InferenceUnavailableError, VLLMClient, renew_cache_salt
+
+DEFAULT_RELOAD_TIMEOUT_S = 300.0
+
+# Server URL -> the weights directory this process last loaded into it (the rollback target).
+_loaded: dict[str, str] = {}
 
 
 class WeightPushError(RuntimeError):
-    """The server could not load the pushed weights (it was resumed on the old ones)."""
+    """A weight push failed; the message names the version and the weights path, and says whether the
+    server was resumed (it always is, unless resuming itself failed)."""
+
+
+class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
+    """A weight push failed because the server could not be reached (pause or resume ran out of
+    retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
 
 
 class WeightPush(Protocol):
@@ -44,8 +66,10 @@ class CheckpointWeightPush:
         run_id: str,
         keep_last: int = 2,
         on_reloaded: Callable[[int], None] | None = None,
+        reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
     ):
         self.client, self.run_id, self.keep_last = client, run_id, keep_last
+        self.reload_timeout_s = reload_timeout_s
         self.weights = weights_store(root)
         # Called after a successful reload and before resume: requests that finish after this point
         # may carry new-version tokens, so the version must already read as the new one.
@@ -57,17 +81,37 @@ class CheckpointWeightPush:
             self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version}
         )
         t1 = time.perf_counter()
-        await self.client.pause(mode="keep", clear_cache=False)
-        failpoint("weight_push")
+        stage = "pause the server"
         try:
-            try:
-                await self.client.reload_weights(str(path))
-            except InferenceError as e:
-                raise WeightPushError(f"vLLM could not reload weights v{version} from {path}: {e}") from e
+            # A pause that fails or times out may still have taken effect on the server: it is inside
+            # the try, so the server is resumed whatever happens from here on.
+            await self.client.pause(mode="keep", clear_cache=False)
+            failpoint("weight_push")
+            stage = "reload the weights"
+            await self.client.reload_weights(str(path), timeout_s=self.reload_timeout_s)
+            _loaded[self.client.base_url] = str(path)
+            renew_cache_salt(version)  # before the version flips: no request of it may see old KV
             if self.on_reloaded is not None:
                 self.on_reloaded(version)
-        finally:
-            await self.client.resume()
+        except InferenceError as e:
+            message = f"weight push v{version} from {path} failed: vLLM could not {stage}: {e}"
+            unavailable = stage == "pause the server" and isinstance(e, InferenceUnavailableError)
+            if stage == "reload the weights":
+                restored, note = await self._roll_back(str(path))
+                message += f"; {note}"
+                unavailable = not restored
+            resume_error = await self._resume()
+            raise _push_error(message, resume_error, unavailable) from e
+        except BaseException as e:  # cancelled, or a bug: still never leave the server paused
+            resume_error = await self._resume()
+            if resume_error is not None:
+                e.add_note(f"resuming the server also failed; it may still be paused: {resume_error!r}")
+            raise
+        resume_error = await self._resume()
+        if resume_error is not None:
+            raise _push_error(
+                f"weight push v{version} from {path} failed: the weights were loaded", resume_error
+            ) from resume_error
         t2 = time.perf_counter()
         self.weights.prune(self.run_id, self.keep_last)
         return {
@@ -76,6 +120,45 @@ class CheckpointWeightPush:
             "sync/total_seconds": time.perf_counter() - t0,
             "sync/version": float(version),
         }
+
+    async def _roll_back(self, failed: str) -> tuple[bool, str]:
+        """After a failed reload: load the weights the server served before (see the module doc)."""
+        candidates = [_loaded.get(self.client.base_url)]
+        tried: list[str] = []
+        try:
+            models = await self.client.models()
+            candidates += [m.get("root") for m in models if m.get("id") == self.client.model]
+        except InferenceError as e:
+            tried.append(f"listing the served model: {e}")
+        for target in dict.fromkeys(c for c in candidates if isinstance(c, str) and c and c != failed):
+            try:
+                await self.client.reload_weights(target, timeout_s=self.reload_timeout_s)
+            except InferenceError as e:
+                tried.append(f"{target}: {e}")
+                continue
+            _loaded[self.client.base_url] = target
+            return True, f"rolled the server back to the weights in {target}"
+        return False, (
+            "the server's weights are unusable now (vLLM replaces them before reading the new files) "
+            f"and rolling back failed ({'; '.join(tried) or 'nothing to roll back to'}): restart it"
+        )
+
+    async def _resume(self) -> Exception | None:
+        """Resume the server; the error instead of raising it, so that it never masks another."""
+        try:
+            await self.client.resume()
+        except Exception as e:
+            return e
+        return None
+
+
+def _push_error(message: str, resume_error: Exception | None, unavailable: bool = False) -> WeightPushError:
+    if resume_error is not None:
+        message += f"; resuming the server also failed, it may still be paused: {resume_error}"
+    else:
+        message += "; the server was resumed"
+    unavailable = unavailable or isinstance(resume_error, InferenceUnavailableError)
+    return (WeightPushUnavailableError if unavailable else WeightPushError)(message)
 
 
 def push_weights_sync(
@@ -87,13 +170,14 @@ def push_weights_sync(
     run_id: str,
     keep_last: int = 2,
     on_reloaded: Callable[[int], None] | None = None,
+    reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
     **client_kwargs,
 ) -> dict[str, float]:
     """Blocking push for a training thread (runs its own event loop and client)."""
 
     async def go() -> dict[str, float]:
         async with VLLMClient(url, **client_kwargs) as client:
-            pusher = CheckpointWeightPush(client, root, run_id, keep_last, on_reloaded)
+            pusher = CheckpointWeightPush(client, root, run_id, keep_last, on_reloaded, reload_timeout_s)
             return await pusher.push(model, version)
 
     return asyncio.run(go())

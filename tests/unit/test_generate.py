@@ -42,7 +42,14 @@ class ScriptedBackend:
 
     async def complete(self, prompt_ids, *, max_tokens, temperature=1.0, top_p=1.0, seed=None, n=1, **_):
         assert len(prompt_ids) + max_tokens <= self.max_len, "request would exceed max_model_len"
-        self.requests.append({"prompt_len": len(prompt_ids), "max_tokens": max_tokens, "seed": seed})
+        self.requests.append(
+            {
+                "prompt_len": len(prompt_ids),
+                "max_tokens": max_tokens,
+                "seed": seed,
+                "cache_salt": _.get("cache_salt"),
+            }
+        )
         text = self.tok.decode(prompt_ids)
         out = []
         for k in range(n):
@@ -448,3 +455,34 @@ def test_own_snapshot_method_is_used_and_is_not_a_tool():
     env.count = 3
     assert gen.snapshot(env) == {"count": 3}
     assert "snapshot" not in environment_tools(env)
+
+
+def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
+    """After a push, no request may be served from prefix-cache KV of older weights: each request
+    (each turn of a multi-turn rollout too) is salted with its version's salt, renewed by the push."""
+    from tasks.inference import cache_salt_for, renew_cache_salt
+
+    version = [3]
+
+    def ping() -> str:
+        """Ping."""
+        version[0] = 4  # a push lands while the rollout waits for its tool
+        renew_cache_salt(4)
+        return "pong"
+
+    async def script(text, k, seed):
+        return call("ping") if "pong" not in text else "done"
+
+    backend = ScriptedBackend(tok, script)
+    run(
+        gen.generate_groups(
+            [{"prompt": "p"}], [0], backend=backend, tokenizer=tok, group_size=1, max_tokens=64,
+            max_turns=3, tools=[ping], version_fn=lambda: version[0],
+        )
+    )  # fmt: skip
+    salts = [r["cache_salt"] for r in backend.requests]
+    assert salts == [cache_salt_for(3), cache_salt_for(4)] and salts[0] != salts[1]
+    single = ScriptedBackend(tok, script)
+    run(gen.generate_groups([{"prompt": "q"}], [1], backend=single, tokenizer=tok, group_size=2, max_tokens=4,
+                            version_fn=lambda: 4))  # fmt: skip
+    assert [r["cache_salt"] for r in single.requests] == [cache_salt_for(4)]

