@@ -27,9 +27,11 @@ def cmd_train(args) -> int:
     from flows.runs import preflight
 
     preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
+    from flows.prefect_api import owned_prefect_api
     from flows.train import grpo_train
 
-    summary = grpo_train(config=cfg, resume=args.resume)
+    with owned_prefect_api():  # Prefect's temporary API server dies with this process
+        summary = grpo_train(config=cfg, resume=args.resume)
     print(
         f"run {summary['run_id']}: {summary['steps_trained']} steps, reward "
         f"{summary['first_reward']} -> {summary['last_reward']}; store {summary['store']}"
@@ -66,7 +68,9 @@ def cmd_runs(args) -> int:
 def cmd_serve(args) -> int:
     from flows.serve import policy_server
 
-    policy_server(model_dir=args.model, host=args.host, port=args.port, api_key=args.api_key)
+    policy_server(
+        model_dir=args.model, host=args.host, port=args.port, api_key=args.api_key, root=_root(args)
+    )
     return 0
 
 
@@ -114,13 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"))
-    v.set_defaults(fn=cmd_serve)
+    v.add_argument("--root", help="store root; the server's pid file goes to <root>/pids/")
+    v.set_defaults(fn=cmd_serve, runs_flows=True)
 
     rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")
     rp.add_argument("run")
     rp.add_argument("--root")
     rp.add_argument("--out", help="output folder (default: <root>/reports/<run>)")
-    rp.set_defaults(fn=cmd_report)
+    rp.set_defaults(fn=cmd_report, runs_flows=True)
 
     m = sub.add_parser("make-tiny-model", help="build the tiny random model + tokenizer")
     m.add_argument("dir")
@@ -136,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     from flows.config import ConfigError
 
     try:
-        return args.fn(args)
+        if not getattr(args, "runs_flows", False):
+            return args.fn(args)
+        from flows.prefect_api import owned_prefect_api
+
+        with owned_prefect_api():  # Prefect's temporary API server dies with this process
+            return args.fn(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from storage.processes import forget_process, record_process, stop_stale
+
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server, stdlib only
+GUARD = PLUGINS / "grpoflow_guard.py"  # runs the server and kills its process group if we die
 
 
 class ServerStartError(RuntimeError):
@@ -72,20 +75,36 @@ class ServerHandle:
     """A vLLM server process: start, health-wait, restart, stop (process group)."""
 
     def __init__(
-        self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout_s: float
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        url: str,
+        log_path: Path,
+        startup_timeout_s: float,
+        pid_file: tuple[Path, str] | None = None,
     ):
         self.cmd, self.env, self.url, self.log_path = cmd, env, url, log_path
         self.startup_timeout_s = startup_timeout_s
+        self.pid_file = pid_file  # (store root, name): <root>/pids/<name>.json while it runs
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
     def start(self) -> ServerHandle:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # A new session: stop() can signal the API server and its engine/worker children together.
+        # A new session: stop() can signal the API server and its engine/worker children together,
+        # and the guard's watchdog kills that whole group if this process dies (SIGKILL included).
+        # The guard learns our pid now, not when the command was built: a restart may come later.
+        cmd = (
+            [self.cmd[0], str(GUARD), str(os.getpid()), *self.cmd[2:]]
+            if self.cmd[1:2] == ["-m"]
+            else self.cmd
+        )
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        if self.pid_file is not None:
+            record_process(*self.pid_file, self.proc.pid, url=self.url)
         self.wait_healthy()
         return self
 
@@ -113,6 +132,8 @@ class ServerHandle:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 15.0) -> None:
+        if self.pid_file is not None:
+            forget_process(*self.pid_file)
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -182,6 +203,10 @@ def server_command(
         "vllm",
         "--dtype",
         "float32" if _cpu_only() else "auto",
+        # usage.prompt_tokens_details.cached_tokens: how many prompt tokens the prefix cache served
+        # (prefix caching is on by default, also in the CPU build; requests carry a per-weights
+        # cache_salt so that none reuses KV computed under older weights).
+        "--enable-prompt-tokens-details",
     ]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
@@ -232,12 +257,22 @@ def _cpu_only() -> bool:
 
 
 def start_server(
-    model_dir: str | Path, *, log_path: str | Path | None = None, startup_timeout_s: float = 600.0, **kwargs
+    model_dir: str | Path,
+    *,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    pid_file: tuple[Path, str] | None = None,
+    **kwargs,
 ) -> ServerHandle:
-    """Start a server and wait for /health; raises ServerStartError with the log tail on failure."""
+    """Start a server and wait for /health; raises ServerStartError with the log tail on failure.
+
+    With `pid_file=(root, name)`, a server of that name that a dead process left behind is stopped
+    first, and this one is recorded under `<root>/pids/` while it runs."""
+    if pid_file is not None:
+        stop_stale(*pid_file)
     cmd, env, url = server_command(model_dir, **kwargs)
     log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
-    return ServerHandle(cmd, env, url, log, startup_timeout_s).start()
+    return ServerHandle(cmd, env, url, log, startup_timeout_s, pid_file).start()
 
 
 @contextlib.contextmanager
@@ -262,6 +297,7 @@ def policy_server(
     check_every_s: float = 5.0,
     run_for_s: float | None = None,
     stop_file: str | None = None,
+    root: str = "runs",
 ) -> dict:
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
     dies while still starting."""
@@ -269,7 +305,10 @@ def policy_server(
     cmd, env, url = server_command(
         model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
     )
-    handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0)
+    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first
+    pid_file = (Path(root), f"serve-{port}")
+    stop_stale(*pid_file)
+    handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
 
     def restart_or_give_up(why: str) -> None:
         if handle.restarts >= max_restarts:

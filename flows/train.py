@@ -21,6 +21,7 @@ from prefect.utilities.annotations import quote
 from flows.config import GRPOConfig, load_config
 from flows.reporting import StepReporter
 from flows.runs import RunState, open_run, preflight, prepare_model, rows_for_step, write_meta
+from storage.processes import identity
 from storage.rollouts import RolloutStore
 from tasks.learn import Learner
 from tasks.score import RewardSpec
@@ -44,6 +45,9 @@ class Server:
 @contextmanager
 def inference_server(cfg: GRPOConfig, run: RunState):
     """The configured server URL, or an embedded vLLM server for this run (always stopped)."""
+    from storage.processes import stop_stale
+
+    stop_stale(Path(cfg.storage.root), f"vllm-{run.run_id}")  # one a dead attempt of this run left
     if cfg.inference.url:
         yield Server(cfg.inference.url)
         return
@@ -61,6 +65,7 @@ def inference_server(cfg: GRPOConfig, run: RunState):
         extra_args=tuple(cfg.inference.extra_args),
         log_path=log,
         startup_timeout_s=cfg.inference.startup_timeout_s,
+        pid_file=(Path(cfg.storage.root), f"vllm-{run.run_id}"),  # a dead attempt's server is stopped
     ) as handle:
         yield Server(handle.url, handle)
 
@@ -218,7 +223,13 @@ def grpo_train(
     base = prepare_model(cfg)
     run = open_run(cfg, resume, base)
     flow_run = FlowRunContext.get()
-    write_meta(cfg, run, "running", flow_run_id=str(flow_run.flow_run.id) if flow_run else None)
+    write_meta(
+        cfg,
+        run,
+        "running",
+        flow_run_id=str(flow_run.flow_run.id) if flow_run else None,
+        owner=identity(),  # host + pid + start time: `grpoflow runs` tells a dead owner from a live one
+    )
     try:
         summary = _train(cfg, run, rows)
     except BaseException as e:
@@ -241,6 +252,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             root=root,
             run_id=run.run_id,
             keep_last=cfg.sync.keep_last,
+            reload_timeout_s=cfg.sync.reload_timeout_s,
             client_kwargs=client_kwargs(cfg),
         )
         if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
@@ -292,30 +304,38 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 m["sync_seconds"] = time.perf_counter() - t0
                 overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])
             m["write_seconds"] = writer.result()
+            m["policy_version"] = versions.get()
+            m["server_restarts"] = pipeline.restarts
+            # Dispatch latency of the rollout task and result hand-off are Prefect's, not ours.
+            overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
+            m.update(step_timing(t_step, t_wait, t_got, overhead))
+            # The steps row lands before the checkpoint: a kill in between resumes from the previous
+            # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
+            store.write_step(run.run_id, step, m)
             if (step + 1) % cfg.run.checkpoint_every == 0 or step == steps - 1:
-                state = {
-                    "step": step,
-                    "policy_version": trained[0],
-                    "data_cursor": (step + 1) * cfg.data.prompts_per_step,
-                    "run_id": run.run_id,
-                }
                 m["checkpoint_seconds"] = save_checkpoint(
                     quote(learner),
                     root=root,
                     run_id=run.run_id,
                     step=step,
-                    state=state,
+                    state=checkpoint_state(cfg, run.run_id, step, trained[0]),
                     keep=cfg.run.keep_checkpoints,
                 )
-            # Dispatch latency of the rollout task and result hand-off are Prefect's, not ours.
-            overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
-            m.update(step_timing(t_step, t_wait, t_got, overhead))
-            m["policy_version"] = versions.get()
-            m["server_restarts"] = pipeline.restarts
-            store.write_step(run.run_id, step, m)
+                m.update(step_timing(t_step, t_wait, t_got, overhead))
+                store.write_step(run.run_id, step, m)  # the same row, now with the checkpoint's time
             reporter.step(step, m)
         reporter.finish()
     return reporter.summary()
+
+
+def checkpoint_state(cfg: GRPOConfig, run_id: str, step: int, version: int) -> dict[str, Any]:
+    """What a resume needs beside the weights and optimizer: where the data and the policy stand."""
+    return {
+        "step": step,
+        "policy_version": version,
+        "data_cursor": (step + 1) * cfg.data.prompts_per_step,
+        "run_id": run_id,
+    }
 
 
 def step_timing(t_step: float, t_wait: float, t_got: float, overhead: float) -> dict[str, float]:

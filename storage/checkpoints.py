@@ -97,7 +97,12 @@ class VersionedDirs:
         done = self.list(run_id)
         drop = done[:-keep_last] if keep_last > 0 else done
         for n in drop:
-            shutil.rmtree(self.path(run_id, n), ignore_errors=True)
+            # Renamed aside first: a kill mid-delete never leaves a marker beside missing files
+            # (sweep_temp removes the rest).
+            path = self.path(run_id, n)
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(path, old)
+            shutil.rmtree(old, ignore_errors=True)
         return drop
 
     def sweep_temp(self, run_id: str) -> None:

@@ -1,0 +1,157 @@
+"""The random-moment kill drill: SIGKILL `grpoflow train` at seeded random moments, resume after each,
+then check the store and the process table. Used by the slow test (a few kills) and by
+benchmarks/faults.py (many).
+
+Only the run's own process is killed, as the kernel's OOM killer does: no cleanup code runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def guarded_children(parent_pid: int) -> list[int]:
+    """Live processes started under grpoflow's guard by `parent_pid`, and their process groups."""
+    leaders = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1].endswith(b"grpoflow_guard.py") and argv[2] == str(parent_pid).encode():
+            leaders.append(int(proc.name))
+    return sorted({*leaders, *(p for g in leaders for p in group_members(g))} - set(_zombies()))
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                out.append(int(proc.name))
+    return out
+
+
+def _zombies() -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X"):
+                out.append(int(proc.name))
+    return out
+
+
+def kill_tree(pids: list[int]) -> None:
+    """Last-resort cleanup (tests' teardown): SIGKILL leftover groups so a failure leaks nothing."""
+    for p in pids:
+        for fn in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                fn(p, signal.SIGKILL)
+
+
+def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:
+    """Rows lost and duplicated in each table, temp files left, and the run's recorded status."""
+    from storage.sql import query, run_status
+
+    out: dict = {}
+    for table, key in (
+        ("rollouts", "group_id, sample_index"),
+        ("rewards", "group_id, sample_index, reward_name"),
+    ):
+        _, rows = query(
+            root, f"SELECT count(*), count(DISTINCT (step, {key})), count(DISTINCT step) FROM {table} WHERE run_id = $run",
+            {"run": run_id},
+        )  # fmt: skip
+        n, distinct, nsteps = rows[0]
+        out[f"{table}_duplicates"] = n - distinct
+        out[f"{table}_steps"] = nsteps
+    _, rows = query(
+        root, "SELECT count(*), count(DISTINCT step) FROM steps WHERE run_id = $run", {"run": run_id}
+    )
+    out["steps_duplicates"] = rows[0][0] - rows[0][1]
+    out["steps_rows"] = rows[0][1]
+    _, rows = query(
+        root,
+        "SELECT count(DISTINCT (step, group_id, sample_index)) FROM rollouts WHERE run_id = $run",
+        {"run": run_id},
+    )
+    out["rows_lost"] = steps * per_step - rows[0][0]
+    out["temp_files"] = sorted(
+        str(p.relative_to(root)) for p in root.rglob(".*") if ".tmp" in p.name or ".old-" in p.name
+    )
+    meta = json.loads((root / "runs" / f"{run_id}.json").read_text())
+    out["status"] = run_status(meta)
+    return out
+
+
+def random_kill_drill(
+    root: Path,
+    run_id: str,
+    sets: list[str],
+    *,
+    kills: int,
+    seed: int,
+    window_s: tuple[float, float],
+    env: dict | None = None,
+    timeout_s: float = 600,
+) -> dict:
+    """`kills` SIGKILLs of `grpoflow train` (then `--resume RUN`) at moments drawn uniformly from
+    `window_s` seconds after each launch, then one last resume that must finish. Returns the figures."""
+    rng = random.Random(seed)
+    set_args = [a for s in [f"storage.root={root}", *sets] for a in ("--set", s)]
+    env = {**os.environ, **(env or {})}
+    first = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
+    again = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
+    figures = {"kills": 0, "orphans": 0, "finished_early": 0, "kill_moments_s": [], "statuses_after_kill": []}
+    t0 = time.perf_counter()
+    started = False
+    for _ in range(kills):
+        cmd = again if started and (root / "runs" / f"{run_id}.json").is_file() else first
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started = True
+        moment = rng.uniform(*window_s)
+        try:
+            proc.wait(moment)
+            figures["finished_early"] += 1  # the run completed before its kill moment
+            break
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        figures["kills"] += 1
+        figures["kill_moments_s"].append(round(moment, 2))
+        time.sleep(3.0)  # the guards notice within 0.5 s; give the groups time to go
+        left = guarded_children(proc.pid)
+        figures["orphans"] += len(left)
+        kill_tree(left)
+        meta = root / "runs" / f"{run_id}.json"
+        if meta.is_file():
+            from storage.sql import run_status
+
+            figures["statuses_after_kill"].append(run_status(json.loads(meta.read_text())))
+    cmd = again if (root / "runs" / f"{run_id}.json").is_file() else first
+    final = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    figures["completed"] = final.returncode == 0
+    figures["final_output"] = (final.stdout + final.stderr)[-3000:] if final.returncode else ""
+    figures["seconds"] = round(time.perf_counter() - t0, 1)
+    return figures

@@ -1,0 +1,76 @@
+"""Prefect's temporary API server for a local run, started and owned by grpoflow.
+
+Without `PREFECT_API_URL`, Prefect starts a temporary API server of its own and stops it at exit, which
+a SIGKILLed or OOM-killed run never reaches: the server lives on. grpoflow starts the same server
+(the same uvicorn app and settings) under its guard instead, so it dies with the run however the run
+dies, and points this process's Prefect settings at it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+from flows.serve import GUARD, free_port, is_healthy
+
+
+@contextlib.contextmanager
+def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
+    """The configured Prefect API if there is one (yields None), else a guarded temporary server for
+    the duration of the block (yields its URL)."""
+    import prefect
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield None
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        # What Prefect's own temporary server sets: no UI, ephemeral mode.
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+    }
+    cmd = [sys.executable, str(GUARD), str(os.getpid()), "uvicorn", "--app-dir"]
+    cmd += [str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not is_healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect's API server did not start (exit code {proc.poll()}) at {url}")
+            time.sleep(0.2)
+        os.environ["PREFECT_API_URL"] = url  # for anything that reads the environment, children too
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                _drain_prefect_workers()  # logs and events still queued go out before the server stops
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _drain_prefect_workers() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):  # a worker that never started has nothing to drain
+            worker.drain_all(timeout=10)
