@@ -35,6 +35,15 @@ def guarded_children(parent_pid: int) -> list[int]:
     return sorted({*leaders, *(p for g in leaders for p in group_members(g))} - set(_zombies()))
 
 
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a zombie holds nothing but its exit status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
 def group_members(pgid: int) -> list[int]:
     out = []
     for proc in Path("/proc").iterdir():

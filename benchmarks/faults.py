@@ -2,6 +2,8 @@
 
 One vLLM CPU server (tiny model) and one temporary Prefect API are shared by every drill:
 
+- SIGKILL of the training process at many random moments (seeded; benchmarks/drill.py), a resume after
+  each: rows lost, duplicates, temp files left, and processes of the run that survived it (orphans);
 - SIGKILL of the training process at each named point (storage/faults.py KILL_DRILL), then
   `grpoflow train --resume`;
 - SIGKILL of the run's own embedded vLLM server mid-run (the flow restarts it);
@@ -11,7 +13,7 @@ One vLLM CPU server (tiny model) and one temporary Prefect API are shared by eve
 Per drill it prints one JSON object: faults injected, whether the run completed, rows lost (expected
 completions minus stored ones), duplicate rows, and wall seconds. Then a table.
 
-    .venv/bin/python benchmarks/faults.py [--skip-server-kill]
+    .venv/bin/python benchmarks/faults.py [--skip-server-kill] [--random-kills 20 --seed 0] [--only-random]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 # This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.drill`
 
 import argparse
 import json
@@ -167,9 +170,41 @@ def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
     return out
 
 
+def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed: int) -> dict:
+    """SIGKILL the run process at `kills` random moments (seeded), resuming after each; then check every
+    table, temp files, the run's status, and that no process the run started survived a kill."""
+    from benchmarks.drill import random_kill_drill, store_check
+
+    steps, run_id = 16, "random-kills"
+    sets = [f"model.path={model}", f"inference.url={url}", f"run.steps={steps}", "run.checkpoint_every=2",
+            "algorithm.max_staleness=1"]  # fmt: skip
+    store = root / "random"
+    fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, window_s=(4.0, 22.0), env=env)
+    check = store_check(store, run_id, steps, PER_STEP * GROUP)
+    dupes = sum(v for k, v in check.items() if k.endswith("_duplicates"))
+    result = {
+        "fault": f"SIGKILL at {fig['kills']} random moments",
+        "faults_injected": fig["kills"],
+        "completed": fig["completed"] and check["status"] == "completed",
+        "rows_lost": check["rows_lost"],
+        "duplicate_rows": dupes,
+        "orphans": fig["orphans"],
+        "temp_files_left": len(check["temp_files"]),
+        "steps_rows": check["steps_rows"],
+        "statuses_after_kill": sorted(set(fig["statuses_after_kill"])),
+        "kill_moments_s": fig["kill_moments_s"],
+        "seconds": fig["seconds"],
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-server-kill", action="store_true", help="skip the drill that restarts a server")
+    ap.add_argument("--random-kills", type=int, default=20, help="SIGKILLs at random moments (0: skip)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random kill moments")
+    ap.add_argument("--only-random", action="store_true", help="run only the random-moment drill")
     args = ap.parse_args()
 
     from prefect.settings import PREFECT_API_URL
@@ -186,10 +221,13 @@ def main() -> None:
         embedded_server(str(model), max_model_len=1024, kv_cache_gb=1, log_path=root / "vllm.log") as server,
     ):
         env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
-        results += kill_drill(root, model, server.url, env)
-        results.append(reward_tool_drill(root, model, server.url))
-        if not args.skip_server_kill:
-            results.append(server_kill_drill(root, model))
+        if args.random_kills:
+            results.append(random_drill(root, model, server.url, env, args.random_kills, args.seed))
+        if not args.only_random:
+            results += kill_drill(root, model, server.url, env)
+            results.append(reward_tool_drill(root, model, server.url))
+            if not args.skip_server_kill:
+                results.append(server_kill_drill(root, model))
     print(f"\n{'fault':36} {'injected':>8} {'completed':>9} {'rows lost':>9} {'dupes':>5} {'seconds':>7}")
     for r in results:
         print(f"{r['fault']:36} {r['faults_injected']:>8} {r['completed']!s:>9} {r['rows_lost']:>9} "

@@ -6,6 +6,7 @@ imports vllm, it only talks HTTP. Loopback by default; any other bind address ne
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
@@ -218,11 +219,14 @@ def server_command(
     cmd += list(extra_args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     env.pop("VLLM_API_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
+    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
+    cmd += ["--middleware", "grpoflow_lease.PauseLease"]
     if api_key:
         # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
-        # leaves the control endpoints open, so a middleware guards every path but /health.
+        # leaves the control endpoints open, so a middleware guards every path but /health. Added
+        # last, it is the outermost: the lease endpoint is guarded too.
         env["VLLM_API_KEY"] = api_key
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
         cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     if _cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
@@ -236,6 +240,17 @@ def server_command(
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return cmd, env, f"http://{connect_host}:{port}"
+
+
+async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
+    from tasks.inference import InferenceError, VLLMClient
+    from tasks.sync import release_abandoned_pause
+
+    try:
+        async with VLLMClient(url, api_key=api_key, retries=0) as client:
+            return await release_abandoned_pause(client)
+    except InferenceError:  # a server mid-restart: the health check deals with it
+        return None
 
 
 def cpu_list(cores) -> str:
@@ -338,6 +353,9 @@ def policy_server(
             if stop_file and Path(stop_file).exists():
                 break
             if handle.alive() and handle.healthy():
+                owner = asyncio.run(_release_abandoned_pause(handle.url, api_key))
+                if owner is not None:
+                    log.warning("vLLM server was left paused by %s past its lease; resumed it", owner)
                 continue
             restart_or_give_up("not alive" if not handle.alive() else "health check failed")
             bring_up()

@@ -209,7 +209,26 @@ class RolloutPipeline:
         self.ahead = deque(self._submit(step) for _, _, step in self.ahead)
 
 
-@flow(name="grpo-train", log_prints=True)
+def mark_cancelled(flow, flow_run, state) -> None:
+    """Prefect's on_cancellation hook. It may run in the worker, after the flow's process was killed:
+    the run is found by its flow run id, marked `cancelled`, and its embedded server (if that process
+    left one) is stopped. `--resume RUN` continues it."""
+    from storage.processes import stop_stale
+
+    params = flow_run.parameters or {}
+    cfg = params.get("config")
+    if cfg is None and params.get("config_file"):
+        cfg = load_config(params["config_file"]).model_dump()
+    root = Path(((cfg or {}).get("storage") or {}).get("root") or "runs")
+    store = RolloutStore(root)
+    for run_id in store.runs():
+        meta = store.read_run_meta(run_id) or {}
+        if str(flow_run.id) in meta.get("flow_runs", []) and meta.get("status") == "running":
+            store.write_run_meta(run_id, {**meta, "status": "cancelled", "error": f"cancelled: {state.name}"})
+            stop_stale(root, f"vllm-{run_id}")
+
+
+@flow(name="grpo-train", log_prints=True, on_cancellation=[mark_cancelled])
 def grpo_train(
     config: GRPOConfig | None = None, resume: str | None = None, config_file: str | None = None
 ) -> dict[str, Any]:

@@ -369,9 +369,26 @@ class VLLMClient:
                 ) from None
         return self._max_model_len
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+    async def pause(
+        self,
+        mode: str = "keep",
+        clear_cache: bool = False,
+        owner: str | None = None,
+        lease_s: float | None = None,
+    ) -> None:
+        """Pause generation. `owner` and `lease_s` go to grpoflow's lease middleware in the server: a
+        supervisor resumes a pause only once its lease has run out (its owner died mid-push)."""
         params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        if owner is not None:
+            params["owner"] = owner
+        if lease_s is not None:
+            params["lease_s"] = f"{lease_s:.3f}"
         await self._request("POST", "/pause", params=params)
+
+    async def pause_lease(self) -> dict[str, Any]:
+        """Who paused the server and for how much longer: {"owner", "expires_in_s", "paused_at"}."""
+        text = await self._request("GET", "/grpoflow/pause_lease")
+        return _json_object(text, f"GET {self.base_url}/grpoflow/pause_lease", ("owner", "expires_in_s"))
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")

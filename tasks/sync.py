@@ -20,6 +20,8 @@ for the version (`tasks.inference.renew_cache_salt`) before the version flips: r
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +87,9 @@ class CheckpointWeightPush:
         try:
             # A pause that fails or times out may still have taken effect on the server: it is inside
             # the try, so the server is resumed whatever happens from here on.
-            await self.client.pause(mode="keep", clear_cache=False)
+            await self.client.pause(
+                mode="keep", clear_cache=False, owner=_owner(self.run_id), lease_s=self._lease_s()
+            )
             failpoint("weight_push")
             stage = "reload the weights"
             await self.client.reload_weights(str(path), timeout_s=self.reload_timeout_s)
@@ -120,6 +124,11 @@ class CheckpointWeightPush:
             "sync/total_seconds": time.perf_counter() - t0,
             "sync/version": float(version),
         }
+
+    def _lease_s(self) -> float:
+        # Longer than any push can hold the pause: the reload, a roll-back reload, and the control
+        # calls around them (each under the client's control timeout), plus a margin.
+        return 2 * self.reload_timeout_s + 3 * self.client.control_timeout.total + 60.0
 
     async def _roll_back(self, failed: str) -> tuple[bool, str]:
         """After a failed reload: load the weights the server served before (see the module doc)."""
@@ -181,3 +190,19 @@ def push_weights_sync(
             return await pusher.push(model, version)
 
     return asyncio.run(go())
+
+
+def _owner(run_id: str) -> str:
+    return f"{run_id}@{socket.gethostname()}:{os.getpid()}"
+
+
+async def release_abandoned_pause(client: VLLMClient) -> str | None:
+    """Resume a server whose pause outlived its lease (its trainer died mid-push); returns who had
+    paused it, or None when it is serving or a live trainer's reload is still within its lease."""
+    if not await client.is_paused():
+        return None
+    lease = await client.pause_lease()
+    if lease["owner"] is not None and (lease["expires_in_s"] or 0) > 0:
+        return None
+    await client.resume()
+    return lease["owner"] or "unknown"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.drill import group_members, guarded_children, kill_tree, random_kill_drill, store_check
+from benchmarks.drill import alive, group_members, guarded_children, kill_tree, random_kill_drill, store_check
 from storage.sql import run_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -98,7 +98,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
         while guarded_children(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert guarded_children(proc.pid) == []
-        assert all(not Path(f"/proc/{p}").exists() or _zombie(p) for p in seen)
+        assert not any(alive(p) for p in seen)
     finally:
         kill_tree(seen)
         if proc.poll() is None:
@@ -113,8 +113,26 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
     assert run_status(json.loads((tmp_path / "runs" / "orphan.json").read_text())) == "completed"
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+def test_a_pause_left_by_a_dead_trainer_is_released_only_after_its_lease(vllm_server):
+    """policy-server's supervision step on the real server: a trainer's pause within its lease is left
+    alone (a reload in progress); once the lease runs out the server is resumed and serves again."""
+    from tasks.inference import VLLMClient
+    from tasks.sync import release_abandoned_pause
+
+    async def go():
+        async with VLLMClient(vllm_server.url) as c:
+            await c.pause(mode="keep", owner="dead-run@host:1", lease_s=1.5)
+            try:
+                held = await release_abandoned_pause(c)
+                still = await c.is_paused()
+                await asyncio.sleep(1.6)
+                released = await release_abandoned_pause(c)
+                after = await c.is_paused()
+                (ch,) = await c.complete([1, 2, 3], max_tokens=2, temperature=0.0)
+                return held, still, released, after, ch
+            finally:
+                await c.resume()
+
+    held, still, released, after, ch = asyncio.run(go())
+    assert held is None and still is True
+    assert released == "dead-run@host:1" and after is False and len(ch.token_ids) >= 1

@@ -3,6 +3,7 @@ deployment runs triggered through the API (the way users run grpoflow from the U
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -100,12 +101,63 @@ def test_deploy_all_then_run_deployments_through_the_api(
             assert defs["GenerationConfig"]["properties"]["group_size"]["description"]
     # the evaluation wrote its rollouts with split='eval'
     assert RolloutStore(store).steps_written("rollouts", "base-eval") == [0]
+    cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server)
 
     # The UI: headless Chromium renders grpo-train's run form, built from the pydantic config schema.
     ui = api.removesuffix("/api")
     dom = chromium(f"{ui}/deployments/deployment/{train.id}/run", tmp_path / "grpo-train-form.png")
     assert "grpo-train" in dom
     assert "Completions per prompt (G)" in dom  # GenerationConfig.group_size's description
+
+
+def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -> None:
+    """A grpo-train run with its own embedded vLLM server, cancelled through the API as the UI's
+    Cancel button does: the worker stops the flow, the server goes with it, the run reads `cancelled`,
+    and `grpoflow train --resume` continues it."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    from benchmarks.drill import alive, group_members, kill_tree
+    from storage.sql import run_status
+
+    with open(tmp_path / "gpu-worker.log", "w") as wlog:
+        procs.append(subprocess.Popen([PREFECT, "worker", "start", "--pool", "gpu"], cwd=REPO, env=env,
+                                      stdout=wlog, stderr=subprocess.STDOUT))  # fmt: skip
+    store = tmp_path / "cancel-store"
+    config = {"model": {"path": str(tiny_model_dir)}, "storage": {"root": str(store)},
+              "run": {"run_id": "cancelme", "steps": 500}}  # fmt: skip
+    pid_file = store / "pids" / "vllm-cancelme.json"
+    server: list[int] = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            run = run_deployment("grpo-train/grpo-train", parameters={"config": config}, timeout=0)
+            deadline = time.time() + 300
+            while not (
+                pid_file.is_file() and len(group_members(json.loads(pid_file.read_text())["pid"])) >= 2
+            ):
+                assert time.time() < deadline, (tmp_path / "gpu-worker.log").read_text()[-3000:]
+                time.sleep(0.5)
+            server = group_members(json.loads(pid_file.read_text())["pid"])
+            client.set_flow_run_state(run.id, Cancelling(), force=True)
+            deadline = time.time() + 180
+            while not client.read_flow_run(run.id).state.is_cancelled():
+                assert time.time() < deadline, (tmp_path / "gpu-worker.log").read_text()[-3000:]
+                time.sleep(1)
+        deadline = time.time() + 30
+        while any(alive(p) for p in server) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not any(alive(p) for p in server), "the embedded server outlived the cancel"
+    finally:
+        kill_tree(server)
+    assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "cancelled"
+    resume = [sys.executable, "-m", "flows.cli", "train", "--resume", "cancelme", "--set", f"storage.root={store}",
+              "--set", f"model.path={tiny_model_dir}", "--set", f"inference.url={vllm_server.url}",
+              "--set", "run.steps=2"]  # fmt: skip
+    out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "completed"
 
 
 def chromium(url: str, screenshot: Path) -> str:

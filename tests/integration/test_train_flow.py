@@ -180,6 +180,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
         resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
         resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert not _paused(vllm_server.url)  # a kill mid-push left it paused: the resumed run released it
     finally:  # a kill at weight_push leaves the shared server paused; later tests need it serving
         import asyncio
 
@@ -222,3 +223,15 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
             assert len(list(f.keys())) > 0
         assert (d / "trainer_state.pt").stat().st_size > 0
     assert not [p for p in (tmp_path / "checkpoints" / run_id).iterdir() if p.name.startswith(".")]
+
+
+def _paused(url: str) -> bool:
+    import asyncio
+
+    from tasks.inference import VLLMClient
+
+    async def go():
+        async with VLLMClient(url) as c:
+            return await c.is_paused()
+
+    return asyncio.run(go())

@@ -31,7 +31,11 @@ def test_binding_elsewhere_needs_a_key_which_goes_by_environment_not_argv():
         server_command("m", host="0.0.0.0", python="py", port=9)
     cmd, env, _ = server_command("m", host="0.0.0.0", api_key="s3cret", python="py", port=9)
     assert "s3cret" not in " ".join(cmd) and env["VLLM_API_KEY"] == "s3cret"
-    assert cmd[cmd.index("--middleware") + 1] == "grpoflow_auth.RequireApiKey"
+    middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
+    assert middleware == [
+        "grpoflow_lease.PauseLease",
+        "grpoflow_auth.RequireApiKey",
+    ]  # the key check outermost
     assert env["PYTHONPATH"].split(":")[0] == str(PLUGINS)
 
 
@@ -84,3 +88,42 @@ def test_tool_arguments_are_json_and_never_evaluated(tmp_path):
     (call,) = HermesToolParser().parse(text % __import__("json").dumps(payload))
     rec = asyncio.run(ToolBox.from_functions([calculator]).call(call, turn=0))
     assert rec.failed and not marker.exists()  # the shipped calculator walks an AST, never eval()
+
+
+def test_a_pause_has_an_owner_and_a_lease_that_runs_out():
+    """The lease middleware as vLLM runs it (an ASGI app wrapping the server's): /pause records who
+    paused and for how long, /resume clears it, /grpoflow/pause_lease reports it."""
+    import json
+    import time
+
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        import grpoflow_lease
+    finally:
+        sys.path.remove(str(PLUGINS))
+    forwarded = []
+
+    async def server(scope, receive, send):
+        forwarded.append(scope["path"])
+
+    app = grpoflow_lease.PauseLease(server)
+
+    def call(path, method="POST", query=b""):
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        scope = {"type": "http", "path": path, "method": method, "query_string": query, "headers": []}
+        asyncio.run(app(scope, None, send))
+        return json.loads(sent[1]["body"]) if sent else None
+
+    assert call("/grpoflow/pause_lease", "GET") == {"owner": None, "expires_in_s": None, "paused_at": None}
+    call("/pause", query=b"mode=keep&owner=run-a%40host%3A1&lease_s=0.3")
+    lease = call("/grpoflow/pause_lease", "GET")
+    assert lease["owner"] == "run-a@host:1" and 0 < lease["expires_in_s"] <= 0.3
+    time.sleep(0.35)
+    assert call("/grpoflow/pause_lease", "GET")["expires_in_s"] < 0  # ran out: abandoned
+    call("/resume")
+    assert call("/grpoflow/pause_lease", "GET")["owner"] is None
+    assert forwarded == ["/pause", "/resume"]  # vLLM still gets its own calls

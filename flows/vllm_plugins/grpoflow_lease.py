@@ -1,0 +1,57 @@
+"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow_lease.PauseLease`): a pause has
+an owner and a lease.
+
+A trainer pauses the server to reload weights, then resumes it. A trainer that dies in between (SIGKILL,
+OOM) leaves a long-lived server paused for good, and vLLM records nothing about who paused it. Here
+`POST /pause?owner=...&lease_s=...` records the owner and when the lease ends, `POST /resume` clears
+it, and `GET /grpoflow/pause_lease` tells a supervisor whether a pause is still someone's (within its
+lease: a reload in progress) or abandoned. Standard library only: it runs in the server's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.parse import parse_qs
+
+DEFAULT_LEASE_S = 900.0  # a pause without a lease (another client) counts as owned this long
+
+_lease: dict = {}  # {"owner": str, "deadline": monotonic seconds, "paused_at": epoch seconds}
+
+
+class PauseLease:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope["path"].removeprefix(scope.get("root_path", "")), scope.get("method")
+        if path == "/grpoflow/pause_lease" and method == "GET":
+            return await _reply(send, _state())
+        if path == "/pause" and method == "POST":
+            q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            try:
+                lease_s = float(q.get("lease_s", [DEFAULT_LEASE_S])[0])
+            except ValueError:
+                lease_s = DEFAULT_LEASE_S
+            _lease.clear()
+            owner = q.get("owner", ["unknown"])[0]
+            _lease.update(owner=owner, deadline=time.monotonic() + lease_s, paused_at=time.time())
+        elif path == "/resume" and method == "POST":
+            _lease.clear()
+        return await self.app(scope, receive, send)
+
+
+def _state() -> dict:
+    if not _lease:
+        return {"owner": None, "expires_in_s": None, "paused_at": None}
+    left = _lease["deadline"] - time.monotonic()
+    return {"owner": _lease["owner"], "expires_in_s": round(left, 3), "paused_at": _lease["paused_at"]}
+
+
+async def _reply(send, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
