@@ -1,7 +1,7 @@
 """DuckDB over the store: read-only views, canned queries, result formatting.
 
-Views: `rollouts`, `rewards`, `steps` (columns unioned by name: metric columns differ between runs)
-and `tool_calls` (one row per tool call). Files are globbed as `*/step-*.parquet`, so the hidden temp
+Views: `rollouts`, `rewards`, `steps` (the last two unioned by name: metric columns differ between
+runs, reward columns between versions) and `tool_calls` (one row per tool call). Files are globbed as `*/step-*.parquet`, so the hidden temp
 names used by atomic writes are never read. A table with no files yet is still a view with the right
 columns and zero rows.
 """
@@ -38,7 +38,9 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     for table, schema in SCHEMAS.items():
         if any((root / table).glob("*/step-*.parquet")):
-            union = ", union_by_name = true" if table == "steps" else ""
+            # By name: steps' metric columns differ between runs, and reward files written before the
+            # `imputed` columns existed must not hide them (DuckDB takes the first file's schema).
+            union = ", union_by_name = true" if table in ("steps", "rewards") else ""
             con.execute(
                 f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_glob(root, table)}', "
                 f"hive_partitioning = false{union})"
@@ -151,10 +153,19 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     for run_id in store.runs():
         meta = store.read_run_meta(run_id) or {}
         _, steps, last_step, completions = by_run.get(run_id, (run_id, 0, None, 0))
-        out.append(
-            (run_id, meta.get("status", "unknown"), steps, last_step, completions, last_reward.get(run_id))
-        )
+        out.append((run_id, run_status(meta), steps, last_step, completions, last_reward.get(run_id)))
     return ["run_id", "status", "steps", "last_step", "completions", "last_reward"], out
+
+
+def run_status(meta: dict) -> str:
+    """The recorded status, except that a `running` run whose owning process is gone (same host, no
+    process with its pid and start time) is `interrupted`: it died without a word (SIGKILL, OOM)."""
+    from storage.processes import is_alive
+
+    status = meta.get("status", "unknown")
+    if status == "running" and is_alive(meta.get("owner")) is False:
+        return "interrupted"
+    return status
 
 
 def format_result(columns: list[str], rows: list[tuple], fmt: str = "table") -> str:

@@ -22,6 +22,16 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
 
+# A group's rewards count as all equal when their std is within this fraction of their magnitude:
+# summing floats leaves noise (three rewards of 0.1 have a std of ~1.7e-17), which `std == 0` misses
+# and which `group` scaling would blow up into advantages of ~1e-13 that no longer compare equal to 0.
+ZERO_STD_RTOL = 1e-6
+
+
+def _flat(xs: list[float], std: float) -> bool:
+    return std <= ZERO_STD_RTOL * max(1.0, max(abs(x) for x in xs))
+
+
 def group_advantages(
     rewards: list[list[float | None]],
     valid: list[list[bool]],
@@ -35,6 +45,8 @@ def group_advantages(
     Invalid completions are left out of the mean and std, get advantage 0 and mask False; a group
     with fewer than 2 valid completions trains nothing. `group`: (r - mean_g) / (std_g + eps);
     `batch`: (r - mean_g) / (std over all valid rewards of the batch + eps); `none`: r - mean_g.
+    A group whose std is within ZERO_STD_RTOL of its magnitude has zero std: advantages exactly 0,
+    and with `filter_zero_std` it trains nothing.
     """
     groups_valid = [
         [r for r, v in zip(rs, vs, strict=True) if v and r is not None]
@@ -49,14 +61,15 @@ def group_advantages(
         too_few += not use
         mean = sum(good) / len(good) if good else 0.0
         std = _std(good) if use else 0.0
-        if use and filter_zero_std and std == 0.0:
+        flat = use and _flat(good, std)
+        if flat and filter_zero_std:
             use = False
             zero_std += 1
         denom = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
         row_adv, row_mask = [], []
         for r, v in zip(rs, vs, strict=True):
             ok = use and v and r is not None
-            row_adv.append((r - mean) / denom if ok else 0.0)
+            row_adv.append((r - mean) / denom if ok and not flat else 0.0)
             row_mask.append(ok)
         trained += use
         advs.append(row_adv)
@@ -73,9 +86,64 @@ def group_advantages(
     return advs, masks, metrics
 
 
+# Bound on every log-ratio that reaches exp() (importance weight, policy ratio, KL). e^20 ~ 4.9e8 lies
+# far outside any clip range or correction cap, so decisions on ordinary values are unchanged, while
+# float32 (max ~e^88) can never overflow into inf, and inf can never meet a 0 mask and become NaN.
+LOG_RATIO_BOUND = 20.0
+
+
+def _bounded(x: torch.Tensor, on: torch.Tensor, *, nan: float = 0.0) -> torch.Tensor:
+    """`x` on the `on` tokens (0 elsewhere), NaN replaced by `nan`, clamped to +-LOG_RATIO_BOUND."""
+    # torch.where, not `* mask`: padding may hold inf, and inf * 0 is NaN, in the backward pass too.
+    # Past the bound the clamp passes no gradient: a 5e8-sized ratio is an accident, not a signal.
+    x = torch.where(on, x, torch.zeros_like(x))
+    return x.nan_to_num(nan=nan).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     n = mask.sum()
-    return float((x * mask).sum() / n) if n > 0 else 0.0
+    return float(torch.where(mask > 0, x, torch.zeros_like(x)).sum() / n) if n > 0 else 0.0
+
+
+def _k3(d: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """k3 estimator e^d - d - 1 of a KL from the log-difference d, finite for any d."""
+    d = _bounded(d, on)
+    return torch.exp(d) - d - 1
+
+
+def _off_policy_weights(
+    gap: torch.Tensor, on: torch.Tensor, seq_tokens: torch.Tensor, correction: Correction, cap: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bounded log w, per-token weight, dropped indicator) for the gap log pi_old - log mu [B, T].
+
+    The gap may hold +-inf (vLLM's -inf logprob) or its -1e4 stand-in. An unknown gap (NaN, e.g.
+    -inf - -inf) counts as the largest: icepop and seq_mask drop it, tis caps it.
+    """
+    log_w = _bounded(gap, on, nan=LOG_RATIO_BOUND)
+    w = torch.exp(log_w)
+    weight, dropped = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+    if correction == "tis":
+        weight = w.clamp(max=cap)
+    elif correction == "icepop":
+        keep = (w >= 1.0 / cap) & (w <= cap)
+        weight, dropped = torch.where(keep, w, torch.zeros_like(w)), ~keep & on
+    elif correction == "seq_mask":
+        # The unbounded gaps decide: one token the sampler called impossible must still drop a long
+        # sequence, which a mean of clamped values would dilute. A NaN mean compares False: dropped.
+        seq = torch.where(on, gap, torch.zeros_like(gap)).sum(-1) / seq_tokens.clamp(min=1)
+        keep = (seq.abs() <= math.log(cap)).unsqueeze(-1)
+        weight, dropped = keep.to(w.dtype).expand_as(w), ~keep & on
+    return log_w, weight, dropped.to(w.dtype)
+
+
+def _normalise(per_token, seq_tokens, seq_on, loss_type: LossType, n_seq: int, n_tok: int, L: int):
+    if loss_type in ("grpo", "gspo"):
+        return ((per_token.sum(-1) / seq_tokens.clamp(min=1)) * seq_on).sum() / max(n_seq, 1)
+    if loss_type == "dapo":
+        return per_token.sum() / max(n_tok, 1)
+    if loss_type == "dr_grpo":
+        return per_token.sum() / (max(n_seq, 1) * L)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
 def compute_loss(
@@ -101,8 +169,10 @@ def compute_loss(
     Normalisation: grpo = mean over sequences of per-sequence token means; dapo = token sum / tokens;
     dr_grpo = token sum / (sequences * max_completion_length); gspo = mean over sequences of the
     clipped sequence-level objective. `total_sequences`/`total_tokens` replace the local counts so
-    micro-batch losses add up to the full-batch loss under gradient accumulation.
+    micro-batch losses add up to the full-batch loss under gradient accumulation. Every log-ratio is
+    bounded by LOG_RATIO_BOUND, so loss, gradients and metrics stay finite for any sampler gap.
     """
+    on = mask > 0
     mask = mask.to(logprobs.dtype)
     seq_tokens = mask.sum(-1)  # [B]
     seq_on = (seq_tokens > 0).to(logprobs.dtype)
@@ -113,63 +183,42 @@ def compute_loss(
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
 
     # Learner-vs-sampler mismatch (includes staleness): w = pi_old / mu, per token, no gradient.
-    log_w = (old - behaviour_logprobs).detach() * mask
-    w = torch.exp(log_w)
-    weight = torch.ones_like(w)
-    is_masked = torch.zeros_like(w)
-    if correction == "tis":
-        weight = w.clamp(max=correction_cap)
-    elif correction == "icepop":
-        keep = ((w >= 1.0 / correction_cap) & (w <= correction_cap)).to(w.dtype)
-        weight, is_masked = w * keep, (1 - keep) * mask
-    elif correction == "seq_mask":
-        seq_log_w = log_w.sum(-1) / seq_tokens.clamp(min=1)
-        keep = (seq_log_w.abs() <= math.log(correction_cap)).to(w.dtype).unsqueeze(-1)
-        weight, is_masked = keep.expand_as(w), (1 - keep) * mask
+    gap = (old - behaviour_logprobs).detach()
+    log_w, weight, is_masked = _off_policy_weights(gap, on, seq_tokens, correction, correction_cap)
 
+    log_ratio = _bounded(logprobs - old, on)
     if loss_type == "gspo":
-        seq_log_ratio = ((logprobs - old) * mask).sum(-1) / seq_tokens.clamp(min=1)  # [B]
+        seq_log_ratio = log_ratio.sum(-1) / seq_tokens.clamp(min=1)  # [B]
         # Per-token ratio whose value is the sequence ratio but whose gradient flows per token.
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
-    else:
-        log_ratio = logprobs - old
+        log_ratio = _bounded(seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach(), on)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - epsilon, 1 + eps_hi)
     per_token = -torch.minimum(ratio * adv, clipped * adv) * weight
     if ref_logprobs is not None and beta > 0:
-        d = ref_logprobs - logprobs
-        per_token = per_token + beta * (torch.exp(d) - d - 1)  # k3 estimator of KL(pi || ref)
-    per_token = per_token * mask
+        per_token = per_token + beta * _k3(ref_logprobs - logprobs, on)  # KL(pi || ref)
+    per_token = torch.where(on, per_token, torch.zeros_like(per_token))
+    L = max_completion_length or logprobs.shape[-1]
+    loss = _normalise(per_token, seq_tokens, seq_on, loss_type, n_seq, n_tok, L)
 
-    if loss_type in ("grpo", "gspo"):
-        loss = ((per_token.sum(-1) / seq_tokens.clamp(min=1)) * seq_on).sum() / max(n_seq, 1)
-    elif loss_type == "dapo":
-        loss = per_token.sum() / max(n_tok, 1)
-    elif loss_type == "dr_grpo":
-        L = max_completion_length or logprobs.shape[-1]
-        loss = per_token.sum() / (max(n_seq, 1) * L)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-
-    with torch.no_grad():
-        r = ratio.detach()
-        low = ((r < 1 - epsilon) & (adv < 0)).to(mask.dtype)
-        high = ((r > 1 + eps_hi) & (adv > 0)).to(mask.dtype)
-        valid = mask > 0
-        metrics = {
-            "loss": float(loss.detach()),
-            "clip_frac_low": _masked_mean(low, mask),
-            "clip_frac_high": _masked_mean(high, mask),
-            "ratio_mean": _masked_mean(r, mask),
-            "ratio_min": float(r[valid].min()) if valid.any() else 1.0,
-            "ratio_max": float(r[valid].max()) if valid.any() else 1.0,
-            # k3 estimate of KL(mu || pi_old) from the sampler's tokens: the mismatch to correct.
-            "mismatch_kl": _masked_mean(torch.exp(log_w) - log_w - 1, mask),
-            "is_weight_mean": _masked_mean(weight, mask),
-            "is_masked_frac": _masked_mean(is_masked, mask),
-            "entropy_proxy": -_masked_mean(logprobs.detach(), mask),
-        }
-        if ref_logprobs is not None:
-            d = ref_logprobs - logprobs.detach()
-            metrics["kl"] = _masked_mean(torch.exp(d) - d - 1, mask)
+    metrics = _loss_metrics(loss, ratio, adv, mask, epsilon, eps_hi, log_w, weight, is_masked)
+    metrics["entropy_proxy"] = -_masked_mean(logprobs.detach(), mask)
+    if ref_logprobs is not None:
+        metrics["kl"] = _masked_mean(_k3(ref_logprobs - logprobs.detach(), on), mask)
     return loss, metrics
+
+
+@torch.no_grad()
+def _loss_metrics(loss, ratio, adv, mask, epsilon, eps_hi, log_w, weight, is_masked) -> dict[str, float]:
+    r, on = ratio.detach(), mask > 0
+    return {
+        "loss": float(loss.detach()),
+        "clip_frac_low": _masked_mean(((r < 1 - epsilon) & (adv < 0)).to(mask.dtype), mask),
+        "clip_frac_high": _masked_mean(((r > 1 + eps_hi) & (adv > 0)).to(mask.dtype), mask),
+        "ratio_mean": _masked_mean(r, mask),
+        "ratio_min": float(r[on].min()) if on.any() else 1.0,
+        "ratio_max": float(r[on].max()) if on.any() else 1.0,
+        # k3 estimate of KL(mu || pi_old) from the sampler's tokens: the mismatch to correct.
+        "mismatch_kl": _masked_mean(torch.exp(log_w) - log_w - 1, mask),
+        "is_weight_mean": _masked_mean(weight, mask),
+        "is_masked_frac": _masked_mean(is_masked, mask),
+    }

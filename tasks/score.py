@@ -1,9 +1,10 @@
 """Concurrent reward scoring with a status for every (completion, reward function) cell.
 
-All reward functions of a batch run at once: `async def` ones on the current event loop, sync ones
-on a thread pool (or a process pool for CPU-bound functions), each under its own timeout. A result
+All reward functions of a batch run at once: `async def` ones each on their own event loop, sync ones
+on daemon threads (or a process pool for CPU-bound functions), each under its own timeout. A result
 is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong length, non-numeric) or `timeout`;
-nothing is silently turned into 0.
+nothing is silently turned into 0. An optional reward's missing value is imputed with its group's
+mean (neutral for the advantage), the cell keeping its status.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import inspect
 import math
 import multiprocessing as mp
 import numbers
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +28,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from storage.faults import failpoint
-from storage.records import RewardCell, RolloutGroup
+from storage.records import RewardCell, RewardStatus, RolloutGroup
 from tasks.imports import import_object
 from tasks.threads import in_daemon_thread
 
@@ -109,52 +113,88 @@ def _cells_from_values(spec: RewardSpec, values: Any, n: int, seconds: float) ->
     return out
 
 
-async def _run_one(
-    spec: RewardSpec, inputs: dict[str, list[Any]], pools: dict[str, cf.Executor]
-) -> list[RewardCell]:
+def _error_cells(spec: RewardSpec, status: RewardStatus, reason: str, n: int, t0: float) -> list[RewardCell]:
+    dt = time.perf_counter() - t0
+    return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt)] * n
+
+
+async def _run_one(spec: RewardSpec, inputs: dict[str, list[Any]]) -> list[RewardCell]:
     n = len(inputs["completions"])
     kwargs = {**inputs, **spec.kwargs}
     t0 = time.perf_counter()
-    loop = asyncio.get_running_loop()
+    deadline = asyncio.timeout(spec.timeout_s)
     try:
-        fn = resolve_reward(spec)
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-            coro = fn(**kwargs)
-        elif spec.executor == "process":
-            if not isinstance(spec.fn, str):
-                raise TypeError("executor='process' needs an import path 'module:function'")
-            no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
-            coro = loop.run_in_executor(pools["process"], _call_by_path, spec.fn, no_env)
-        elif _is_module(fn):
-            coro = in_daemon_thread(_call_module, fn, kwargs)
-        else:  # a daemon thread: a hung function is abandoned at its timeout, never joined
-            coro = in_daemon_thread(fn, **kwargs)
-        values = await asyncio.wait_for(coro, timeout=spec.timeout_s)
-    except TimeoutError:
-        dt = time.perf_counter() - t0
-        return [RewardCell(spec.name, None, "timeout", f"exceeded {spec.timeout_s}s", spec.weight, dt)] * n
+        async with deadline:
+            values = await _call(spec, kwargs, n)
+    except TimeoutError as e:
+        # Only our own deadline is a `timeout`; a TimeoutError the function raised (its HTTP client
+        # gave up, say) is the function failing, and its message says why.
+        if deadline.expired():
+            return _error_cells(spec, "timeout", f"exceeded {spec.timeout_s}s", n, t0)
+        return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0)
     except Exception as e:
-        dt = time.perf_counter() - t0
-        reason = f"{type(e).__name__}: {e}"[:500]
-        return [RewardCell(spec.name, None, "failed", reason, spec.weight, dt)] * n
+        return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0)
     return _cells_from_values(spec, values, n, time.perf_counter() - t0)
 
 
-def _is_module(fn: Any) -> bool:
-    try:
-        import torch
+async def _awaited(fn: Any, kwargs: dict[str, Any]) -> Any:
+    return await fn(**kwargs)
 
-        return isinstance(fn, torch.nn.Module)
-    except ImportError:
-        return False
+
+async def _call(spec: RewardSpec, kwargs: dict[str, Any], n: int) -> Any:
+    fn = resolve_reward(spec)
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        # Its own event loop on a daemon thread: an `async def` that blocks (time.sleep, sync I/O)
+        # stalls only itself, not the batch's other rewards, and is abandoned at its timeout.
+        return await in_daemon_thread(asyncio.run, _awaited(fn, kwargs))
+    if spec.executor == "process":
+        if not isinstance(spec.fn, str):
+            raise TypeError("executor='process' needs an import path 'module:function'")
+        no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
+        return await _in_process_pool(spec.fn, no_env)
+    if _is_module(fn):
+        return await in_daemon_thread(_call_module, fn, kwargs)
+    # a daemon thread: a hung function is abandoned at its timeout, never joined
+    return await in_daemon_thread(fn, **kwargs)
+
+
+def _is_module(fn: Any) -> bool:
+    # An nn.Module instance implies torch is imported already; importing it here just to say "no"
+    # would cost seconds inside the first batch's timeouts.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(fn, torch.nn.Module)
+
+
+def _impute(rows: list[list[RewardCell]], specs: list[RewardSpec]) -> list[list[RewardCell]]:
+    """Per-completion copies of one group's cells, with each optional reward's missing cells imputed.
+
+    Scoring a missing optional value as 0 would move that completion against its group; the mean of
+    the reward's valid values over the group's scored completions (required rewards all valid: the
+    ones in the advantage baseline) is neutral. No valid value in the group: nothing is imputed.
+    """
+    out = [[RewardCell(**vars(x)) for x in cells] for cells in rows]
+    scored = [
+        all(x.status == "valid" for x, s in zip(cells, specs, strict=True) if s.required) for cells in rows
+    ]
+    for j, spec in enumerate(specs):
+        if spec.required:
+            continue
+        seen = [
+            cells[j].value for cells, ok in zip(out, scored, strict=True) if ok and cells[j].status == "valid"
+        ]
+        for cells, ok in zip(out, scored, strict=True):
+            if seen and ok and cells[j].status != "valid":
+                cells[j].imputed, cells[j].imputed_value = True, sum(seen) / len(seen)
+    return out
 
 
 def _apply(groups: list[RolloutGroup], specs: list[RewardSpec], per_fn: list[list[RewardCell]]) -> None:
     i = 0
     for g in groups:
-        for c in g.completions:
-            cells = [col[i] for col in per_fn]
-            c.reward_cells = [RewardCell(**vars(x)) for x in cells]  # per-completion copies
+        rows = [[col[i + k] for col in per_fn] for k in range(len(g.completions))]
+        i += len(g.completions)
+        for c, cells in zip(g.completions, _impute(rows, specs), strict=True):
+            c.reward_cells = cells
             bad = [
                 f"{x.name}: {x.status}: {x.reason}"
                 for x, s in zip(cells, specs, strict=True)
@@ -163,14 +203,20 @@ def _apply(groups: list[RolloutGroup], specs: list[RewardSpec], per_fn: list[lis
             c.reward_valid = not bad
             notes = [
                 f"{x.name} (optional): {x.status}: {x.reason}"
+                + (f" (imputed group mean {x.imputed_value:.4g})" if x.imputed else "")
                 for x, s in zip(cells, specs, strict=True)
                 if not s.required and x.status != "valid"
             ]
             c.invalid_reason = "; ".join(bad + notes) or None
             c.reward = (
-                sum(x.weight * x.value for x in cells if x.status == "valid") if c.reward_valid else None
+                sum(
+                    x.weight * (x.value if x.status == "valid" else x.imputed_value)
+                    for x in cells
+                    if x.status == "valid" or x.imputed
+                )
+                if c.reward_valid
+                else None
             )
-            i += 1
 
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
@@ -189,6 +235,10 @@ def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
         out[f"{p}/mean"], out[f"{p}/std"] = mean, std
         for status in ("invalid", "failed", "timeout"):
             out[f"{p}/{status}_rate"] = sum(c.status == status for c in cells) / n
+        imputed = [
+            x.imputed for g in groups for c in g.completions for x in c.reward_cells if x.name == spec.name
+        ]
+        out[f"{p}/imputed_rate"] = sum(imputed) / n
         out[f"{p}/seconds"] = max((c.duration_s for c in cells), default=0.0)
     comps = [c for g in groups for c in g.completions]
     mean, std = _stats([c.reward for c in comps if c.reward_valid])
@@ -207,18 +257,76 @@ def _process_pool() -> cf.ProcessPoolExecutor:
     global _PROCESS_POOL
     with _POOL_LOCK:
         if _PROCESS_POOL is None:
-            _PROCESS_POOL = cf.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"))
+            _PROCESS_POOL = cf.ProcessPoolExecutor(
+                max_workers=2,
+                mp_context=mp.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
+            )
         return _PROCESS_POOL
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Pool worker initializer: a worker stuck in a hung reward never reads its queue again, so it
+    would outlive a killed run; a watchdog thread ends it once its parent is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="grpoflow-pool-watchdog", daemon=True).start()
+
+
+def _recycle_process_pool(pool: cf.ProcessPoolExecutor) -> None:
+    """Stop handing out `pool` and kill its workers: a hung reward would otherwise hold one forever."""
+    global _PROCESS_POOL
+    with _POOL_LOCK:
+        if _PROCESS_POOL is not pool:
+            return  # recycled already, by another call that saw it break
+        _PROCESS_POOL = None
+    # Python 3.11 has no terminate_workers: kill the executor's own process handles. The executor then
+    # sees its workers die and fails every call still on it with BrokenProcessPool (retried once).
+    for proc in list((pool._processes or {}).values()):
+        proc.kill()
+    pool.shutdown(wait=False)
+
+
+async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
+    """Run `path(**kwargs)` in the shared process pool, recycling the pool when a call is stuck.
+
+    Cancellation (the caller's timeout) means our worker may be stuck in user code for good, so the
+    pool is replaced and its workers killed. A call broken by that (another reward's or batch's
+    hang) or by a crashed worker is retried once on the new pool, under the caller's same deadline,
+    so a good reward is not failed by someone else's hang.
+    """
+    loop = asyncio.get_running_loop()
+    for attempt in range(2):
+        pool = _process_pool()
+        try:
+            fut = loop.run_in_executor(pool, _call_by_path, path, kwargs)
+        except RuntimeError:  # broken, or shut down by a recycle between lookup and submit
+            _recycle_process_pool(pool)
+            if attempt:
+                raise
+            continue
+        try:
+            return await fut
+        except BrokenProcessPool:
+            _recycle_process_pool(pool)
+            if attempt:
+                raise
+        except asyncio.CancelledError:
+            _recycle_process_pool(pool)
+            raise
+    raise AssertionError("unreachable")
 
 
 async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardSpec]) -> dict[str, float | None]:
     """Score every completion with every reward, concurrently; fills the completions in place."""
     t0 = time.perf_counter()
     inputs = _batch_inputs(groups)
-    pools: dict[str, cf.Executor] = {}
-    if any(s.executor == "process" for s in specs):
-        pools["process"] = _process_pool()
-    per_fn = await asyncio.gather(*(_run_one(s, inputs, pools) for s in specs))
+    per_fn = await asyncio.gather(*(_run_one(s, inputs) for s in specs))
     failpoint("score")
     _apply(groups, specs, per_fn)
     return _metrics(groups, specs, per_fn, time.perf_counter() - t0)

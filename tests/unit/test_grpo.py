@@ -54,6 +54,20 @@ def test_no_scaling_and_zero_std_filter():
     assert mask[0] == [False, False] and mask[1] == [True, True] and m["groups_zero_std"] == 1
 
 
+def test_zero_std_is_judged_with_a_tolerance():
+    rewards = [0.1, 0.1, 0.1]
+    mean = sum(rewards) / 3
+    assert math.sqrt(sum((r - mean) ** 2 for r in rewards) / 2) > 0  # float noise: ~1.7e-17, not 0
+    adv, mask, m = group_advantages([rewards], [[True] * 3], filter_zero_std=True)
+    assert mask == [[False] * 3] and m["groups_zero_std"] == 1 and m["groups_trained"] == 0
+    adv, mask, m = group_advantages([rewards], [[True] * 3])  # not filtered: trained with advantage 0
+    assert adv == [[0.0, 0.0, 0.0]] and mask == [[True] * 3]
+    assert all(a == 0.0 for a in group_advantages([rewards], [[True] * 3], scale="none")[0][0])
+    # a small but real spread (std 7.1e-4) is a signal, not noise
+    adv, mask, m = group_advantages([[0.0, 1e-3]], [[True, True]], filter_zero_std=True)
+    assert mask == [[True, True]] and m["groups_zero_std"] == 0 and adv[0][0] < 0 < adv[0][1]
+
+
 def _two_seq():
     # seq A: 2 tokens, advantage 1; seq B: 1 token (+1 padding), advantage -0.5. Ratio 1 (on-policy).
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
@@ -188,3 +202,74 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
         for s in (slice(0, 2), slice(2, 6))
     )
     assert float(parts) == pytest.approx(float(full), rel=1e-6)
+
+
+# Sampler logprobs as they reach the learner: vLLM's -inf, the client's -1e4 stand-in for it, a
+# nonsense +1e4, NaN, and an ordinary value. The learner's own logprobs hold extreme finite values.
+GAPS = [-math.inf, -1e4, 1e4, math.nan, -1.5]
+
+
+@pytest.mark.parametrize("loss_type", LOSSES)
+@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "seq_mask"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("behaviour_value", GAPS)
+@pytest.mark.parametrize("stale", [False, True])
+def test_any_sampler_gap_keeps_loss_gradients_and_metrics_finite(
+    loss_type, correction, beta, behaviour_value, stale
+):
+    # Row 0: ordinary tokens; row 1: one extreme token; row 2: extreme learner values; row 3: padding
+    # only. Padding (mask 0) holds garbage, including inf, as an unfilled buffer might.
+    logp = torch.tensor(
+        [
+            [-1.0, -2.0, -0.5],
+            [-1.0, -3.0, -math.inf],
+            [-1e4, -1e-9, -80.0],
+            [math.inf, -math.inf, 0.0],
+        ],
+        requires_grad=True,
+    )
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    behaviour = torch.full((4, 3), -1.2)
+    behaviour[1, 1] = behaviour_value
+    behaviour[2, 0] = behaviour_value
+    behaviour[3] = torch.tensor([-math.inf, math.nan, math.inf])
+    # old_logprobs far from the learner (many optimizer steps per batch): huge ratios both ways
+    old = torch.tensor([[-1.0, 60.0, -0.5], [-1.0, -3.0, 0.0], [-5.0, -1e4, -80.0], [0.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.0, -2.0, -1e4], [-1e4, -3.0, 0.0], [-1.0, -1e4, -1.0], [0.0, 0.0, 0.0]])
+    loss, metrics = compute_loss(
+        logp,
+        behaviour,
+        torch.tensor([1.0, -1.0, -2.0, 0.0]),
+        mask,
+        loss_type=loss_type,
+        correction=correction,
+        old_logprobs=old if stale else None,
+        ref_logprobs=ref if beta else None,
+        beta=beta,
+        max_completion_length=3,
+    )
+    assert math.isfinite(float(loss)), float(loss)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    assert torch.count_nonzero(logp.grad * (1 - mask)) == 0  # padding never gets a gradient
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("behaviour_value", [-math.inf, -1e4, math.nan])
+def test_an_impossible_sampler_token_is_dropped_not_diluted(behaviour_value):
+    # 100 ordinary on-policy tokens and one the sampler called impossible. icepop drops that token
+    # (loss = the other 100 tokens' -adv, mean over 101); seq_mask drops the whole sequence even though
+    # the mean of the clamped per-token gaps (20 / 101) would sit inside the band.
+    logp = torch.full((1, 101), -1.0, requires_grad=True)
+    behaviour = torch.full((1, 101), -1.0)
+    behaviour[0, 50] = behaviour_value
+    kw = dict(loss_type="dapo", correction_cap=2.0)
+    loss, m = compute_loss(
+        logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="icepop", **kw
+    )
+    assert float(loss) == pytest.approx(-100 / 101) and m["is_masked_frac"] == pytest.approx(1 / 101)
+    loss, m = compute_loss(
+        logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="seq_mask", **kw
+    )
+    assert float(loss) == 0.0 and m["is_masked_frac"] == 1.0

@@ -119,3 +119,31 @@ def test_a_running_run_whose_owner_died_reads_as_interrupted():
     assert run_status({"status": "running", "owner": identity()}) == "running"
     assert run_status({"status": "running", "owner": {**identity(), "host": "elsewhere"}}) == "running"
     assert run_status({"status": "completed", "owner": owner}) == "completed"
+
+
+def test_a_reward_worker_stuck_in_a_hung_reward_dies_with_its_run(tmp_path):
+    """A process-pool reward that hangs, in a run that is then SIGKILLed: the worker goes too."""
+    pid_file = tmp_path / "worker"
+    code = f"""
+import asyncio, os
+from tasks.score import RewardSpec, score_groups, _process_pool
+from storage.records import RolloutCompletion, RolloutGroup
+pool = _process_pool()
+pids = pool.submit(os.getpid).result(), pool.submit(os.getpid).result()
+open({str(pid_file)!r}, "w").write(" ".join(str(p) for p in sorted(set(pids))))
+g = RolloutGroup("g", 0, "p", [1], [RolloutCompletion(0, "a", [1], [1], [-1.0])])
+score_groups([g], [RewardSpec("stuck", "tests.unit.reward_fns:hang_forever", executor="process",
+                              timeout_s=600, kwargs={{"pid_dir": {str(tmp_path)!r}}})])
+"""
+    run = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    workers = _pids(pid_file, 60)
+    try:
+        time.sleep(1.0)
+        assert not any(gone(p) for p in workers)
+        run.send_signal(signal.SIGKILL)
+        run.wait(10)
+        assert wait_gone(workers, 10.0), "a pool worker outlived the run"
+    finally:
+        for p in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

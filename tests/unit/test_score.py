@@ -6,10 +6,13 @@ import asyncio
 import math
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from storage.records import RolloutCompletion, RolloutGroup
+from storage.records import RolloutCompletion, RolloutGroup, reward_rows
+from storage.rollouts import RolloutStore
+from storage.sql import query, run_canned
 from tasks.score import RewardImportError, RewardSpec, resolve_reward, score_groups, score_groups_async
 
 pytestmark = pytest.mark.unit
@@ -217,3 +220,175 @@ def test_nn_module_reward_model_runs_off_the_loop():
 def test_bad_import_path_is_named():
     with pytest.raises(RewardImportError, match="examples.rewards:nope"):
         resolve_reward(RewardSpec("x", "examples.rewards:nope"))
+
+
+# --- optional rewards: a missing value is imputed with the group mean --------------------------
+
+
+def required_len(completions, answer, **_):
+    # group 2's third completion fails the required reward: it leaves that group's baseline
+    return [
+        None if a == 2 and len(c) == 3 else float(len(c)) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def optional_by_group(completions, answer, **_):
+    # per group g: [fails, 10g + 2, 10g + 3]; group 3: fails everywhere
+    return [
+        "oops" if len(c) == 1 or a == 3 else 10.0 * a + len(c)
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def test_a_failed_optional_reward_counts_as_its_group_mean(tmp_path):
+    groups = make_groups(4, 3)
+    specs = [
+        RewardSpec("req", required_len),
+        RewardSpec("opt", optional_by_group, weight=0.5, required=False),
+    ]
+    metrics = score_groups(groups, specs)
+    firsts = [g.completions[0] for g in groups]
+    # required part 1.0 + 0.5 x mean of the *same group's* valid optional values (not the batch's,
+    # 12.5 for group 1 is not 7.5); group 2: only completion 1 is scored (22.0); group 3: nothing to impute
+    assert [c.reward for c in firsts] == pytest.approx([1 + 0.5 * 2.5, 1 + 0.5 * 12.5, 1 + 0.5 * 22.0, 1.0])
+    assert [c.reward for c in groups[1].completions[1:]] == pytest.approx([2 + 0.5 * 12, 3 + 0.5 * 13])
+    assert groups[2].completions[2].reward is None
+    for c, mean in zip(firsts, [2.5, 12.5, 22.0, None], strict=True):
+        cell = c.reward_cells[1]
+        assert cell.status == "failed" and cell.value is None and "non-numeric value 'oops'" in cell.reason
+        assert cell.imputed == (mean is not None) and cell.imputed_value == mean
+        assert c.reward_valid and "opt (optional): failed" in c.invalid_reason
+    assert not any(x.imputed for c in groups[2].completions[1:] for x in c.reward_cells)
+    assert metrics["reward/opt/imputed_rate"] == 3 / 12 and metrics["reward/opt/failed_rate"] == 6 / 12
+
+    rows = [r for r in reward_rows(groups, run_id="r", step=0) if r["reward_name"] == "opt"]
+    assert [(r["imputed"], r["imputed_value"], r["status"]) for r in rows[:3]] == [
+        (True, 2.5, "failed"),
+        (False, None, "valid"),
+        (False, None, "valid"),
+    ]
+    store = RolloutStore(tmp_path)
+    store.write_rollouts("r", 0, groups)
+    store.write_rewards("r", 0, groups)
+    back = store.read_groups("r")
+    assert [c.reward_cells for g in back for c in g.completions] == [
+        c.reward_cells for g in groups for c in g.completions
+    ]
+    # an imputed cell is still not valid: the canned invalid_rate query keeps its meaning
+    cols, out = run_canned(tmp_path, "invalid_rate", "r")
+    by_name = {r[cols.index("reward_name")]: r for r in out}
+    assert by_name["opt"][cols.index("invalid_rate")] == 0.5
+    assert query(tmp_path, "SELECT count(*) FROM rewards WHERE imputed")[1] == [(3,)]
+
+
+# --- process executor: hung workers are killed, the pool recovers -------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a killed worker not yet reaped is a zombie: dead
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="checks workers through /proc")
+def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
+    # timeout_s generous for the good reward: a fresh worker imports prefect (seconds on a busy box)
+    good = RewardSpec("good", "tests.unit.reward_fns:length", executor="process", timeout_s=30)
+    hang = RewardSpec(
+        "hang",
+        "tests.unit.reward_fns:hang_forever",
+        executor="process",
+        timeout_s=1.0,
+        kwargs={"pid_dir": str(tmp_path)},
+    )
+    for _ in range(2):  # the pool has 2 workers: on the old code two hangs held both for good
+        groups = make_groups(1, 3)
+        score_groups(groups, [good])  # a warm worker, so the hang starts well inside its 1 s
+        assert [c.reward for c in groups[0].completions] == [1.0, 2.0, 3.0]
+        score_groups(groups, [hang])
+        assert [c.reward_cells[0].status for c in groups[0].completions] == ["timeout"] * 3
+    groups = make_groups(1, 3)
+    score_groups(groups, [good])
+    assert [c.reward_cells[0].status for c in groups[0].completions] == ["valid"] * 3
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    assert pids
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_a_good_process_reward_survives_a_hang_that_recycles_the_pool(tmp_path):
+    # The hang's timeout kills every worker of the pool, the slow good reward's included: its call
+    # is retried once on the new pool, within its own timeout.
+    slow = RewardSpec(
+        "slow", "tests.unit.reward_fns:length", executor="process", timeout_s=60, kwargs={"seconds": 3}
+    )
+    hang = RewardSpec(
+        "hang",
+        "tests.unit.reward_fns:hang_forever",
+        executor="process",
+        timeout_s=1.0,
+        required=False,
+        kwargs={"pid_dir": str(tmp_path)},
+    )
+    groups = make_groups(1, 3)
+    score_groups(groups, [slow, hang])
+    assert [[x.status for x in c.reward_cells] for c in groups[0].completions] == [["valid", "timeout"]] * 3
+    assert [c.reward for c in groups[0].completions] == [1.0, 2.0, 3.0]
+
+
+# --- async rewards that block, rewards that raise TimeoutError themselves ------------------------
+
+
+async def blocks_the_loop(completions, **_):
+    time.sleep(30)  # a sync call inside async def: on a shared event loop it would stall everything
+    return [1.0] * len(completions)
+
+
+async def async_slow(completions, **_):
+    await asyncio.sleep(0.5)
+    return [2.0] * len(completions)
+
+
+def test_a_blocking_async_reward_is_cut_off_and_delays_nobody():
+    groups = make_groups(1, 2)
+    specs = [
+        RewardSpec("blocker", blocks_the_loop, timeout_s=1.0, required=False),
+        RewardSpec("h", healthy),
+        RewardSpec("a", async_slow),
+    ]
+    t0 = time.perf_counter()
+    score_groups(groups, specs)
+    assert time.perf_counter() - t0 < 10.0  # the timeout (1 s), not the 30 s block
+    for c in groups[0].completions:
+        assert [x.status for x in c.reward_cells] == ["timeout", "valid", "valid"]
+        assert c.reward == len(c.completion) + 2.0
+
+
+def raises_timeout(completions, **_):
+    raise TimeoutError("my message")
+
+
+async def async_raises_timeout(completions, **_):
+    await asyncio.sleep(0)
+    raise TimeoutError("my message")
+
+
+@pytest.mark.parametrize(
+    "fn, executor",
+    [
+        (raises_timeout, "thread"),
+        (async_raises_timeout, "thread"),
+        ("tests.unit.reward_fns:raises_timeout", "process"),
+    ],
+)
+def test_a_reward_raising_timeout_error_failed_rather_than_timed_out(fn, executor):
+    groups = make_groups(1, 2)
+    score_groups(groups, [RewardSpec("t", fn, timeout_s=30, executor=executor)])
+    for c in groups[0].completions:
+        (cell,) = c.reward_cells
+        assert cell.status == "failed" and "TimeoutError: my message" in cell.reason, cell
+        assert cell.duration_s < 30
