@@ -33,8 +33,11 @@ def _glob(root: Path, table: str) -> str:
 
 
 def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory connection with the store's views; configuration locked after set-up."""
-    root = Path(root)
+    """An in-memory connection with the store's views, confined to the store: DuckDB's own external
+    access settings let queries read files under the store root only (its table functions would
+    otherwise read any file the process can: `read_text('/etc/passwd')`), extensions never load, and
+    the configuration is locked so no statement can undo it."""
+    root = Path(root).resolve()  # symlinks resolved: the allowed directory is the real store
     con = duckdb.connect(":memory:")
     for table, schema in SCHEMAS.items():
         if any((root / table).glob("*/step-*.parquet")):
@@ -56,8 +59,18 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
         FROM (SELECT run_id, split, step, group_id, sample_index, unnest(tool_calls) AS tc
               FROM rollouts)"""
     )
-    con.execute("SET lock_configuration = true")
+    confine(con, root)
     return con
+
+
+def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
+    """Files under `root` only (DuckDB refuses other paths and symlinks that lead out), no extension
+    installs or loads, then the configuration locked: SET/RESET can no longer change any of it."""
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET allowed_directories = $dirs", {"dirs": [f"{root}/"]})
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:

@@ -145,3 +145,51 @@ def test_cli_sql_and_runs(store, capsys):
     assert cli(["runs", "--root", str(store)]) == 0
     out = capsys.readouterr().out
     assert "r1" in out and "r2" in out
+
+
+OUTSIDE = [
+    "SELECT count(*) FROM read_text('{secret}')",
+    "SELECT count(*) FROM read_csv('{secret}')",
+    "SELECT count(*) FROM read_parquet('{parquet}')",
+    "SELECT count(*) FROM glob('{outside}/*')",
+    "SELECT count(*) FROM read_text('{store}/../secret.txt')",
+    "SELECT count(*) FROM read_text('{store}/link/secret.txt')",  # a symlink inside the store
+]
+
+
+@pytest.mark.parametrize("sql", OUTSIDE)
+def test_queries_read_nothing_outside_the_store(store, tmp_path_factory, sql):
+    """DuckDB's table functions are SELECTs, so a statement filter lets them through: the connection's
+    own external-access settings are what refuse them."""
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.txt").write_text("top secret\n")
+    (store.parent / "secret.txt").write_text("top secret\n")
+    parquet = next((store / "rollouts").rglob("*.parquet"))
+    copy = outside / "copy.parquet"
+    copy.write_bytes(parquet.read_bytes())
+    (store / "link").symlink_to(outside)
+    q = sql.format(secret=outside / "secret.txt", parquet=copy, outside=outside, store=store)
+    with pytest.raises(Exception, match="Permission Error|disabled by configuration"):
+        query(store, q)
+    _, rows = query(store, "SELECT count(*) FROM rollouts")  # the store's views still answer
+    assert rows[0][0] > 0
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["SET enable_external_access = true", "RESET enable_external_access", "SET allowed_directories = ['/']",
+     "RESET allowed_directories", "SET lock_configuration = false"],
+)  # fmt: skip
+def test_the_confinement_cannot_be_undone_on_the_connection_itself(store, tmp_path_factory, statement):
+    from storage.sql import connect
+
+    secret = tmp_path_factory.mktemp("outside") / "secret.txt"
+    secret.write_text("top secret\n")
+    con = connect(store)
+    try:
+        with pytest.raises(Exception, match="configuration"):
+            con.execute(statement)
+        with pytest.raises(Exception, match="Permission Error|disabled by configuration"):
+            con.execute(f"SELECT * FROM read_text('{secret}')").fetchall()
+    finally:
+        con.close()
