@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from storage.sql import CANNED, query
+from tasks.allowlist import check_path
 
 
 @flow(name="rollout-sql", log_prints=True)
@@ -20,9 +20,12 @@ def rollout_sql(
     run: str | None = None,
     max_rows: int = 500,
 ) -> dict[str, Any]:
-    """Read-only SQL over rollouts/rewards/steps/tool_calls; the result becomes a Prefect table artifact."""
+    """Read-only SQL over rollouts/rewards/steps/tool_calls; the result becomes a Prefect table artifact.
+
+    A worker-started run reads `root` and `sql_file` only inside the worker's allowed roots."""
+    check_path(root, "root")
     if sql_file:
-        sql = Path(sql_file).read_text()
+        sql = check_path(sql_file, "sql_file").read_text()
     if sql:
         cols, rows = query(root, sql)
         title = "custom query"

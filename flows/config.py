@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from storage.records import validate_run_id
+from tasks.allowlist import NotAllowedError, check_path
 from tasks.imports import add_search_dir, import_object
 
 
@@ -258,6 +259,8 @@ def resolve_import(path: str, field: str) -> Any:
     """Import 'module:attr' or raise ConfigError naming the config field."""
     try:
         return import_object(path)
+    except NotAllowedError as e:
+        raise ConfigError(f"{field}: refused: {e}") from e
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}") from e
 
@@ -296,6 +299,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Parse a YAML file plus `key.sub=value` overrides (values parsed as YAML) into a GRPOConfig."""
     raw: dict[str, Any] = {}
     if path is not None:
+        try:
+            check_path(path, "config_file")  # a worker-started run reads only inside its allowed roots
+        except NotAllowedError as e:
+            raise ConfigError(str(e)) from None
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")

@@ -16,7 +16,7 @@ from prefect.utilities.annotations import quote
 
 from flows.config import ConfigError, GRPOConfig, check_imports
 from flows.reporting import artifact_key
-from flows.runs import RunState, load_rows, prepare_model
+from flows.runs import RunState, confine, load_rows, prepare_model
 from flows.train import inference_server, rollout_kwargs
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
@@ -48,6 +48,7 @@ def grpo_evaluate(
     """Evaluate `prompts` rows (from the end of the dataset order) and publish pass rate and rewards."""
     cfg = config or GRPOConfig()
     check_imports(cfg)
+    confine(cfg)
     rows = load_rows(cfg)
     model, step = _model_for(cfg, run_id, checkpoint)
     eval_run = validate_run_id(f"{run_id or cfg.run.run_id or 'base'}-eval")

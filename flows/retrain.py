@@ -14,6 +14,7 @@ from prefect import flow
 
 from flows.config import GRPOConfig, load_config
 from flows.evaluate import grpo_evaluate
+from flows.runs import confine
 from flows.train import grpo_train
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
@@ -29,6 +30,7 @@ def grpo_retrain(
     eval_prompts: int = 16,
 ) -> dict[str, Any]:
     cfg = config or load_config(config_file)
+    confine(cfg)  # before the store is read: a worker-started run stays inside its allowed roots
     run_id = validate_run_id(lineage)
     store = RolloutStore(cfg.storage.root)
     latest = CheckpointStore(cfg.storage.root).latest(run_id)

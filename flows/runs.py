@@ -18,6 +18,7 @@ from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import,
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
+from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
 
 
 @dataclass
@@ -38,6 +39,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
 
     Run by `grpoflow train` before a flow run is even created, and again by the flow (deployments).
     """
+    confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
     check_imports(cfg)  # reward / tool / environment / generator import paths
     rows = load_rows(cfg)
     if cfg.model.path != "tiny":
@@ -55,6 +57,24 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     elif cfg.run.run_id and store.read_run_meta(cfg.run.run_id) is not None:
         raise ConfigError(f"run.run_id: run {cfg.run.run_id!r} already exists; use --resume {cfg.run.run_id}")
     return rows
+
+
+def confine(cfg: GRPOConfig) -> None:
+    """Refuse, before any file is read or request sent, what the worker's settings do not allow
+    (tasks/allowlist.py); server flags that undo grpoflow's own safety defaults are refused always."""
+    try:
+        check_server_flags(cfg.inference.extra_args)
+        if not enforced():
+            return
+        if cfg.data.path:
+            check_path(cfg.data.path, "data.path")
+        if cfg.model.path != "tiny":
+            check_path(cfg.model.path, "model.path")
+        check_path(cfg.storage.root, "storage.root")
+        if cfg.inference.url:
+            check_server(cfg.inference.url, "inference.url")
+    except NotAllowedError as e:
+        raise ConfigError(str(e)) from None
 
 
 def prepare_model(cfg: GRPOConfig) -> Path:
@@ -103,7 +123,9 @@ def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
         raise ConfigError("data: the dataset is empty")
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "prompt" not in row:
-            raise ConfigError(f"data: row {i} has no 'prompt' field: {str(row)[:120]}")
+            # the row's keys, not its content: the file may hold what its reader must not see
+            keys = sorted(row)[:10] if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"data: row {i} has no 'prompt' field (found {keys})")
         prompt = row["prompt"]
         if not isinstance(prompt, str | list) or not prompt:
             raise ConfigError(f"data: row {i}: 'prompt' must be a non-empty string or message list")

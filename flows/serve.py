@@ -317,6 +317,10 @@ def policy_server(
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
     dies while still starting."""
     log = get_run_logger()
+    from tasks.allowlist import check_path
+
+    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
+    check_path(root, "root")
     cmd, env, url = server_command(
         model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
     )

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tasks.allowlist import check_import_path, check_imported
+
 _SEARCH_DIRS: list[str] = []  # directories of loaded config files, in load order
 
 
@@ -39,9 +41,10 @@ def import_object(path: str) -> Any:
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"expected an import path 'module:attribute', got {path!r}")
+    check_import_path(path)  # a worker-started run: allowed modules only, checked before importing
     _extend_sys_path()
     try:
-        return pkgutil.resolve_name(path)
+        obj = pkgutil.resolve_name(path)
     except ModuleNotFoundError as e:
         # Name the places searched only when the configured module itself is missing, not when it
         # exists and fails on an import of its own (that error is the user's to read as it is).
@@ -51,3 +54,5 @@ def import_object(path: str) -> Any:
                 f"no module named {e.name!r} in the installed packages or in {where}", name=e.name
             ) from e
         raise
+    check_imported(path, obj)
+    return obj

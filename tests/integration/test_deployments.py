@@ -64,6 +64,9 @@ def test_deploy_all_then_run_deployments_through_the_api(
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     api, env, procs = prefect_server
+    # The worker's own settings (never a flow parameter): what runs it starts may read and contact.
+    env = {**env, "GRPOFLOW_ALLOWED_ROOTS": os.pathsep.join(map(str, [REPO, tmp_path, tiny_model_dir.parent])),
+           "GRPOFLOW_ALLOWED_SERVERS": vllm_server.url}  # fmt: skip
     _cli(["work-pool", "create", "cpu", "--type", "process", "--overwrite"], env)
     _cli(["work-pool", "create", "gpu", "--type", "process", "--overwrite"], env)
     _cli(["--no-prompt", "deploy", "--all"], env)
@@ -102,6 +105,7 @@ def test_deploy_all_then_run_deployments_through_the_api(
     # the evaluation wrote its rollouts with split='eval'
     assert RolloutStore(store).steps_written("rollouts", "base-eval") == [0]
     cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server)
+    shell_as_a_tool_is_refused(api, tmp_path, tiny_model_dir)
 
     # The UI: headless Chromium renders grpo-train's run form, built from the pydantic config schema.
     ui = api.removesuffix("/api")
@@ -158,6 +162,22 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "completed"
+
+
+def shell_as_a_tool_is_refused(api, tmp_path, tiny_model_dir) -> None:
+    """A UI user sets `os:system` as a tool: the worker-started run fails at preflight, naming the
+    field and the worker's allow-list, before any model is loaded or file written."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    store = tmp_path / "refused-store"
+    config = {"model": {"path": str(tiny_model_dir)}, "storage": {"root": str(store)},
+              "tools": {"tools": ["os:system"]}, "generation": {"max_turns": 2}}  # fmt: skip
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        run = run_deployment("grpo-train/grpo-train", parameters={"config": config}, timeout=600)
+    assert run.state.is_failed()
+    assert "tools.tools[0]: refused" in run.state.message and "GRPOFLOW_ALLOWED_MODULES" in run.state.message
+    assert not store.exists()
 
 
 def chromium(url: str, screenshot: Path) -> str:
