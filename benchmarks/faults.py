@@ -175,11 +175,12 @@ def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed:
     table, temp files, the run's status, and that no process the run started survived a kill."""
     from benchmarks.drill import random_kill_drill, store_check
 
-    steps, run_id = 16, "random-kills"
+    # Long enough that `kills` launches, each killed 5-20 s in (start-up is ~8 s), do not finish it.
+    steps, run_id = 120, "random-kills"
     sets = [f"model.path={model}", f"inference.url={url}", f"run.steps={steps}", "run.checkpoint_every=2",
             "algorithm.max_staleness=1"]  # fmt: skip
     store = root / "random"
-    fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, window_s=(4.0, 22.0), env=env)
+    fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, window_s=(5.0, 20.0), env=env)
     check = store_check(store, run_id, steps, PER_STEP * GROUP)
     dupes = sum(v for k, v in check.items() if k.endswith("_duplicates"))
     result = {

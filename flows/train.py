@@ -1,4 +1,4 @@
-"""grpo-train: the pipelined async GRPO loop (DESIGN.md section 2).
+"""grpo-train: the pipelined async GRPO loop (docs/architecture.md, section 2).
 
 Generation + scoring of step s+k runs while step s trains (k = max_staleness); weights are pushed
 into the running vLLM server every `sync_every` steps; rollouts, rewards and a steps row land in

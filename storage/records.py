@@ -2,7 +2,7 @@
 
 Pure data: no Prefect, no network, no torch. A `RolloutGroup` holds a list of `RolloutCompletion`s
 (not parallel arrays); `rollout_rows`/`reward_rows` flatten them into one row per completion and one
-row per (completion, reward function) for the Parquet tables described in DESIGN.md section 6.
+row per (completion, reward function) for the Parquet tables described in docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -254,9 +254,7 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def rollout_rows(
-    groups: list[RolloutGroup], *, run_id: str, step: int
-) -> list[dict[str, Any]]:
+def rollout_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[dict[str, Any]]:
     """One dict per completion, matching ROLLOUTS_SCHEMA."""
     created = _now()
     rows = []

@@ -1,6 +1,6 @@
 """RolloutStore: one Parquet file per (table, run, step), written atomically.
 
-Layout (DESIGN.md section 6): `<root>/<table>/run_id=<run>/step-<NNNNNN>.parquet`. A file appears
+Layout (docs/architecture.md, section 5): `<root>/<table>/run_id=<run>/step-<NNNNNN>.parquet`. A file appears
 whole or not at all (temp name starting with '.', fsync, os.replace), so DuckDB globs never see a
 partial file; re-writing a step replaces its file, so a resumed run never duplicates rows.
 """
@@ -107,9 +107,7 @@ class RolloutStore:
         atomic_write_parquet(path, data)
         return path
 
-    def write_rollouts(
-        self, run_id: str, step: int, groups: list[RolloutGroup]
-    ) -> Path:
+    def write_rollouts(self, run_id: str, step: int, groups: list[RolloutGroup]) -> Path:
         rows = rollout_rows(groups, run_id=run_id, step=step)
         return self.write_table("rollouts", run_id, step, pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA))
 
