@@ -20,19 +20,36 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def guarded_children(parent_pid: int) -> list[int]:
-    """Live processes started under grpoflow's guard by `parent_pid`, and their process groups."""
-    leaders = []
+def _processes():
+    """(pid, state, pgid, argv) of every process readable in /proc."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
+            stat = (proc / "stat").read_text()
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(argv) > 2 and argv[1].endswith(b"grpoflow_guard.py") and argv[2] == str(parent_pid).encode():
-            leaders.append(int(proc.name))
-    return sorted({*leaders, *(p for g in leaders for p in group_members(g))} - set(_zombies()))
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may contain spaces
+        yield int(proc.name), fields[0], int(fields[2]), argv
+
+
+def guarded() -> list[tuple[int, int]]:
+    """(pid, parent pid it watches) of every live process started under grpoflow's guard."""
+    return [
+        (pid, int(argv[2]))
+        for pid, state, _, argv in _processes()
+        if state not in ("Z", "X")
+        and len(argv) > 2
+        and argv[1].endswith(b"grpoflow_guard.py")
+        and argv[2].isdigit()
+    ]
+
+
+def guarded_children(parent_pid: int) -> list[int]:
+    """Live processes started under grpoflow's guard by `parent_pid`, and their process groups."""
+    leaders = [pid for pid, parent in guarded() if parent == parent_pid]
+    return sorted({*leaders, *(p for g in leaders for p in group_members(g))})
 
 
 def alive(pid: int) -> bool:
@@ -45,30 +62,7 @@ def alive(pid: int) -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                out.append(int(proc.name))
-    return out
-
-
-def _zombies() -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue
-            if stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X"):
-                out.append(int(proc.name))
-    return out
+    return [pid for pid, state, group, _ in _processes() if group == pgid and state not in ("Z", "X")]
 
 
 def kill_tree(pids: list[int]) -> None:

@@ -223,38 +223,10 @@ class VLLMClient:
 
     # -- API ----------------------------------------------------------------------------------
 
-    async def complete(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        n: int = 1,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-        **sampling: Any,
-    ) -> list[Choice]:
-        """`n` completions of one token-id prompt, with the sampled token ids and their logprobs.
-
-        `cache_salt`: requests share prefix-cache blocks only with requests of the same salt; pass
-        `cache_salt_for(version)` so that no request reuses KV computed under other weights.
-        Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
-        `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
-        choices, _ = await self.complete_with_usage(
-            prompt_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            n=n,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            cache_salt=cache_salt,
-            **sampling,
-        )
+    async def complete(self, prompt_ids: list[int], **kwargs: Any) -> list[Choice]:
+        """`n` completions of one token-id prompt, with the sampled token ids and their logprobs
+        (`complete_with_usage` without the usage; the same parameters)."""
+        choices, _ = await self.complete_with_usage(prompt_ids, **kwargs)
         return choices
 
     async def complete_with_usage(
@@ -271,8 +243,13 @@ class VLLMClient:
         cache_salt: str | None = None,
         **sampling: Any,
     ) -> tuple[list[Choice], Usage]:
-        """`complete`, plus the request's token usage (e.g. how many prompt tokens the prefix cache
-        served)."""
+        """`n` completions of one token-id prompt, plus the request's token usage (e.g. how many
+        prompt tokens the prefix cache served).
+
+        `cache_salt`: requests share prefix-cache blocks only with requests of the same salt; pass
+        `cache_salt_for(version)` so that no request reuses KV computed under other weights.
+        Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
+        `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,

@@ -52,19 +52,8 @@ def _no_server_outlives_its_run():
     guard whose parent is gone is killed with its process group (the guard does this itself within a
     second; a failing assertion must never leak gigabytes of orphans into the rest of the suite)."""
     yield
-    import time
-    from pathlib import Path
+    from benchmarks.drill import alive, guarded, kill_tree
 
-    from benchmarks.drill import alive, kill_tree
-
-    time.sleep(0.1)
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        guarded = len(argv) > 2 and argv[1].endswith(b"grpoflow_guard.py") and argv[2].isdigit()
-        if guarded and not alive(int(argv[2])):
-            kill_tree([int(proc.name)])
+    for pid, parent in guarded():
+        if not alive(parent):
+            kill_tree([pid])

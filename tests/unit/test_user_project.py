@@ -87,38 +87,33 @@ def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path
     assert out.stdout.split("\n")[0] == "2 [['valid', 'valid'], ['valid', 'valid']] 2.0"
 
 
-def test_a_module_that_cannot_be_imported_names_the_directories_searched(tmp_path):
-    proj, elsewhere = _project(tmp_path)
-    (proj / "cfg.yaml").write_text(CONFIG.replace("task:exact", "no_such_task:exact"))
+def _preflight_error(cfg_path, cwd) -> str:
+    """Preflight of `cfg_path` in a fresh interpreter started in `cwd`; returns the ConfigError text."""
     out = _run(
         f"""
         from flows.config import ConfigError, load_config
         from flows.runs import preflight
         try:
-            preflight(load_config({str(proj / "cfg.yaml")!r}))
+            preflight(load_config({str(cfg_path)!r}))
         except ConfigError as e:
             print(e)
         """,
-        cwd=elsewhere,
+        cwd=cwd,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "rewards[0].fn" in out.stdout and "no_such_task" in out.stdout
-    assert str(proj) in out.stdout and str(elsewhere) in out.stdout
+    return out.stdout
+
+
+def test_a_module_that_cannot_be_imported_names_the_directories_searched(tmp_path):
+    proj, elsewhere = _project(tmp_path)
+    (proj / "cfg.yaml").write_text(CONFIG.replace("task:exact", "no_such_task:exact"))
+    error = _preflight_error(proj / "cfg.yaml", elsewhere)
+    assert "rewards[0].fn" in error and "no_such_task" in error
+    assert str(proj) in error and str(elsewhere) in error
 
 
 def test_a_missing_data_file_names_both_places_looked(tmp_path):
     proj, elsewhere = _project(tmp_path)
     (proj / "cfg.yaml").write_text(CONFIG.replace("data.jsonl", "gone.jsonl"))
-    out = _run(
-        f"""
-        from flows.config import ConfigError, load_config
-        from flows.runs import preflight
-        try:
-            preflight(load_config({str(proj / "cfg.yaml")!r}))
-        except ConfigError as e:
-            print(e)
-        """,
-        cwd=elsewhere,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert str(elsewhere / "gone.jsonl") in out.stdout and str(proj / "gone.jsonl") in out.stdout
+    error = _preflight_error(proj / "cfg.yaml", elsewhere)
+    assert str(elsewhere / "gone.jsonl") in error and str(proj / "gone.jsonl") in error
