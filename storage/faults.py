@@ -18,6 +18,7 @@ call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the wor
     train             a train step is about to run
     weight_push       new weights are saved and the server is paused, the reload not yet requested
     checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
+    checkpoint_done   a checkpoint is published; the step's other writes came before it
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections import Counter
 
 ENV = "GRPOFLOW_FAULTS"
-POINTS = ("generate", "score", "parquet_write", "train", "weight_push", "checkpoint_write")
+POINTS = ("generate", "score", "parquet_write", "train", "weight_push", "checkpoint_write", "checkpoint_done")
 
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()
@@ -83,5 +84,6 @@ KILL_DRILL = {
     "parquet_write": "parquet_write@8:kill",  # step 2's rewards file fsynced, not yet renamed
     "weight_push": "weight_push@3:kill",  # step 1's weights saved, server paused, no reload yet
     "checkpoint_write": "checkpoint_write@2:kill",  # step 3's checkpoint written, not yet published
+    "after_checkpoint": "checkpoint_done@2:kill",  # step 3's checkpoint published: its steps row must be too
 }
 KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_staleness=1")

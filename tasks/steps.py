@@ -221,6 +221,7 @@ def push_fn(
 def checkpoint_fn(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:
     t0 = time.perf_counter()
     CheckpointStore(Path(root)).save(run_id, step, learner.save, state, keep_last=keep)
+    failpoint("checkpoint_done")
     return time.perf_counter() - t0
 
 
