@@ -61,7 +61,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=10)
             assert e.value.code == 401, path
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout  # full width
         assert "api_server" in ps and key not in ps
 
         async def in_flight_then_kill():
