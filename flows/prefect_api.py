@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
-from flows.serve import GUARD, free_port, is_healthy
+from flows.serve import ServerHandle, free_port, guarded_command
 
 
 @contextlib.contextmanager
@@ -39,16 +38,17 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
         "PREFECT__SERVER_FINAL": "1",
         **get_current_settings().to_environment_variables(exclude_unset=True),
     }
-    cmd = [sys.executable, str(GUARD), str(os.getpid()), "uvicorn", "--app-dir"]
-    cmd += [str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    args = [
+        "--app-dir",
+        str(prefect.__module_path__.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+    ]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    log = Path(tempfile.gettempdir()) / f"grpoflow-prefect-api-{os.getpid()}.log"
+    cmd = guarded_command(sys.executable, "uvicorn", args)
+    server = ServerHandle(cmd, env, url, log, startup_timeout_s).start()  # health: <url>/health
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while not is_healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Prefect's API server did not start (exit code {proc.poll()}) at {url}")
-            time.sleep(0.2)
         os.environ["PREFECT_API_URL"] = url  # for anything that reads the environment, children too
         with temporary_settings(updates={PREFECT_API_URL: url}):
             try:
@@ -57,14 +57,7 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
                 _drain_prefect_workers()  # logs and events still queued go out before the server stops
     finally:
         os.environ.pop("PREFECT_API_URL", None)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        server.stop()
 
 
 def _drain_prefect_workers() -> None:

@@ -72,8 +72,14 @@ def _tail(path: Path, n: int = 40) -> str:
         return "<no log>"
 
 
+def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
+    """`python -m module args`, run under the guard: its process group is killed once this process
+    (the one that builds and starts it) is gone, however it dies."""
+    return [python, str(GUARD), str(os.getpid()), module, *args]
+
+
 class ServerHandle:
-    """A vLLM server process: start, health-wait, restart, stop (process group)."""
+    """A server process (vLLM, or Prefect's API): start, health-wait, restart, stop (process group)."""
 
     def __init__(
         self,
@@ -92,17 +98,11 @@ class ServerHandle:
 
     def start(self) -> ServerHandle:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # A new session: stop() can signal the API server and its engine/worker children together,
-        # and the guard's watchdog kills that whole group if this process dies (SIGKILL included).
-        # The guard learns our pid now, not when the command was built: a restart may come later.
-        cmd = (
-            [self.cmd[0], str(GUARD), str(os.getpid()), *self.cmd[2:]]
-            if self.cmd[1:2] == ["-m"]
-            else self.cmd
-        )
+        # A new session: stop() can signal the server and its engine/worker children together, and
+        # the guard's watchdog (guarded_command) kills that whole group if this process dies.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         if self.pid_file is not None:
             record_process(*self.pid_file, self.proc.pid, url=self.url)
@@ -183,10 +183,7 @@ def server_command(
             "(or --api-key); the default 127.0.0.1 needs none"
         )
     port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
-    cmd = [
-        python or vllm_python(),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+    args = [
         "--model",
         str(model_dir),
         "--served-model-name",
@@ -209,6 +206,7 @@ def server_command(
         # cache_salt so that none reuses KV computed under older weights).
         "--enable-prompt-tokens-details",
     ]
+    cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if _cpu_only():
@@ -281,10 +279,8 @@ def start_server(
 ) -> ServerHandle:
     """Start a server and wait for /health; raises ServerStartError with the log tail on failure.
 
-    With `pid_file=(root, name)`, a server of that name that a dead process left behind is stopped
-    first, and this one is recorded under `<root>/pids/` while it runs."""
-    if pid_file is not None:
-        stop_stale(*pid_file)
+    With `pid_file=(root, name)` it is recorded under `<root>/pids/` while it runs (the caller stops a
+    stale one of that name first: `storage.processes.stop_stale`)."""
     cmd, env, url = server_command(model_dir, **kwargs)
     log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
     return ServerHandle(cmd, env, url, log, startup_timeout_s, pid_file).start()

@@ -70,7 +70,6 @@ class EnvPool:
     def __init__(self, factory: Callable[[], Any], slots: int):
         self.factory, self.slots, self.made = factory, slots, 0
         self.free: asyncio.Queue = asyncio.Queue()
-        self.retired = 0
 
     async def acquire(self) -> Any:
         if self.free.empty() and self.made < self.slots:
@@ -82,8 +81,7 @@ class EnvPool:
         self.free.put_nowait(env)
 
     def retire(self, env: Any) -> None:
-        self.retired += 1
-        self.free.put_nowait(self.factory())
+        self.free.put_nowait(self.factory())  # `env` is dropped: its hung call may still write to it
 
 
 class Rollout:

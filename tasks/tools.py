@@ -121,23 +121,22 @@ class ToolBox:
         except TypeError as e:
             err = f"wrong arguments for {call.name}: {e}"
             return record(f"Error: {err}", err)
-        if inspect.iscoroutinefunction(fn):
-            job = asyncio.ensure_future(fn(**call.arguments))
-        else:
-            # A thread, so a slow sync tool never blocks other rollouts on the event loop; a daemon
-            # thread, so a hung one is abandoned after its timeout.
-            job = asyncio.ensure_future(in_daemon_thread(fn, **call.arguments))
-        # asyncio.wait, not wait_for: a tool that raises TimeoutError itself is a failure with its
-        # own message, not a timeout of ours.
-        done, _ = await asyncio.wait({job}, timeout=self.timeout_s)
-        if not done:
-            job.cancel()
-            self.timed_out = True
-            err = f"tool {call.name} timed out after {self.timeout_s}s"
-            return record(f"Error: {err}", err)
+        deadline = asyncio.timeout(self.timeout_s)
         try:
-            out = job.result()
+            async with deadline:
+                if inspect.iscoroutinefunction(fn):
+                    out = await fn(**call.arguments)
+                else:
+                    # A thread, so a slow sync tool never blocks other rollouts on the event loop; a
+                    # daemon thread, so a hung one is abandoned after its timeout.
+                    out = await in_daemon_thread(fn, **call.arguments)
         except Exception as e:
-            err = f"{type(e).__name__}: {e}"
+            # Only our own deadline is a timeout; a TimeoutError the tool raised itself is a failure
+            # with its own message (the same rule as reward functions, tasks/score.py).
+            if isinstance(e, TimeoutError) and deadline.expired():
+                self.timed_out = True
+                err = f"tool {call.name} timed out after {self.timeout_s}s"
+            else:
+                err = f"{type(e).__name__}: {e}"
             return record(f"Error: {err}", err)
         return record(out if isinstance(out, str) else json.dumps(out, default=str))

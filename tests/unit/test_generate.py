@@ -486,3 +486,23 @@ def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
     run(gen.generate_groups([{"prompt": "q"}], [1], backend=single, tokenizer=tok, group_size=2, max_tokens=4,
                             version_fn=lambda: 4))  # fmt: skip
     assert [r["cache_salt"] for r in single.requests] == [cache_salt_for(4)]
+
+
+def test_a_tool_raising_timeout_error_itself_is_a_failure_not_a_timeout():
+    from tasks.tools import ParsedCall, ToolBox
+
+    def gives_up() -> str:
+        """Its own HTTP client gave up."""
+        raise TimeoutError("upstream took too long")
+
+    async def gives_up_async() -> str:
+        """The same, async."""
+        raise TimeoutError("upstream took too long")
+
+    for fn in (gives_up, gives_up_async):
+        box = ToolBox.from_functions([fn], timeout_s=5.0)
+        rec = run(box.call(ParsedCall(fn.__name__, {}, "{}"), turn=0))
+        assert rec.failed and rec.error == "TimeoutError: upstream took too long" and not box.timed_out
+    slow = ToolBox.from_functions([lambda: __import__("time").sleep(5)], timeout_s=0.2)
+    rec = run(slow.call(ParsedCall("<lambda>", {}, "{}"), turn=0))
+    assert rec.error == "tool <lambda> timed out after 0.2s" and slow.timed_out
