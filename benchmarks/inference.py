@@ -25,7 +25,7 @@ import time
 
 from flows.serve import start_server
 from tasks.inference import VLLMClient
-from tasks.sync import CheckpointWeightPush
+from tasks.push import CheckpointWeightPush
 from tasks.tiny_model import build_tiny_model
 
 

@@ -138,7 +138,7 @@ def samples_like_a_step(outputs) -> list:
 def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path) -> list[dict[str, Any]]:
     from flows.runs import RunState
     from flows.train import build_learner, client_kwargs
-    from tasks.sync import push_weights_sync
+    from tasks.push import push_weights_sync
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
     learner = build_learner(cfg, run)

@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
 from flows.config import ConfigError, GRPOConfig, check_imports
-from flows.reporting import artifact_key
+from flows.progress import artifact_key
 from flows.runs import RunState, confine, load_rows, prepare_model
 from flows.train import inference_server, rollout_kwargs
 from storage.checkpoints import CheckpointStore
@@ -59,7 +59,7 @@ def grpo_evaluate(
             # An external server must serve the evaluated weights: push them (pause/reload/resume).
             from transformers import AutoModelForCausalLM
 
-            from tasks.sync import push_weights_sync
+            from tasks.push import push_weights_sync
 
             weights = AutoModelForCausalLM.from_pretrained(model)
             push_weights_sync(weights, step, url=url, root=cfg.storage.root, run_id=eval_run, keep_last=1)

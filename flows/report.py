@@ -141,7 +141,7 @@ def grpo_report_flow():
     from prefect import flow
     from prefect.artifacts import create_markdown_artifact
 
-    from flows.reporting import artifact_key
+    from flows.progress import artifact_key
 
     @flow(name="grpo-report")
     def grpo_report(run_id: str, root: str = "runs", out_dir: str | None = None) -> str:

@@ -242,7 +242,7 @@ def server_command(
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
     from tasks.inference import InferenceError, VLLMClient
-    from tasks.sync import release_abandoned_pause
+    from tasks.push import release_abandoned_pause
 
     try:
         async with VLLMClient(url, api_key=api_key, retries=0) as client:

@@ -19,7 +19,7 @@ from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
 from flows.config import GRPOConfig, load_config
-from flows.reporting import StepReporter
+from flows.progress import StepReporter
 from flows.runs import RunState, open_run, preflight, prepare_model, rows_for_step, write_meta
 from storage.processes import identity
 from storage.rollouts import RolloutStore

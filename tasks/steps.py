@@ -23,7 +23,7 @@ from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
 from tasks.grpo import group_advantages
 from tasks.imports import import_object
-from tasks.sync import DEFAULT_RELOAD_TIMEOUT_S
+from tasks.push import DEFAULT_RELOAD_TIMEOUT_S
 
 
 class VersionBox:
@@ -204,7 +204,7 @@ def push_fn(
     reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
 ) -> dict:
     """Push the learner's weights as `version`; `versions` flips to it between reload and resume."""
-    from tasks.sync import push_weights_sync
+    from tasks.push import push_weights_sync
 
     return push_weights_sync(
         learner.model,

@@ -39,7 +39,7 @@ def _base_weights_after_each_test(request, tmp_path_factory):
     yield
     from transformers import AutoModelForCausalLM
 
-    from tasks.sync import push_weights_sync
+    from tasks.push import push_weights_sync
 
     base = AutoModelForCausalLM.from_pretrained(server.model_dir)
     root = tmp_path_factory.mktemp("restore")

@@ -119,7 +119,7 @@ def test_a_pause_left_by_a_dead_trainer_is_released_only_after_its_lease(vllm_se
     """policy-server's supervision step on the real server: a trainer's pause within its lease is left
     alone (a reload in progress); once the lease runs out the server is resumed and serves again."""
     from tasks.inference import VLLMClient
-    from tasks.sync import release_abandoned_pause
+    from tasks.push import release_abandoned_pause
 
     async def go():
         async with VLLMClient(vllm_server.url) as c:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.serve import ServerStartError, start_server
 from tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
-from tasks.sync import CheckpointWeightPush
+from tasks.push import CheckpointWeightPush
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tasks.inference import VLLMClient, cache_salt_for
-from tasks.sync import CheckpointWeightPush, WeightPushError, push_weights_sync
+from tasks.push import CheckpointWeightPush, WeightPushError, push_weights_sync
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from tasks.inference import (
     VLLMClient,
     cache_salt_for,
 )
-from tasks.sync import CheckpointWeightPush, WeightPushError
+from tasks.push import CheckpointWeightPush, WeightPushError
 
 pytestmark = pytest.mark.unit
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -295,10 +295,10 @@ async def test_reload_accepts_the_empty_200_vllm_sends_for_no_results(fake_serve
 
 def fake_model(monkeypatch):
     """save_weights writes a placeholder: these tests are about the server calls, not the weights."""
-    import tasks.sync
+    import tasks.push
 
     monkeypatch.setattr(
-        tasks.sync, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
+        tasks.push, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
     )
     return object()
 
