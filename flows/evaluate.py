@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
-from flows.config import ConfigError, GRPOConfig, check_imports
+from flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from flows.progress import artifact_key
 from flows.runs import RunState, confine, load_rows, prepare_model
 from flows.train import inference_server, rollout_kwargs
@@ -41,12 +41,16 @@ def _model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> t
 def grpo_evaluate(
     config: GRPOConfig | None = None,
     run_id: str | None = None,
+    config_file: str | None = None,
     checkpoint: str | None = None,
     prompts: int = 16,
     pass_threshold: float = 1.0,
 ) -> dict[str, Any]:
-    """Evaluate `prompts` rows (from the end of the dataset order) and publish pass rate and rewards."""
-    cfg = config or GRPOConfig()
+    """Evaluate `prompts` rows (from the end of the dataset order) and publish pass rate and rewards.
+
+    `config` is the whole config tree; `config_file` (a YAML, as for grpo-train) is used when `config`
+    is not given."""
+    cfg = config or (load_config(config_file) if config_file else GRPOConfig())
     check_imports(cfg)
     confine(cfg)
     rows = load_rows(cfg)
