@@ -1,6 +1,6 @@
-"""The random-moment kill drill: SIGKILL `grpoflow train` at seeded random moments, resume after each,
-then check the store and the process table. Used by the slow test (a few kills) and by
-benchmarks/faults.py (many).
+"""Kill drills. The named-point drill (KILL_DRILL): one SIGKILL per failpoint of a step. The random-moment
+drill: SIGKILL `grpoflow train` at seeded random moments, resume after each, then check the store and
+the process table. Both are run by the slow tests (a few kills) and by benchmarks/faults.py (many).
 
 Only the run's own process is killed, as the kernel's OOM killer does: no cleanup code runs.
 """
@@ -18,6 +18,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The named-point drill: one kill per failpoint (storage/faults.py) of a step, for
+# configs/tiny-letters.yaml with KILL_DRILL_SETS against an external server (its initial weight push
+# is push 1).
+KILL_DRILL = {
+    "generation": "generate@28:kill",  # the 4th group of step 3, generated while step 2 trains
+    "scoring": "score@3:kill",  # step 2's rewards computed, not yet applied
+    "parquet_write": "parquet_write@8:kill",  # step 2's rewards file fsynced, not yet renamed
+    "weight_push": "weight_push@3:kill",  # step 1's weights saved, server paused, no reload yet
+    "checkpoint_write": "checkpoint_write@2:kill",  # step 3's checkpoint written, not yet published
+    "after_checkpoint": "checkpoint_done@2:kill",  # step 3's checkpoint published: its steps row must be too
+}
+KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_staleness=1")
 
 
 def _processes():

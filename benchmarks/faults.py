@@ -4,7 +4,7 @@ One vLLM CPU server (tiny model) and one temporary Prefect API are shared by eve
 
 - SIGKILL of the training process at many random moments (seeded; benchmarks/drill.py), a resume after
   each: rows lost, duplicates, temp files left, and processes of the run that survived it (orphans);
-- SIGKILL of the training process at each named point (storage/faults.py KILL_DRILL), then
+- SIGKILL of the training process at each named point (benchmarks/drill.py KILL_DRILL), then
   `grpoflow train --resume`;
 - SIGKILL of the run's own embedded vLLM server mid-run (the flow restarts it);
 - ~30% failing reward cells in mixed ways, a reward that hangs or raises, and a tool that hangs or raises
@@ -56,7 +56,7 @@ def store_counts(root: Path, run_id: str, steps: int) -> dict:
 
 
 def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
-    from storage.faults import KILL_DRILL, KILL_DRILL_SETS
+    from benchmarks.drill import KILL_DRILL, KILL_DRILL_SETS
 
     out = []
     for point, spec in KILL_DRILL.items():

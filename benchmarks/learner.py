@@ -54,14 +54,15 @@ def main() -> None:
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    from tasks.config import AlgorithmConfig, LearnerConfig
     from tasks.learn import Learner
 
     samples = step_samples(args.model, args.prompts, args.group, args.zero_groups)
     variants = [(False, False), (True, False)] + ([(True, True)] if args.zero_groups else [])
     for share, skip in variants:
         learner = Learner(
-            args.model, lr=5e-6, total_steps=100, loss_type="dapo", correction="tis",
-            micro_batch_size=args.micro_batch, share_prompt=share, skip_zero_advantage=skip,
+            args.model, LearnerConfig(lr=5e-6, micro_batch_size=args.micro_batch, share_prompt=share),
+            AlgorithmConfig(loss_type="dapo", correction="tis"), total_steps=100, skip_zero_advantage=skip,
         )  # fmt: skip
         secs = [learner.train_step(samples)["train/seconds"] for _ in range(args.repeats + 1)]
         print(json.dumps({

@@ -137,7 +137,7 @@ def samples_like_a_step(outputs) -> list:
 
 def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path) -> list[dict[str, Any]]:
     from flows.runs import RunState
-    from flows.train import build_learner, client_kwargs
+    from flows.train import build_learner
     from tasks.push import push_weights_sync
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
@@ -150,8 +150,8 @@ def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path)
             url=url,
             root=str(root),
             run_id="limits-raw",
-            keep_last=1,
-            **client_kwargs(cfg),
+            sync=cfg.sync.model_copy(update={"keep_last": 1}),
+            inference=cfg.inference,
         )["sync/total_seconds"]
         for v in range(repeats + 1)
     ]

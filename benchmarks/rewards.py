@@ -18,7 +18,8 @@ import json
 import time
 
 from storage.records import RolloutCompletion, RolloutGroup
-from tasks.score import RewardSpec, score_groups
+from tasks.config import RewardConfig
+from tasks.score import score_groups
 
 DELAY = 0.2
 
@@ -36,9 +37,9 @@ def groups() -> list[RolloutGroup]:
     ]
 
 
-def specs() -> list[RewardSpec]:
-    sync = [RewardSpec(f"sync{i}", "examples.rewards:slow_sync", kwargs={"delay": DELAY}) for i in range(4)]
-    asyn = [RewardSpec(f"async{i}", "examples.rewards:slow_async", kwargs={"delay": DELAY}) for i in range(4)]
+def specs() -> list[RewardConfig]:
+    sync = [RewardConfig(name=f"sync{i}", fn="examples.rewards:slow_sync", kwargs={"delay": DELAY}) for i in range(4)]
+    asyn = [RewardConfig(name=f"async{i}", fn="examples.rewards:slow_async", kwargs={"delay": DELAY}) for i in range(4)]
     return sync + asyn
 
 

@@ -16,8 +16,8 @@ from prefect.utilities.annotations import quote
 
 from flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from flows.progress import artifact_key
-from flows.runs import RunState, confine, load_rows, prepare_model
-from flows.train import inference_server, rollout_kwargs
+from flows.runs import confine, load_rows, prepare_model, rollout_job
+from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from tasks.steps import VersionBox, persist_step, rollout_batch
@@ -56,8 +56,7 @@ def grpo_evaluate(
     rows = load_rows(cfg)
     model, step = _model_for(cfg, run_id, checkpoint)
     eval_run = validate_run_id(f"{run_id or cfg.run.run_id or 'base'}-eval")
-    run = RunState(eval_run, 0, 0, model, model, None, False)
-    with inference_server(cfg, run) as server:
+    with inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
         url = server.url
         if cfg.inference.url and (checkpoint or run_id):
             # An external server must serve the evaluated weights: push them (pause/reload/resume).
@@ -66,11 +65,19 @@ def grpo_evaluate(
             from tasks.push import push_weights_sync
 
             weights = AutoModelForCausalLM.from_pretrained(model)
-            push_weights_sync(weights, step, url=url, root=cfg.storage.root, run_id=eval_run, keep_last=1)
+            push_weights_sync(
+                weights,
+                step,
+                url=url,
+                root=cfg.storage.root,
+                run_id=eval_run,
+                sync=cfg.sync.model_copy(update={"keep_last": 1}),
+                inference=cfg.inference,
+            )
         # Deterministic eval rows: the last `prompts` rows of the dataset, in order.
         cursor = list(range(max(0, len(rows) - prompts), len(rows)))
-        kw = rollout_kwargs(cfg, url, run.base_model, VersionBox(step))
-        batch = rollout_batch(step, [rows[i] for i in cursor], cursor, **kw)
+        job = rollout_job(cfg, url, model, VersionBox(step))
+        batch = rollout_batch(step, [rows[i] for i in cursor], cursor, quote(job))
         for g in batch.groups:
             g.split = "eval"
             g.group_id = g.group_id.replace("train-", "eval-")

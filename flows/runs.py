@@ -12,13 +12,16 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
+
+if TYPE_CHECKING:
+    from tasks.steps import RolloutJob, VersionBox
 
 
 @dataclass
@@ -202,7 +205,7 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
             "run_id": run.run_id,
             "status": status,
             "updated_at": datetime.now(UTC).isoformat(),
-            "config": cfg.model_dump(mode="json"),
+            "config": cfg.model_dump(mode="json", fallback=_import_path_of),
             "base_model": run.base_model,
         }
     )
@@ -214,3 +217,34 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
         else:
             meta[k] = v
     store.write_run_meta(run.run_id, meta)
+
+
+def rollout_job(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox) -> RolloutJob:
+    """What each step's rollout task needs, from the config's own sections."""
+    from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
+
+    return RolloutJob(
+        url=url,
+        tokenizer_path=tokenizer_path,
+        generation=cfg.generation,
+        tools=cfg.tools,
+        rewards=cfg.rewards,
+        inference=cfg.inference,
+        seed=cfg.run.seed,
+        versions=versions,
+    )
+
+
+def checkpoint_state(cfg: GRPOConfig, run_id: str, step: int, version: int) -> dict[str, Any]:
+    """What a resume needs beside the weights and optimizer: where the data and the policy stand."""
+    return {
+        "step": step,
+        "policy_version": version,
+        "data_cursor": (step + 1) * cfg.data.prompts_per_step,
+        "run_id": run_id,
+    }
+
+
+def _import_path_of(obj: Any) -> str:
+    """How a callable given from Python (a reward, tool or environment) is recorded in run metadata."""
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"

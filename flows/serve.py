@@ -17,11 +17,13 @@ import sys
 import time
 import urllib.request
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from storage.processes import forget_process, record_process, stop_stale
+from tasks.config import InferenceConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server, stdlib only
@@ -295,6 +297,41 @@ def embedded_server(model_dir: str | Path, **kwargs):
         yield handle
     finally:
         handle.stop()
+
+
+@dataclass
+class Server:
+    """The server a run generates on: `handle` is the embedded server's, None for an external URL."""
+
+    url: str
+    handle: ServerHandle | None = None
+
+
+@contextlib.contextmanager
+def inference_server(inference: InferenceConfig, model_dir: str | Path, root: str | Path, name: str):
+    """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped); a
+    server a dead attempt of the same name left behind is stopped first."""
+    root = Path(root)
+    stop_stale(root, name)
+    if inference.url:
+        yield Server(inference.url)
+        return
+    log = root / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    i = inference
+    with embedded_server(
+        model_dir,
+        host=i.host,
+        port=i.port,
+        max_model_len=i.max_model_len,
+        kv_cache_gb=i.kv_cache_gb,
+        api_key=i.api_key,
+        extra_args=tuple(i.extra_args),
+        log_path=log,
+        startup_timeout_s=i.startup_timeout_s,
+        pid_file=(root, name),
+    ) as handle:
+        yield Server(handle.url, handle)
 
 
 @flow(name="policy-server", log_prints=True)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,24 @@ from prefect.utilities.annotations import quote
 
 from flows.config import GRPOConfig, load_config
 from flows.progress import StepReporter
-from flows.runs import RunState, open_run, preflight, prepare_model, rows_for_step, write_meta
+from flows.runs import (
+    RunState,
+    checkpoint_state,
+    open_run,
+    preflight,
+    prepare_model,
+    rollout_job,
+    rows_for_step,
+    write_meta,
+)
+from flows.serve import Server, inference_server
 from storage.processes import identity
 from storage.rollouts import RolloutStore
 from tasks.learn import Learner
-from tasks.score import RewardSpec
 from tasks.steps import (
+    PushJob,
+    RolloutBatch,
+    RolloutJob,
     VersionBox,
     assign_advantages,
     persist_step,
@@ -36,65 +47,18 @@ from tasks.steps import (
 )
 
 
-@dataclass
-class Server:
-    url: str
-    handle: Any = None  # flows.serve.ServerHandle for an embedded server; None for an external URL
-
-
-@contextmanager
-def inference_server(cfg: GRPOConfig, run: RunState):
-    """The configured server URL, or an embedded vLLM server for this run (always stopped)."""
-    from storage.processes import stop_stale
-
-    stop_stale(Path(cfg.storage.root), f"vllm-{run.run_id}")  # one a dead attempt of this run left
-    if cfg.inference.url:
-        yield Server(cfg.inference.url)
-        return
-    from flows.serve import embedded_server
-
-    log = Path(cfg.storage.root) / "logs" / f"{run.run_id}-vllm.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with embedded_server(
-        run.model_path,
-        host=cfg.inference.host,
-        port=cfg.inference.port,
-        max_model_len=cfg.inference.max_model_len,
-        kv_cache_gb=cfg.inference.kv_cache_gb,
-        api_key=cfg.inference.api_key,
-        extra_args=tuple(cfg.inference.extra_args),
-        log_path=log,
-        startup_timeout_s=cfg.inference.startup_timeout_s,
-        pid_file=(Path(cfg.storage.root), f"vllm-{run.run_id}"),  # a dead attempt's server is stopped
-    ) as handle:
-        yield Server(handle.url, handle)
-
-
 def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
-    a, lc = cfg.algorithm, cfg.learner
+    """The run's learner: its own sections, plus what it needs from generation and the run."""
+    g = cfg.generation
     learner = Learner(
         run.model_path,
-        lr=lc.lr,
+        cfg.learner,
+        cfg.algorithm,
         total_steps=cfg.run.steps,
-        device=lc.device,
+        temperature=g.temperature,
+        max_completion_length=g.max_rollout_tokens or g.max_tokens,
         dtype=cfg.model.dtype,
-        weight_decay=lc.weight_decay,
-        warmup_steps=lc.warmup_steps,
-        lr_schedule=lc.lr_schedule,
-        micro_batch_size=lc.micro_batch_size,
-        max_grad_norm=lc.max_grad_norm,
-        gradient_checkpointing=lc.gradient_checkpointing,
-        temperature=cfg.generation.temperature,
-        loss_type=a.loss_type,
-        epsilon=a.epsilon,
-        epsilon_high=a.epsilon_high,
-        beta=a.beta,
-        correction=a.correction,
-        correction_cap=a.correction_cap,
-        max_completion_length=cfg.generation.max_rollout_tokens or cfg.generation.max_tokens,
         seed=cfg.run.seed,
-        torch_threads=lc.torch_threads,
-        share_prompt=lc.share_prompt,
         ref_model_path=run.base_model,
         tokenizer_path=run.base_model,
     )
@@ -103,52 +67,63 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
     return learner
 
 
-def rollout_kwargs(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox) -> dict[str, Any]:
-    g, t = cfg.generation, cfg.tools
-    return dict(
-        url=url,
-        tokenizer_path=tokenizer_path,
-        gen=dict(
-            group_size=g.group_size,
-            max_tokens=g.max_tokens,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            seed=cfg.run.seed,
-            max_turns=g.max_turns,
-            max_rollout_tokens=g.max_rollout_tokens,
-            max_in_flight=g.max_in_flight,
-        ),
-        tools=dict(
-            tool_paths=t.tools,
-            environment_path=t.environment,
-            env_slots=t.env_slots,
-            tool_timeout_s=t.tool_timeout_s,
-        ),
-        reward_specs=[
-            RewardSpec(
-                name=r.name,
-                fn=r.fn,
-                weight=r.weight,
-                timeout_s=r.timeout_s,
-                executor=r.executor,
-                required=r.required,
-                kwargs=r.kwargs,
-            )
-            for r in cfg.rewards
-        ],
-        versions=quote(versions),
-        client_kwargs=client_kwargs(cfg),
-    )
+class StepTimer:
+    """Where one step's wall time goes; what Prefect's task hand-off costs is measured as the time a
+    task call took minus the time its body reports."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.wait = 0.0  # the learner idling for generation
+        self.prefect = 0.0
+
+    def waited(self, batch: RolloutBatch, submitted: float, t_wait: float) -> None:
+        """The oldest batch arrived now: count the idle time and the rollout task's dispatch latency
+        and result hand-off (the body's start and end times are in the batch)."""
+        now = time.perf_counter()
+        self.wait = now - t_wait
+        self.prefect += max(0.0, batch.body_start - submitted) + max(0.0, now - max(batch.body_end, t_wait))
+
+    def call(self, task: Callable[..., dict], *args: Any, body: str) -> tuple[dict, float]:
+        """Run a task whose result reports its body's seconds under `body`; returns (result, seconds
+        the call took) and counts the time outside the body as Prefect's."""
+        t0 = time.perf_counter()
+        out = task(*args)
+        took = time.perf_counter() - t0
+        self.prefect += max(0.0, took - out.get(body, took))
+        return out, took
+
+    def metrics(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.start
+        return {
+            "wall_seconds": wall,
+            "wait_seconds": self.wait,
+            "prefect_overhead_seconds": self.prefect,
+            "prefect_overhead_frac": self.prefect / wall if wall > 0 else 0.0,
+        }
 
 
-def client_kwargs(cfg: GRPOConfig) -> dict[str, Any]:
-    i = cfg.inference
-    return dict(
-        api_key=i.api_key,
-        retries=i.retries,
-        request_timeout_s=i.request_timeout_s,
-        max_in_flight=cfg.generation.max_in_flight,
-    )
+class PolicySync:
+    """The learner's weights and their way into the server: `trained` is the version the learner
+    holds (optimizer updates so far), `push(version)` makes the server serve it."""
+
+    def __init__(self, learner: Learner, job: PushJob, trained: int):
+        self.learner, self.job, self.trained = learner, job, trained
+        self.recover: Callable[[Exception], None] | None = None  # brings a dead server back
+
+    def push(self, version: int) -> dict:
+        from tasks.inference import InferenceUnavailableError
+
+        try:
+            return push_weights(quote(self.learner), version, quote(self.job))
+        except InferenceUnavailableError as e:  # the server died: bring it back, then push again
+            if self.recover is None:
+                raise
+            self.recover(e)
+            return push_weights(quote(self.learner), version, quote(self.job))
+
+    def restore(self) -> None:
+        """A restarted server gets the learner's weights as they are now."""
+        push_weights(quote(self.learner), self.trained, quote(self.job))
 
 
 class RolloutPipeline:
@@ -160,9 +135,9 @@ class RolloutPipeline:
     """
 
     def __init__(
-        self, cfg: GRPOConfig, rows, server: Server, roll_kw: dict, restore_weights, first_step: int
+        self, cfg: GRPOConfig, rows, server: Server, job: RolloutJob, restore_weights, first_step: int
     ):
-        self.cfg, self.rows, self.server, self.roll_kw = cfg, rows, server, roll_kw
+        self.cfg, self.rows, self.server, self.job = cfg, rows, server, job
         self.restore_weights = restore_weights
         self.ahead: deque = deque()
         self.next_step = first_step
@@ -172,7 +147,7 @@ class RolloutPipeline:
         d = self.cfg.data
         batch_rows, cursor = rows_for_step(self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed,
                                            shuffle=d.shuffle)  # fmt: skip
-        return time.perf_counter(), rollout_batch.submit(step, batch_rows, cursor, **self.roll_kw), step
+        return time.perf_counter(), rollout_batch.submit(step, batch_rows, cursor, quote(self.job)), step
 
     def fill(self, step: int) -> None:
         while (
@@ -181,10 +156,11 @@ class RolloutPipeline:
             self.ahead.append(self._submit(self.next_step))
             self.next_step += 1
 
-    def next_batch(self):
-        """(batch, submit time) of the oldest step; recovers from a dead embedded server."""
+    def next_batch(self, timer: StepTimer) -> RolloutBatch:
+        """The oldest step's batch (the wait goes to `timer`); recovers from a dead embedded server."""
         from tasks.inference import InferenceUnavailableError
 
+        t_wait = time.perf_counter()
         while True:
             t_submit, future, _ = self.ahead[0]
             try:
@@ -193,7 +169,8 @@ class RolloutPipeline:
                 self.recover(e)
                 continue
             self.ahead.popleft()
-            return batch, t_submit
+            timer.waited(batch, t_submit, t_wait)
+            return batch
 
     def recover(self, error: Exception) -> None:
         handle, limit = self.server.handle, 3
@@ -259,109 +236,58 @@ def grpo_train(
 
 
 def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
-    root, a, steps = cfg.storage.root, cfg.algorithm, cfg.run.steps
-    store = RolloutStore(Path(root))
-    reporter = StepReporter(cfg, run)
-    versions = VersionBox(run.policy_version)
-    with inference_server(cfg, run) as server:
-        url = server.url
+    """The loop of docs/architecture.md, section 2."""
+    root, steps, run_id = cfg.storage.root, cfg.run.steps, run.run_id
+    store, reporter, versions = (
+        RolloutStore(Path(root)),
+        StepReporter(cfg, run),
+        VersionBox(run.policy_version),
+    )
+    with inference_server(cfg.inference, run.model_path, root, f"vllm-{run_id}") as server:
         learner = build_learner(cfg, run)
-        push_kw = dict(
-            url=url,
-            root=root,
-            run_id=run.run_id,
-            keep_last=cfg.sync.keep_last,
-            reload_timeout_s=cfg.sync.reload_timeout_s,
-            client_kwargs=client_kwargs(cfg),
-        )
+        push_job = PushJob(server.url, root, run_id, cfg.sync, cfg.inference, versions)
+        weights = PolicySync(learner, push_job, trained=run.policy_version)
         if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
-            push_weights(quote(learner), version=versions.get(), **push_kw)
-        roll_kw = rollout_kwargs(cfg, url, run.base_model, versions)
-        trained = [run.policy_version]  # optimizer updates in the learner's weights: their version
-
-        def restore_weights() -> None:  # a restarted server gets the learner's weights as they are now
-            push_weights(quote(learner), version=trained[0], versions=quote(versions), **push_kw)
-
-        pipeline = RolloutPipeline(cfg, rows, server, roll_kw, restore_weights, run.start_step)
-
-        def push(version: int) -> dict:
-            from tasks.inference import InferenceUnavailableError
-
-            try:
-                return push_weights(quote(learner), version=version, versions=quote(versions), **push_kw)
-            except InferenceUnavailableError as e:  # the server died: bring it back, then push again
-                pipeline.recover(e)
-                return push_weights(quote(learner), version=version, versions=quote(versions), **push_kw)
-
+            weights.push(run.policy_version)
+        job = rollout_job(cfg, server.url, run.base_model, versions)
+        pipeline = RolloutPipeline(cfg, rows, server, job, weights.restore, run.start_step)
+        weights.recover = pipeline.recover
         for step in range(run.start_step, steps):
-            t_step = time.perf_counter()
-            pipeline.fill(step)
-            t_wait = time.perf_counter()
-            batch, t_submit = pipeline.next_batch()
-            t_got = time.perf_counter()
-            m = dict(batch.metrics)
-            m.update(
-                assign_advantages(
-                    batch.groups,
-                    step=step,
-                    max_staleness=a.max_staleness,
-                    sync_every=cfg.sync.sync_every,
-                    scale=a.scale,
-                    filter_zero_std=a.filter_zero_std,
-                )
+            timer = StepTimer()
+            pipeline.fill(step)  # generate -> score up to max_staleness steps ahead
+            batch = pipeline.next_batch(timer)
+            m = batch.metrics | assign_advantages(
+                batch.groups, step=step, algorithm=cfg.algorithm, sync_every=cfg.sync.sync_every
             )
-            writer = persist_step.submit(root, run.run_id, step, quote(batch.groups))
-            t0 = time.perf_counter()
-            m.update(train_on_batch(quote(learner), quote(batch.groups)))
-            trained[0] = step + 1
-            overhead = (time.perf_counter() - t0) - m["train/seconds"]
+            writer = persist_step.submit(root, run_id, step, quote(batch.groups))
+            m |= timer.call(train_on_batch, quote(learner), quote(batch.groups), body="train/seconds")[0]
+            weights.trained = step + 1
             m["sync_seconds"] = 0.0
-            if (step + 1) % cfg.sync.sync_every == 0 or step == steps - 1:
-                t0 = time.perf_counter()
-                sm = push(step + 1)
-                m.update(sm)
-                m["sync_seconds"] = time.perf_counter() - t0
-                overhead += m["sync_seconds"] - sm.get("sync/total_seconds", m["sync_seconds"])
-            m["write_seconds"] = writer.result()
-            m["policy_version"] = versions.get()
-            m["server_restarts"] = pipeline.restarts
-            # Dispatch latency of the rollout task and result hand-off are Prefect's, not ours.
-            overhead += max(0.0, batch.body_start - t_submit) + max(0.0, t_got - max(batch.body_end, t_wait))
-            m.update(step_timing(t_step, t_wait, t_got, overhead))
+            if _due(step, cfg.sync.sync_every, steps):
+                pushed, m["sync_seconds"] = timer.call(weights.push, step + 1, body="sync/total_seconds")
+                m |= pushed
+            m |= {"write_seconds": writer.result(), "policy_version": versions.get()}
+            m |= {"server_restarts": pipeline.restarts} | timer.metrics()
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
-            store.write_step(run.run_id, step, m)
-            if (step + 1) % cfg.run.checkpoint_every == 0 or step == steps - 1:
+            store.write_step(run_id, step, m)
+            if _due(step, cfg.run.checkpoint_every, steps):
+                state = checkpoint_state(cfg, run_id, step, weights.trained)
                 m["checkpoint_seconds"] = save_checkpoint(
                     quote(learner),
                     root=root,
-                    run_id=run.run_id,
+                    run_id=run_id,
                     step=step,
-                    state=checkpoint_state(cfg, run.run_id, step, trained[0]),
+                    state=state,
                     keep=cfg.run.keep_checkpoints,
                 )
-                m.update(step_timing(t_step, t_wait, t_got, overhead))
-                store.write_step(run.run_id, step, m)  # the same row, now with the checkpoint's time
+                store.write_step(run_id, step, m | timer.metrics())  # the same row, with the checkpoint
             reporter.step(step, m)
         reporter.finish()
     return reporter.summary()
 
 
-def checkpoint_state(cfg: GRPOConfig, run_id: str, step: int, version: int) -> dict[str, Any]:
-    """What a resume needs beside the weights and optimizer: where the data and the policy stand."""
-    return {
-        "step": step,
-        "policy_version": version,
-        "data_cursor": (step + 1) * cfg.data.prompts_per_step,
-        "run_id": run_id,
-    }
-
-
-def step_timing(t_step: float, t_wait: float, t_got: float, overhead: float) -> dict[str, float]:
-    wall = time.perf_counter() - t_step
-    return {
-        "wall_seconds": wall,
-        "wait_seconds": t_got - t_wait,  # time the learner idled waiting for generation
-        "prefect_overhead_seconds": overhead,
-        "prefect_overhead_frac": overhead / wall if wall > 0 else 0.0,
-    }
+def _due(step: int, every: int, steps: int) -> bool:
+    """Whether something done every `every` steps (push, checkpoint) is due after `step`; always
+    after the last step."""
+    return (step + 1) % every == 0 or step == steps - 1

@@ -73,17 +73,3 @@ def failpoint(point: str) -> None:
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(arg)
-
-
-# The SIGKILL drill run by tests/integration/test_train_flow.py and benchmarks/faults.py: one kill per
-# named point of a step, for configs/tiny-letters.yaml with run.steps=6, run.checkpoint_every=2 and
-# algorithm.max_staleness=1 against an external server (its initial weight push is push 1).
-KILL_DRILL = {
-    "generation": "generate@28:kill",  # the 4th group of step 3, generated while step 2 trains
-    "scoring": "score@3:kill",  # step 2's rewards computed, not yet applied
-    "parquet_write": "parquet_write@8:kill",  # step 2's rewards file fsynced, not yet renamed
-    "weight_push": "weight_push@3:kill",  # step 1's weights saved, server paused, no reload yet
-    "checkpoint_write": "checkpoint_write@2:kill",  # step 3's checkpoint written, not yet published
-    "after_checkpoint": "checkpoint_done@2:kill",  # step 3's checkpoint published: its steps row must be too
-}
-KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_staleness=1")

@@ -15,7 +15,6 @@ from typing import Any, Literal
 import pyarrow as pa
 
 RewardStatus = Literal["valid", "invalid", "failed", "timeout"]
-REWARD_STATUSES: tuple[str, ...] = ("valid", "invalid", "failed", "timeout")
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
+from tasks.config import GenerationConfig, ToolsConfig
+from tasks.imports import import_object
 from tasks.inference import cache_salt_for
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
@@ -84,37 +86,36 @@ class EnvPool:
         self.free.put_nowait(self.factory())  # `env` is dropped: its hung call may still write to it
 
 
-class Rollout:
-    """Shared settings of one generate_groups call."""
+class RolloutSettings:
+    """What every rollout of one `generate_groups` call shares: the backend and tokenizer, the
+    generation and tools sections (tools resolved to callables), and the environment pool."""
 
     def __init__(
         self,
         backend,
         tokenizer,
+        gen: GenerationConfig,
+        tools: ToolsConfig,
         *,
-        max_tokens,
-        temperature,
-        top_p,
-        seed,
-        max_turns,
-        max_rollout_tokens,
-        tools,
-        parser,
-        tool_timeout_s,
-        env_pool,
-        version_fn,
+        seed: int | None,
+        parser: ToolCallParser,
+        version_fn: Callable[[], int],
     ):
-        self.backend, self.tok = backend, tokenizer
-        self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
-        self.max_turns = max_turns
-        self.budget = max_rollout_tokens or max_tokens * max_turns
-        self.tools, self.parser, self.tool_timeout_s = tools or [], parser, tool_timeout_s
-        self.env_pool, self.version_fn = env_pool, version_fn
+        self.backend, self.tok, self.gen, self.seed = backend, tokenizer, gen, seed
+        self.budget = gen.max_rollout_tokens or gen.max_tokens * gen.max_turns
+        self.tools = [_resolve(t) for t in tools.tools]
+        factory = _resolve(tools.environment) if tools.environment is not None else None
+        self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
+        self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
 
+    @property
+    def single_turn(self) -> bool:
+        return not self.tools and self.env_pool is None and self.gen.max_turns == 1
+
     def sample_kwargs(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p}
+        return {"temperature": self.gen.temperature, "top_p": self.gen.top_p}
 
     def decode(self, ids: list[int]) -> str:
         """The model's raw text, special tokens kept (tool-call parsing, EOS detection)."""
@@ -156,11 +157,11 @@ class TemplateError(ValueError):
 
 
 async def _single_turn_group(
-    r: Rollout, index: int, prompt_ids: list[int], g: int
+    r: RolloutSettings, index: int, prompt_ids: list[int], g: int
 ) -> list[RolloutCompletion]:
     t0 = time.perf_counter()
     v0 = r.version_fn()
-    limit = min(r.max_tokens, r.budget, r.max_len - len(prompt_ids))
+    limit = min(r.gen.max_tokens, r.budget, r.max_len - len(prompt_ids))
     choices = await r.backend.complete(
         prompt_ids,
         max_tokens=limit,
@@ -207,7 +208,7 @@ def _strip(text: str, eos: str) -> str:
     return text[: -len(eos)] if eos and text.endswith(eos) else text
 
 
-async def _multi_turn(r: Rollout, row: dict, index: int, sample: int, messages: list[dict]):
+async def _multi_turn(r: RolloutSettings, row: dict, index: int, sample: int, messages: list[dict]):
     env = None
     tools = {f.__name__: f for f in r.tools}
     history = [dict(m) for m in messages]
@@ -239,7 +240,7 @@ def snapshot(env: Any) -> Any:
     return own() if callable(own) else copy.deepcopy(env)
 
 
-async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], box: ToolBox):
+async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[dict], box: ToolBox):
     schemas = [tool_schema(f) for f in box.tools.values()]
     prompt_text = render(r.tok, history, schemas, True)
     prompt_ids = r.tok.encode(prompt_text, add_special_tokens=False)
@@ -249,8 +250,8 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], b
     )
     c.prompt_ids, c.prompt = prompt_ids, prompt_text
     t_start, c.policy_version = time.perf_counter(), r.version_fn()
-    for turn in range(r.max_turns):
-        limit = min(r.max_tokens, r.budget - len(mask), r.max_len - len(ids))
+    for turn in range(r.gen.max_turns):
+        limit = min(r.gen.max_tokens, r.budget - len(mask), r.max_len - len(ids))
         if limit <= 0:
             c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
             break
@@ -268,7 +269,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], b
         parsed = r.parser.parse(text) if box.tools else []
         if not parsed:
             break
-        if turn == r.max_turns - 1:
+        if turn == r.gen.max_turns - 1:
             c.truncated, c.truncation_reason = True, "max_turns"
             break
         records = [await box.call(p, turn) for p in parsed]
@@ -287,7 +288,7 @@ async def _run_turns(r: Rollout, index: int, sample: int, history: list[dict], b
     return c
 
 
-async def _turn(r: Rollout, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
+async def _turn(r: RolloutSettings, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
     """One generation request of a multi-turn rollout, recorded in `turns`."""
     t0 = time.perf_counter()
     salt = cache_salt_for(r.version_fn())  # each turn: the weights may have changed in between
@@ -313,78 +314,68 @@ async def generate_groups(
     *,
     backend: CompletionBackend,
     tokenizer,
-    group_size: int,
-    max_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    generation: GenerationConfig,
+    tools: ToolsConfig | None = None,
     seed: int | None = None,
-    max_turns: int = 1,
-    max_rollout_tokens: int | None = None,
-    tools: list[Callable[..., Any]] | None = None,
     tool_parser: ToolCallParser | None = None,
-    tool_timeout_s: float = 10.0,
-    environment_factory: Callable[[], Any] | None = None,
-    env_slots: int | None = None,
-    max_in_flight: int = 32,
     version_fn: Callable[[], int] = lambda: 0,
     split: str = "train",
 ) -> list[RolloutGroup]:
-    """G completions for each row, all groups concurrently under `max_in_flight` requests."""
+    """`generation.group_size` completions for each row, all groups concurrently under
+    `generation.max_in_flight` requests; `tools` (functions and/or an environment) make them multi-turn."""
     if len(rows) != len(prompt_indices):
         raise ValueError(f"{len(rows)} rows but {len(prompt_indices)} prompt indices")
     messages = [prompt_messages(row, i) for row, i in zip(rows, prompt_indices, strict=True)]
-    pool = EnvPool(environment_factory, env_slots or max_in_flight) if environment_factory else None
-    r = Rollout(
+    r = RolloutSettings(
         backend,
         tokenizer,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
+        generation,
+        tools or ToolsConfig(),
         seed=seed,
-        max_turns=max_turns,
-        max_rollout_tokens=max_rollout_tokens,
-        tools=tools,
         parser=tool_parser or HermesToolParser(),
-        tool_timeout_s=tool_timeout_s,
-        env_pool=pool,
         version_fn=version_fn,
     )
     r.max_len = await backend.max_model_len()
-    gate = asyncio.Semaphore(max_in_flight)
-    simple = not tools and environment_factory is None and max_turns == 1
+    gate = asyncio.Semaphore(generation.max_in_flight)
 
     async def bounded(coro):
         async with gate:
             return await coro
 
-    async def one_group(row, index, msgs) -> RolloutGroup:
-        if simple:
-            comps = await _one_prompt_group(r, row, index, msgs, group_size, bounded)
-        else:
-            comps = await asyncio.gather(
-                *(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(group_size))
-            )
-        failpoint("generate")
-        first = comps[0]  # each completion carries its own prompt; the group shows sample 0's
-        return RolloutGroup(
-            group_id=f"{split}-{index:08d}",
-            prompt_index=index,
-            prompt=first.prompt,
-            prompt_ids=first.prompt_ids,
-            completions=list(comps),
-            row=row,
-            split=split,
-            policy_version=min(c.policy_version for c in comps),
-        )
+    groups = [
+        _group(r, row, i, m, bounded, split)
+        for row, i, m in zip(rows, prompt_indices, messages, strict=True)
+    ]
+    return list(await asyncio.gather(*groups))
 
-    return list(
-        await asyncio.gather(
-            *(one_group(row, i, m) for row, i, m in zip(rows, prompt_indices, messages, strict=True))
-        )
+
+async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split: str) -> RolloutGroup:
+    """One row's group: one n=G request when single-turn, else G concurrent multi-turn rollouts."""
+    G = r.gen.group_size
+    if r.single_turn:
+        comps = await _one_prompt_group(r, row, index, msgs, G, bounded)
+    else:
+        comps = await asyncio.gather(*(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(G)))
+    failpoint("generate")
+    first = comps[0]  # each completion carries its own prompt; the group shows sample 0's
+    return RolloutGroup(
+        group_id=f"{split}-{index:08d}",
+        prompt_index=index,
+        prompt=first.prompt,
+        prompt_ids=first.prompt_ids,
+        completions=list(comps),
+        row=row,
+        split=split,
+        policy_version=min(c.policy_version for c in comps),
     )
 
 
-async def _one_prompt_group(r: Rollout, row: dict, index: int, msgs, group_size: int, bounded):
+def _resolve(obj: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A tool or environment factory: an import path 'module:attr', or the callable itself."""
+    return import_object(obj) if isinstance(obj, str) else obj
+
+
+async def _one_prompt_group(r: RolloutSettings, row: dict, index: int, msgs, group_size: int, bounded):
     """Single-turn group: one request with n=G over the shared prompt."""
     text = render(r.tok, msgs, None, True)
     prompt_ids = r.tok.encode(text, add_special_tokens=False)

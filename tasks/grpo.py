@@ -1,4 +1,5 @@
-"""GRPO math: masked group advantages and the policy-gradient losses. Pure: torch and lists only.
+"""GRPO math: masked group advantages and the policy-gradient losses. Pure: torch, lists and the
+`algorithm` config section; no I/O.
 
 Shapes: B sequences, T completion tokens (right-padded). `mask` [B, T] is completion_mask x sample
 loss mask, so tool results, padding and invalid samples never contribute.
@@ -7,9 +8,12 @@ loss mask, so tool results, padding and invalid samples never contribute.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Literal
 
 import torch
+
+from tasks.config import AlgorithmConfig
 
 Scale = Literal["group", "batch", "none"]
 LossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
@@ -18,13 +22,13 @@ Correction = Literal["none", "tis", "icepop", "seq_mask"]
 
 def _std(xs: list[float]) -> float:
     # Unbiased (n-1) std, like torch.std and TRL: with G=2 the population std halves the signal's scale.
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 # A group's rewards count as all equal when their std is within this fraction of their magnitude:
-# summing floats leaves noise (three rewards of 0.1 have a std of ~1.7e-17), which `std == 0` misses
-# and which `group` scaling would blow up into advantages of ~1e-13 that no longer compare equal to 0.
+# rewards computed by float arithmetic differ in their last bits (0.1 + 0.2 vs 0.3: a std of ~3e-17),
+# which `std == 0` misses and `group` scaling would blow up into advantages of ~1e-13 that no longer
+# compare equal to 0.
 ZERO_STD_RTOL = 1e-6
 
 
@@ -59,7 +63,7 @@ def group_advantages(
     for rs, vs, good in zip(rewards, valid, groups_valid, strict=True):
         use = len(good) >= 2
         too_few += not use
-        mean = sum(good) / len(good) if good else 0.0
+        mean = statistics.fmean(good) if good else 0.0
         std = _std(good) if use else 0.0
         flat = use and _flat(good, std)
         if flat and filter_zero_std:
@@ -151,60 +155,62 @@ def compute_loss(
     behaviour_logprobs: torch.Tensor,  # [B, T] from vLLM (the sampler)
     advantages: torch.Tensor,  # [B]
     mask: torch.Tensor,  # [B, T] 1 = token counts in the loss
+    algorithm: AlgorithmConfig,
     *,
-    loss_type: LossType = "grpo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
     old_logprobs: torch.Tensor | None = None,  # [B, T]; None: one optimizer step per batch
     ref_logprobs: torch.Tensor | None = None,  # [B, T]
-    beta: float = 0.0,
-    correction: Correction = "none",
-    correction_cap: float = 2.0,
     max_completion_length: int | None = None,
     total_sequences: int | None = None,
     total_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with masks, normalisation variants and off-policy correction.
 
-    Normalisation: grpo = mean over sequences of per-sequence token means; dapo = token sum / tokens;
-    dr_grpo = token sum / (sequences * max_completion_length); gspo = mean over sequences of the
-    clipped sequence-level objective. `total_sequences`/`total_tokens` replace the local counts so
-    micro-batch losses add up to the full-batch loss under gradient accumulation. Every log-ratio is
-    bounded by LOG_RATIO_BOUND, so loss, gradients and metrics stay finite for any sampler gap.
+    `algorithm` gives the loss type, clip range, KL coefficient and correction. Normalisation: grpo =
+    mean over sequences of per-sequence token means; dapo = token sum / tokens; dr_grpo = token sum /
+    (sequences * max_completion_length); gspo = mean over sequences of the clipped sequence-level
+    objective. `total_sequences`/`total_tokens` replace the local counts so micro-batch losses add up
+    to the full-batch loss under gradient accumulation. Every log-ratio is bounded by LOG_RATIO_BOUND,
+    so loss, gradients and metrics stay finite for any sampler gap.
     """
+    a = algorithm
     on = mask > 0
     mask = mask.to(logprobs.dtype)
     seq_tokens = mask.sum(-1)  # [B]
     seq_on = (seq_tokens > 0).to(logprobs.dtype)
     n_seq = total_sequences if total_sequences is not None else int(seq_on.sum())
     n_tok = total_tokens if total_tokens is not None else int(mask.sum())
-    eps_hi = epsilon if epsilon_high is None else epsilon_high
+    eps_hi = a.epsilon if a.epsilon_high is None else a.epsilon_high
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
 
     # Learner-vs-sampler mismatch (includes staleness): w = pi_old / mu, per token, no gradient.
     gap = (old - behaviour_logprobs).detach()
-    log_w, weight, is_masked = _off_policy_weights(gap, on, seq_tokens, correction, correction_cap)
+    log_w, weight, is_masked = _off_policy_weights(gap, on, seq_tokens, a.correction, a.correction_cap)
 
-    log_ratio = _bounded(logprobs - old, on)
-    if loss_type == "gspo":
-        seq_log_ratio = log_ratio.sum(-1) / seq_tokens.clamp(min=1)  # [B]
-        # Per-token ratio whose value is the sequence ratio but whose gradient flows per token.
-        log_ratio = _bounded(seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach(), on)
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - epsilon, 1 + eps_hi)
+    ratio = _policy_ratio(logprobs, old, on, seq_tokens, sequence_level=a.loss_type == "gspo")
+    clipped = ratio.clamp(1 - a.epsilon, 1 + eps_hi)
     per_token = -torch.minimum(ratio * adv, clipped * adv) * weight
-    if ref_logprobs is not None and beta > 0:
-        per_token = per_token + beta * _k3(ref_logprobs - logprobs, on)  # KL(pi || ref)
+    if ref_logprobs is not None and a.beta > 0:
+        per_token = per_token + a.beta * _k3(ref_logprobs - logprobs, on)  # KL(pi || ref)
     per_token = torch.where(on, per_token, torch.zeros_like(per_token))
     L = max_completion_length or logprobs.shape[-1]
-    loss = _normalise(per_token, seq_tokens, seq_on, loss_type, n_seq, n_tok, L)
+    loss = _normalise(per_token, seq_tokens, seq_on, a.loss_type, n_seq, n_tok, L)
 
-    metrics = _loss_metrics(loss, ratio, adv, mask, epsilon, eps_hi, log_w, weight, is_masked)
+    metrics = _loss_metrics(loss, ratio, adv, mask, a.epsilon, eps_hi, log_w, weight, is_masked)
     metrics["entropy_proxy"] = -_masked_mean(logprobs.detach(), mask)
     if ref_logprobs is not None:
         metrics["kl"] = _masked_mean(_k3(ref_logprobs - logprobs.detach(), on), mask)
     return loss, metrics
+
+
+def _policy_ratio(logprobs, old, on, seq_tokens, *, sequence_level: bool) -> torch.Tensor:
+    """pi / pi_old per token; GSPO's sequence ratio (geometric mean of the token ratios) as a per-token
+    tensor whose value is the sequence's but whose gradient flows per token."""
+    log_ratio = _bounded(logprobs - old, on)
+    if sequence_level:
+        seq_log_ratio = log_ratio.sum(-1) / seq_tokens.clamp(min=1)  # [B]
+        log_ratio = _bounded(seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach(), on)
+    return torch.exp(log_ratio)
 
 
 @torch.no_grad()

@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 
+from tasks.config import InferenceConfig
+
 
 class InferenceError(RuntimeError):
     """Base class of client errors."""
@@ -405,3 +407,14 @@ class VLLMClient:
         if not text.strip():
             return None
         return _json_object(text, f"POST {self.base_url}/collective_rpc")
+
+
+def client_for(url: str, inference: InferenceConfig, max_in_flight: int = 32) -> VLLMClient:
+    """A client for `url` with the `inference` section's key, retries and request timeout."""
+    return VLLMClient(
+        url,
+        api_key=inference.api_key,
+        retries=inference.retries,
+        request_timeout_s=inference.request_timeout_s,
+        max_in_flight=max_in_flight,
+    )

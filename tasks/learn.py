@@ -8,16 +8,15 @@ stale) never reach the forward pass: they would contribute nothing but cost comp
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from storage.records import RolloutGroup
+from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.grpo import compute_loss
 
 
@@ -86,97 +85,76 @@ def _takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _lr_lambda(schedule: str, warmup: int, total: int):
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant" or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return f
-
-
 class Learner:
-    """Holds the policy (and optional frozen reference), optimizer and schedule."""
+    """Holds the policy (and optional frozen reference), optimizer and schedule.
+
+    Takes its own config sections: `learner` (optimisation, device, micro-batching) and `algorithm`
+    (the loss); the rest is what the learner cannot know alone: the sampling temperature (logprobs must
+    be computed at the temperature vLLM sampled at), the run's length for the LR schedule, the token
+    budget for dr_grpo's normaliser, and where the reference model and tokenizer live."""
 
     def __init__(
         self,
         model_path: str | Path,
+        learner: LearnerConfig,
+        algorithm: AlgorithmConfig,
         *,
-        lr: float,
         total_steps: int,
-        device: str = "auto",
-        dtype: str = "auto",
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
-        micro_batch_size: int = 16,
-        max_grad_norm: float = 1.0,
-        gradient_checkpointing: bool = False,
         temperature: float = 1.0,
-        loss_type: str = "grpo",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
-        correction: str = "none",
-        correction_cap: float = 2.0,
         max_completion_length: int | None = None,
+        dtype: str = "auto",
         seed: int = 0,
-        torch_threads: int | None = None,
         ref_model_path: str | Path | None = None,
         tokenizer_path: str | Path | None = None,
         skip_zero_advantage: bool = True,
-        share_prompt: bool | None = None,
     ):
-        from transformers import AutoModelForCausalLM
-
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = getattr(torch, dtype)
+        if learner.torch_threads:
+            torch.set_num_threads(learner.torch_threads)
         torch.manual_seed(seed)
+        self.config, self.algorithm = learner, algorithm
+        self.temperature, self.max_completion_length = temperature, max_completion_length
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.model.train()
-        self.ref_model = None
-        if beta > 0:
-            ref_path = ref_model_path or model_path
-            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=self.dtype).to(self.device)
-            self.ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(lr_schedule, warmup_steps, total_steps)
-        )
-        self.micro_batch_size = micro_batch_size
-        self.max_grad_norm = max_grad_norm
-        self.temperature = temperature
-        self.loss_kwargs: dict[str, Any] = dict(
-            loss_type=loss_type,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            beta=beta,
-            correction=correction,
-            correction_cap=correction_cap,
-            max_completion_length=max_completion_length,
-        )
+        self._load_models(learner.device, dtype, ref_model_path or model_path)
+        self._make_optimizer(total_steps)
+        self.micro_batch_size = learner.micro_batch_size
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and self.ref_model is None
         # Completions of one group share their prompt: its forward runs once and its KV cache is
         # repeated for the group (gradients flow through it), instead of once per completion. Pays
         # once the model is big enough for FLOPs, not per-call overhead, to dominate (None: auto).
         big = sum(p.numel() for p in self.model.parameters()) >= 20_000_000
-        self.share_prompt = (big if share_prompt is None else share_prompt) and not gradient_checkpointing
+        share = big if learner.share_prompt is None else learner.share_prompt
+        self.share_prompt = share and not learner.gradient_checkpointing
+
+    def _load_models(self, device: str, dtype: str, ref_path: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        if self.config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.ref_model = None
+        if self.algorithm.beta > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=self.dtype).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+
+    def _make_optimizer(self, total_steps: int) -> None:
+        """AdamW and transformers' LR schedule (linear warm-up from 0, then constant/linear/cosine)."""
+        from transformers import get_scheduler
+
+        c = self.config
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        name = {"constant": "constant_with_warmup"}.get(c.lr_schedule, c.lr_schedule)
+        self.scheduler = get_scheduler(
+            name, self.optimizer, num_warmup_steps=c.warmup_steps, num_training_steps=total_steps
+        )
 
     # -- training ---------------------------------------------------------------------------
 
@@ -261,13 +239,32 @@ class Learner:
         if not samples:
             metrics.update({"train/skipped": 1.0, "train/seconds": time.perf_counter() - t0})
             return metrics
-        total_sequences = len(samples)
         total_tokens = int(sum(sum(s.completion_mask) for s in samples))
         # With no KL term a zero-advantage sample's loss and gradient are exactly 0 (every loss type
         # multiplies each token by its advantage), so it skips the forward/backward but still counts
         # in the normalisers: the update is the one the whole batch gives.
         work = [s for s in samples if s.advantage != 0.0] if self.skip_zero_advantage else samples
         metrics["train/skipped_zero_advantage"] = float(len(samples) - len(work))
+        sums = self._accumulate(work, len(samples), total_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this update runs at
+        self.optimizer.step()
+        self.scheduler.step()
+        dt = time.perf_counter() - t0
+        metrics.update({f"train/{k}": v for k, v in sums.items()})
+        metrics.update(
+            {
+                "train/grad_norm": float(grad_norm),
+                "train/lr": lr,
+                "train/tokens": float(total_tokens),
+                "train/tokens_per_s": total_tokens / dt if dt > 0 else 0.0,
+                "train/seconds": dt,
+            }
+        )
+        return metrics
+
+    def _accumulate(self, work: list[TrainSample], total_sequences: int, total_tokens: int) -> dict:
+        """Forward + backward of every micro-batch (gradients add up); the loss metrics, combined."""
         sums: dict[str, float] = {}
         for mb in self._micro_batches(work):
             logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
@@ -280,10 +277,11 @@ class Learner:
                 behav,
                 adv,
                 mask,
+                self.algorithm,
                 ref_logprobs=ref,
+                max_completion_length=self.max_completion_length,
                 total_sequences=total_sequences,
                 total_tokens=total_tokens,
-                **self.loss_kwargs,
             )
             loss.backward()
             weight = len(mb) / len(work)
@@ -297,21 +295,7 @@ class Learner:
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        dt = time.perf_counter() - t0
-        metrics.update({f"train/{k}": v for k, v in sums.items()})
-        metrics.update(
-            {
-                "train/grad_norm": float(grad_norm),
-                "train/lr": float(self.scheduler.get_last_lr()[0]),
-                "train/tokens": float(total_tokens),
-                "train/tokens_per_s": total_tokens / dt if dt > 0 else 0.0,
-                "train/seconds": dt,
-            }
-        )
-        return metrics
+        return sums
 
     # -- checkpoints --------------------------------------------------------------------------
 

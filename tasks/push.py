@@ -25,13 +25,20 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from storage.checkpoints import weights_store
 from storage.faults import failpoint
-from tasks.inference import InferenceError, InferenceUnavailableError, VLLMClient, renew_cache_salt
+from tasks.config import InferenceConfig, SyncConfig
+from tasks.inference import (
+    InferenceError,
+    InferenceUnavailableError,
+    VLLMClient,
+    client_for,
+    renew_cache_salt,
+)
 
-DEFAULT_RELOAD_TIMEOUT_S = 300.0
+DEFAULT_RELOAD_TIMEOUT_S = SyncConfig.model_fields["reload_timeout_s"].default
 
 # Server URL -> the weights directory this process last loaded into it (the rollback target).
 _loaded: dict[str, str] = {}
@@ -45,10 +52,6 @@ class WeightPushError(RuntimeError):
 class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
     """A weight push failed because the server could not be reached (pause or resume ran out of
     retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
-
-
-class WeightPush(Protocol):
-    async def push(self, model: Any, version: int) -> dict[str, float]: ...
 
 
 def save_weights(model: Any, directory: Path) -> None:
@@ -177,16 +180,19 @@ def push_weights_sync(
     url: str,
     root: str | Path,
     run_id: str,
-    keep_last: int = 2,
+    sync: SyncConfig | None = None,
+    inference: InferenceConfig | None = None,
     on_reloaded: Callable[[int], None] | None = None,
-    reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
-    **client_kwargs,
 ) -> dict[str, float]:
-    """Blocking push for a training thread (runs its own event loop and client)."""
+    """Blocking push for a training thread (runs its own event loop and client); `sync` gives the
+    versions kept and the reload timeout, `inference` the client's key, retries and timeouts."""
+    sync = sync or SyncConfig()
 
     async def go() -> dict[str, float]:
-        async with VLLMClient(url, **client_kwargs) as client:
-            pusher = CheckpointWeightPush(client, root, run_id, keep_last, on_reloaded, reload_timeout_s)
+        async with client_for(url, inference or InferenceConfig()) as client:
+            pusher = CheckpointWeightPush(
+                client, root, run_id, sync.keep_last, on_reloaded, sync.reload_timeout_s
+            )
             return await pusher.push(model, version)
 
     return asyncio.run(go())

@@ -16,19 +16,17 @@ import math
 import multiprocessing as mp
 import numbers
 import os
+import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+from typing import Any
 
 from storage.faults import failpoint
 from storage.records import RewardCell, RewardStatus, RolloutGroup
+from tasks.config import RewardConfig
 from tasks.imports import import_object
 from tasks.threads import in_daemon_thread
 
@@ -37,18 +35,7 @@ class RewardImportError(ImportError):
     """A reward function's import path cannot be resolved."""
 
 
-@dataclass
-class RewardSpec:
-    name: str
-    fn: str | Callable[..., Any]  # 'module:function' or a callable (incl. an nn.Module reward model)
-    weight: float = 1.0
-    timeout_s: float = 30.0
-    executor: Literal["thread", "process"] = "thread"
-    required: bool = True
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def resolve_reward(spec: RewardSpec) -> Callable[..., Any]:
+def resolve_reward(spec: RewardConfig) -> Callable[..., Any]:
     if callable(spec.fn):
         return spec.fn
     try:
@@ -88,7 +75,7 @@ def _batch_inputs(groups: list[RolloutGroup]) -> dict[str, list[Any]]:
     return cols
 
 
-def _cells_from_values(spec: RewardSpec, values: Any, n: int, seconds: float) -> list[RewardCell]:
+def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) -> list[RewardCell]:
     def cell(value, status, reason=""):
         return RewardCell(spec.name, value, status, reason, spec.weight, seconds)
 
@@ -113,12 +100,12 @@ def _cells_from_values(spec: RewardSpec, values: Any, n: int, seconds: float) ->
     return out
 
 
-def _error_cells(spec: RewardSpec, status: RewardStatus, reason: str, n: int, t0: float) -> list[RewardCell]:
+def _error_cells(spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float) -> list[RewardCell]:
     dt = time.perf_counter() - t0
     return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt)] * n
 
 
-async def _run_one(spec: RewardSpec, inputs: dict[str, list[Any]]) -> list[RewardCell]:
+async def _run_one(spec: RewardConfig, inputs: dict[str, list[Any]]) -> list[RewardCell]:
     n = len(inputs["completions"])
     kwargs = {**inputs, **spec.kwargs}
     t0 = time.perf_counter()
@@ -141,7 +128,7 @@ async def _awaited(fn: Any, kwargs: dict[str, Any]) -> Any:
     return await fn(**kwargs)
 
 
-async def _call(spec: RewardSpec, kwargs: dict[str, Any], n: int) -> Any:
+async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> Any:
     fn = resolve_reward(spec)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         # Its own event loop on a daemon thread: an `async def` that blocks (time.sleep, sync I/O)
@@ -165,7 +152,7 @@ def _is_module(fn: Any) -> bool:
     return torch is not None and isinstance(fn, torch.nn.Module)
 
 
-def _impute(rows: list[list[RewardCell]], specs: list[RewardSpec]) -> list[list[RewardCell]]:
+def _impute(rows: list[list[RewardCell]], specs: list[RewardConfig]) -> list[list[RewardCell]]:
     """Per-completion copies of one group's cells, with each optional reward's missing cells imputed.
 
     Scoring a missing optional value as 0 would move that completion against its group; the mean of
@@ -188,7 +175,7 @@ def _impute(rows: list[list[RewardCell]], specs: list[RewardSpec]) -> list[list[
     return out
 
 
-def _apply(groups: list[RolloutGroup], specs: list[RewardSpec], per_fn: list[list[RewardCell]]) -> None:
+def _apply(groups: list[RolloutGroup], specs: list[RewardConfig], per_fn: list[list[RewardCell]]) -> None:
     i = 0
     for g in groups:
         rows = [[col[i + k] for col in per_fn] for k in range(len(g.completions))]
@@ -220,10 +207,8 @@ def _apply(groups: list[RolloutGroup], specs: list[RewardSpec], per_fn: list[lis
 
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
-    if not xs:
-        return None, None
-    m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    """Mean and population std of a reward's valid values (None, None when there are none)."""
+    return (statistics.fmean(xs), statistics.pstdev(xs)) if xs else (None, None)
 
 
 def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
@@ -322,7 +307,7 @@ async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
     raise AssertionError("unreachable")
 
 
-async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardSpec]) -> dict[str, float | None]:
+async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dict[str, float | None]:
     """Score every completion with every reward, concurrently; fills the completions in place."""
     t0 = time.perf_counter()
     inputs = _batch_inputs(groups)
@@ -332,7 +317,7 @@ async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardSpec]
     return _metrics(groups, specs, per_fn, time.perf_counter() - t0)
 
 
-def score_groups(groups: list[RolloutGroup], specs: list[RewardSpec]) -> dict[str, float | None]:
+def score_groups(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dict[str, float | None]:
     """Sync entry point; works inside a running event loop too (runs on a helper thread's loop)."""
     try:
         asyncio.get_running_loop()
@@ -340,9 +325,3 @@ def score_groups(groups: list[RolloutGroup], specs: list[RewardSpec]) -> dict[st
         return asyncio.run(score_groups_async(groups, specs))
     with cf.ThreadPoolExecutor(max_workers=1) as ex:
         return ex.submit(asyncio.run, score_groups_async(groups, specs)).result()
-
-
-@task(name="score-rollouts", cache_policy=NO_CACHE, retries=0)
-def score_rollouts(groups: list[RolloutGroup], specs: list[RewardSpec]) -> dict[str, float | None]:
-    """Prefect task: score groups in place (pass `quote(groups)` so Prefect doesn't walk them)."""
-    return score_groups(groups, specs)

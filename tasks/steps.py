@@ -1,8 +1,8 @@
-"""The units of work of one training step, and their thin Prefect tasks.
+"""The units of work of one training step, each a Prefect task.
 
-Each function takes flat arguments and can be called directly (tests do); the `@task` wrappers at the
-bottom add retries, timeouts and `NO_CACHE`. Big objects (groups, the learner) reach these tasks
-wrapped in `quote(...)` so Prefect's argument walker never traverses token lists.
+Each task takes its own config sections (through `RolloutJob` / `PushJob`, built once per run by the
+flow); `task.fn(...)` calls the plain function (tests do). Big objects (groups, the learner, the jobs)
+reach these tasks wrapped in `quote(...)` so Prefect's argument walker never traverses token lists.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -21,9 +20,15 @@ from storage.checkpoints import CheckpointStore
 from storage.faults import failpoint
 from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
+from tasks.config import (
+    AlgorithmConfig,
+    GenerationConfig,
+    InferenceConfig,
+    RewardConfig,
+    SyncConfig,
+    ToolsConfig,
+)
 from tasks.grpo import group_advantages
-from tasks.imports import import_object
-from tasks.push import DEFAULT_RELOAD_TIMEOUT_S
 
 
 class VersionBox:
@@ -53,67 +58,65 @@ class RolloutBatch:
     body_end: float = 0.0
 
 
-def _tool_kwargs(tool_paths: list[str], environment_path: str | None, **rest) -> dict[str, Any]:
-    return dict(
-        tools=[import_object(p) for p in tool_paths] or None,
-        environment_factory=import_object(environment_path) if environment_path else None,
-        **rest,
-    )
+@dataclass
+class RolloutJob:
+    """What every step's generate -> score needs: the server, the tokenizer and the config sections of
+    generation, tools, rewards and the client; `versions` says which weights the server serves."""
+
+    url: str
+    tokenizer_path: str
+    generation: GenerationConfig
+    tools: ToolsConfig
+    rewards: list[RewardConfig]
+    inference: InferenceConfig
+    seed: int | None
+    versions: VersionBox
 
 
-async def _rollout_async(
-    step: int,
-    rows,
-    prompt_indices,
-    *,
-    url,
-    tokenizer_path,
-    gen,
-    reward_specs,
-    tools,
-    versions: VersionBox,
-    client_kwargs,
-) -> RolloutBatch:
+async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
     from tasks.generate import generate_groups, load_tokenizer
-    from tasks.inference import VLLMClient
+    from tasks.inference import client_for
     from tasks.score import score_groups_async
 
     t0 = time.perf_counter()
-    async with VLLMClient(url, **client_kwargs) as client:
+    async with client_for(job.url, job.inference, job.generation.max_in_flight) as client:
         groups = await generate_groups(
             rows,
             prompt_indices,
             backend=client,
-            tokenizer=load_tokenizer(tokenizer_path),
-            version_fn=versions.get,
-            **gen,
-            **_tool_kwargs(**tools),
+            tokenizer=load_tokenizer(job.tokenizer_path),
+            generation=job.generation,
+            tools=job.tools,
+            seed=job.seed,
+            version_fn=job.versions.get,
         )
     t1 = time.perf_counter()
-    metrics = await score_groups_async(groups, reward_specs)
+    metrics = await score_groups_async(groups, job.rewards)
     t2 = time.perf_counter()
-    n = sum(len(g.completions) for g in groups)
-    gen_tokens = sum(sum(c.completion_mask) for g in groups for c in g.completions)
-    metrics.update(
-        {
-            "gen_seconds": t1 - t0,
-            "score_seconds": t2 - t1,
-            "gen/completions": float(n),
-            "gen/tokens": float(gen_tokens),
-            "gen/tokens_per_s": gen_tokens / (t1 - t0) if t1 > t0 else 0.0,
-            "gen/truncated_frac": sum(c.truncated for g in groups for c in g.completions) / max(1, n),
-            "gen/tool_calls": float(sum(len(c.tool_calls) for g in groups for c in g.completions)),
-            "gen/tool_failures": float(
-                sum(tc.failed for g in groups for c in g.completions for tc in c.tool_calls)
-            ),
-        }
-    )
+    metrics.update(_generation_metrics(groups, t1 - t0))
+    metrics["score_seconds"] = t2 - t1
     return RolloutBatch(step, groups, metrics, t0, t2)
 
 
-def rollout_batch_fn(step: int, rows, prompt_indices, **kwargs) -> RolloutBatch:
+def _generation_metrics(groups: list[RolloutGroup], seconds: float) -> dict[str, float]:
+    comps = [c for g in groups for c in g.completions]
+    tokens = sum(sum(c.completion_mask) for c in comps)
+    calls = [tc for c in comps for tc in c.tool_calls]
+    return {
+        "gen_seconds": seconds,
+        "gen/completions": float(len(comps)),
+        "gen/tokens": float(tokens),
+        "gen/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "gen/truncated_frac": sum(c.truncated for c in comps) / max(1, len(comps)),
+        "gen/tool_calls": float(len(calls)),
+        "gen/tool_failures": float(sum(tc.failed for tc in calls)),
+    }
+
+
+@task(name="rollout-batch", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def rollout_batch(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
     """Generate the groups of one step on the vLLM server, then score them (one worker thread)."""
-    return asyncio.run(_rollout_async(step, rows, prompt_indices, **kwargs))
+    return asyncio.run(_rollout_async(step, rows, prompt_indices, job))
 
 
 def max_lag(max_staleness: int, sync_every: int) -> int:
@@ -126,17 +129,15 @@ def assign_advantages(
     groups: list[RolloutGroup],
     *,
     step: int,
-    max_staleness: int,
+    algorithm: AlgorithmConfig,
     sync_every: int = 1,
-    scale: str,
-    filter_zero_std: bool,
 ) -> dict[str, float]:
     """Drop stale groups, compute masked advantages, and mark which completions are trained on.
 
     Staleness, here, in the `rollouts` table and in the metrics, is one number: training steps between
     the policy that generated a sample (its version = optimizer updates in those weights) and the
     policy being trained at `step`. Only what exceeds `max_lag` (a server restart, a late batch) drops."""
-    fresh, stale, limit = [], 0, max_lag(max_staleness, sync_every)
+    fresh, stale, limit = [], 0, max_lag(algorithm.max_staleness, sync_every)
     for g in groups:
         staleness = max(step - c.policy_version for c in g.completions) if g.completions else 0
         if staleness > limit:
@@ -151,7 +152,9 @@ def assign_advantages(
             fresh.append(g)
     rewards = [[c.reward if c.reward_valid else None for c in g.completions] for g in fresh]
     valid = [[c.reward_valid for c in g.completions] for g in fresh]
-    adv, mask, metrics = group_advantages(rewards, valid, scale=scale, filter_zero_std=filter_zero_std)
+    adv, mask, metrics = group_advantages(
+        rewards, valid, scale=algorithm.scale, filter_zero_std=algorithm.filter_zero_std
+    )
     for g, a_row, m_row in zip(fresh, adv, mask, strict=True):
         n_valid = sum(c.reward_valid for c in g.completions)
         for c, a, m in zip(g.completions, a_row, m_row, strict=True):
@@ -175,7 +178,8 @@ def assign_advantages(
     return out
 
 
-def persist_step_fn(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
+@task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def persist_step(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
     """Write the step's rollouts and rewards (atomic Parquet files); returns seconds."""
     t0 = time.perf_counter()
     store = RolloutStore(Path(root))
@@ -184,54 +188,47 @@ def persist_step_fn(root: str, run_id: str, step: int, groups: list[RolloutGroup
     return time.perf_counter() - t0
 
 
-def train_fn(learner, groups: list[RolloutGroup]) -> dict[str, float]:
+@task(name="train-step", cache_policy=NO_CACHE)
+def train_on_batch(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     from tasks.learn import samples_from_groups
 
     failpoint("train")
     return learner.train_step(samples_from_groups(groups))
 
 
-def push_fn(
-    learner,
-    *,
-    url: str,
-    root: str,
-    run_id: str,
-    version: int,
-    keep_last: int,
-    client_kwargs,
-    versions: VersionBox | None = None,
-    reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
-) -> dict:
-    """Push the learner's weights as `version`; `versions` flips to it between reload and resume."""
+@dataclass
+class PushJob:
+    """Where and how a run pushes weights: its server, its store, the sync and client sections."""
+
+    url: str
+    root: str
+    run_id: str
+    sync: SyncConfig
+    inference: InferenceConfig
+    versions: VersionBox | None = None  # flips to a pushed version between reload and resume
+
+
+@task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def push_weights(learner, version: int, job: PushJob) -> dict:
+    """Push the learner's weights into the server as `version`."""
     from tasks.push import push_weights_sync
 
+    versions = job.versions
     return push_weights_sync(
         learner.model,
         version,
-        url=url,
-        root=root,
-        run_id=run_id,
-        keep_last=keep_last,
-        reload_timeout_s=reload_timeout_s,
+        url=job.url,
+        root=job.root,
+        run_id=job.run_id,
+        sync=job.sync,
+        inference=job.inference,
         on_reloaded=versions.set if versions is not None else None,
-        **client_kwargs,
     )
 
 
-def checkpoint_fn(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:
+@task(name="checkpoint", cache_policy=NO_CACHE, retries=1)
+def save_checkpoint(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:
     t0 = time.perf_counter()
     CheckpointStore(Path(root)).save(run_id, step, learner.save, state, keep_last=keep)
     failpoint("checkpoint_done")
     return time.perf_counter() - t0
-
-
-rollout_batch = task(name="rollout-batch", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(
-    rollout_batch_fn
-)
-persist_step = task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)(
-    persist_step_fn
-)
-train_on_batch = task(name="train-step", cache_policy=NO_CACHE)(train_fn)
-push_weights = task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(push_fn)
-save_checkpoint = task(name="checkpoint", cache_policy=NO_CACHE, retries=1)(checkpoint_fn)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.drill import KILL_DRILL, KILL_DRILL_SETS
 from flows.config import load_config
-from storage.faults import KILL_DRILL, KILL_DRILL_SETS
 from storage.sql import query
 
 pytestmark = pytest.mark.integration
@@ -94,15 +94,22 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
 
 
 def _losses(root: Path, run_id: str) -> list[float]:
-    _, rows = query(root, f"SELECT \"train/loss\" FROM steps WHERE run_id = '{run_id}' ORDER BY step")
+    _, rows = query(root, 'SELECT "train/loss" FROM steps WHERE run_id = $run ORDER BY step', {"run": run_id})
     return [r[0] for r in rows]
 
 
 def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
-    from flows.runs import RunState, load_rows, rows_for_step
-    from flows.train import build_learner, client_kwargs, grpo_train, rollout_kwargs
-    from tasks.steps import VersionBox, assign_advantages, push_fn, rollout_batch_fn, train_fn
+    from flows.runs import RunState, load_rows, rollout_job, rows_for_step
+    from flows.train import build_learner, grpo_train
+    from tasks.steps import (
+        PushJob,
+        VersionBox,
+        assign_advantages,
+        push_weights,
+        rollout_batch,
+        train_on_batch,
+    )
 
     steps = 3
     sets = {"run.steps": steps, "algorithm.max_staleness": 0, "run.run_id": "flow0"}
@@ -110,40 +117,27 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     grpo_train(config=cfg)
     flow_losses = _losses(tmp_path / "a", "flow0")
 
-    # The plain loop, no Prefect futures and no lookahead.
+    # The plain loop, no Prefect futures and no lookahead: each task's own function (`.fn`).
     run = RunState("plain", 0, 0, str(tiny_model_dir), str(tiny_model_dir), None, False)
     learner = build_learner(cfg, run)
     versions = VersionBox(0)
-    push_kw = dict(
-        url=vllm_server.url,
-        root=str(tmp_path / "b"),
-        run_id="plain",
-        keep_last=1,
-        client_kwargs=client_kwargs(cfg),
-    )
-    push_fn(learner, version=0, **push_kw)
-    kw = rollout_kwargs(cfg, vllm_server.url, str(tiny_model_dir), versions)
-    kw["versions"] = versions  # no Prefect here, so no quote() to unwrap
+    push = PushJob(vllm_server.url, str(tmp_path / "b"), "plain", cfg.sync, cfg.inference)
+    push_weights.fn(learner, 0, push)
+    job = rollout_job(cfg, vllm_server.url, str(tiny_model_dir), versions)
     rows, plain_losses = load_rows(cfg), []
     for step in range(steps):
         batch_rows, cursor = rows_for_step(
             rows, step, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
         )
-        batch = rollout_batch_fn(step, batch_rows, cursor, **kw)
-        assign_advantages(
-            batch.groups,
-            step=step,
-            max_staleness=0,
-            scale=cfg.algorithm.scale,
-            filter_zero_std=cfg.algorithm.filter_zero_std,
-        )
-        plain_losses.append(train_fn(learner, batch.groups)["train/loss"])
-        push_fn(learner, version=step + 1, **push_kw)
+        batch = rollout_batch.fn(step, batch_rows, cursor, job)
+        assign_advantages(batch.groups, step=step, algorithm=cfg.algorithm)
+        plain_losses.append(train_on_batch.fn(learner, batch.groups)["train/loss"])
+        push_weights.fn(learner, step + 1, push)
         versions.set(step + 1)
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
-# SIGKILL at each named point of a step (storage/faults.py: KILL_DRILL), then `grpoflow train --resume`.
+# SIGKILL at each named point of a step (benchmarks/drill.py: KILL_DRILL), then `grpoflow train --resume`.
 
 
 @pytest.mark.slow

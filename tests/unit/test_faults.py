@@ -84,7 +84,8 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
         """
         import asyncio, threading
         from storage.records import RolloutCompletion, RolloutGroup
-        from tasks.score import RewardSpec, score_groups
+        from tasks.config import RewardConfig
+        from tasks.score import score_groups
         from tasks.tools import ParsedCall, ToolBox
 
         def stuck(completions, **_):
@@ -100,8 +101,8 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
                                  completion_mask=[1], logprobs=[-1.0])
         groups = [RolloutGroup(group_id="g", prompt_index=0, prompt="p", prompt_ids=[1],
                                completions=[comp])]
-        m = score_groups(groups, [RewardSpec("stuck", stuck, timeout_s=0.5, required=False),
-                                  RewardSpec("ok", ok)])
+        m = score_groups(groups, [RewardConfig(name="stuck", fn=stuck, timeout_s=0.5, required=False),
+                                  RewardConfig(name="ok", fn=ok)])
         print("reward", m["reward/stuck/timeout_rate"], comp.reward)
         box = ToolBox.from_functions([stuck_tool], timeout_s=0.5)
         rec = asyncio.run(box.call(ParsedCall("stuck_tool", {"x": 1}, "{}"), turn=0))

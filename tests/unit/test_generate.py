@@ -14,6 +14,7 @@ import pytest
 
 import tasks.generate as gen
 from examples.envs import CounterEnv
+from tasks.config import GenerationConfig, ToolsConfig
 from tasks.inference import Choice
 from tasks.tiny_model import build_tokenizer
 from tasks.tools import HermesToolParser
@@ -81,8 +82,7 @@ def test_single_turn_group_and_masks(tok):
             [7],
             backend=backend,
             tokenizer=tok,
-            group_size=3,
-            max_tokens=8,
+            generation=GenerationConfig(group_size=3, max_tokens=8),
             seed=1,
             version_fn=lambda: 4,
         )
@@ -118,10 +118,8 @@ def test_multi_turn_trajectory_masks_and_logprobs_align(tok):
             [0],
             backend=backend,
             tokenizer=tok,
-            group_size=1,
-            max_tokens=64,
-            max_turns=3,
-            tools=[add],
+            generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=3),
+            tools=ToolsConfig(tools=[add]),
         )
     )
     c = g.completions[0]
@@ -166,10 +164,8 @@ def test_max_turns_truncates(tok):
             [0],
             backend=ScriptedBackend(tok, script),
             tokenizer=tok,
-            group_size=2,
-            max_tokens=64,
-            max_turns=3,
-            tools=[ping],
+            generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
+            tools=ToolsConfig(tools=[ping]),
         )
     )
     for c in g.completions:
@@ -210,12 +206,8 @@ def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
             [0],
             backend=ScriptedBackend(tok, script, 8192),
             tokenizer=tok,
-            group_size=1,
-            max_tokens=64,
-            max_turns=10,
-            tools=[boom, hang],
-            max_rollout_tokens=4000,
-            tool_timeout_s=0.3,
+            generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=10, max_rollout_tokens=4000),
+            tools=ToolsConfig(tools=[boom, hang], tool_timeout_s=0.3),
         )
     )
     c = g.completions[0]
@@ -252,10 +244,8 @@ def test_slow_sync_tool_does_not_block_other_rollouts(tok):
             [0, 1],
             backend=ScriptedBackend(tok, script),
             tokenizer=tok,
-            group_size=1,
-            max_tokens=64,
-            max_turns=2,
-            tools=[slow, fast],
+            generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=2),
+            tools=ToolsConfig(tools=[slow, fast]),
         )
     )
     # the fast rollout finished while the slow tool was still running in its thread
@@ -273,16 +263,18 @@ def test_token_budget_and_max_model_len(tok):
             [0],
             backend=backend,
             tokenizer=tok,
-            group_size=2,
-            max_tokens=100,
-            max_rollout_tokens=30,
+            generation=GenerationConfig(group_size=2, max_tokens=100, max_rollout_tokens=30),
         )
     )
     assert all(r["prompt_len"] + r["max_tokens"] <= 120 for r in backend.requests)
     assert all(len(c.completion_ids) <= 30 and c.truncation_reason == "max_tokens" for c in g.completions)
     (g,) = run(
         gen.generate_groups(
-            [{"prompt": "p" * 200}], [0], backend=backend, tokenizer=tok, group_size=2, max_tokens=10
+            [{"prompt": "p" * 200}],
+            [0],
+            backend=backend,
+            tokenizer=tok,
+            generation=GenerationConfig(group_size=2, max_tokens=10),
         )
     )
     assert all(c.truncation_reason == "prompt_too_long" and c.completion_ids == [] for c in g.completions)
@@ -292,7 +284,11 @@ def test_row_without_prompt_is_named(tok):
     with pytest.raises(ValueError, match="row 5 has no 'prompt'"):
         run(
             gen.generate_groups(
-                [{"q": 1}], [5], backend=ScriptedBackend(tok, None), tokenizer=tok, group_size=2, max_tokens=4
+                [{"q": 1}],
+                [5],
+                backend=ScriptedBackend(tok, None),
+                tokenizer=tok,
+                generation=GenerationConfig(group_size=2, max_tokens=4),
             )
         )
 
@@ -317,13 +313,9 @@ def _counter_groups(tok):
             [0, 1],
             backend=ScriptedBackend(tok, _counter_script(), 8192),
             tokenizer=tok,
-            group_size=4,
-            max_tokens=64,
-            max_turns=8,
+            generation=GenerationConfig(group_size=4, max_tokens=64, max_turns=8, max_rollout_tokens=8000),
+            tools=ToolsConfig(environment=CounterEnv, env_slots=3),
             seed=0,
-            environment_factory=CounterEnv,
-            max_rollout_tokens=8000,
-            env_slots=3,
         )
     )
 
@@ -358,8 +350,9 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
     """An environment whose reset note differs per sample: the learner's input, the rollouts row and
     the `prompts` a reward function receives are each completion's own prompt."""
     from storage.records import rollout_rows
+    from tasks.config import RewardConfig
     from tasks.learn import samples_from_groups
-    from tasks.score import RewardSpec, score_groups
+    from tasks.score import score_groups
     from tests.unit.envs import TargetEnv
 
     async def script(text, k, seed):
@@ -372,11 +365,8 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
             [0],
             backend=ScriptedBackend(tok, script),
             tokenizer=tok,
-            group_size=3,
-            max_tokens=16,
-            max_turns=2,
-            environment_factory=TargetEnv,
-            env_slots=2,
+            generation=GenerationConfig(group_size=3, max_tokens=16, max_turns=2),
+            tools=ToolsConfig(environment=TargetEnv, env_slots=2),
         )
     )
     notes = [f"Your target is {c.environment.target}." for c in g.completions]
@@ -387,7 +377,7 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
         seen.extend(prompts)
         return [1.0] * len(completions)
 
-    score_groups([g], [RewardSpec("seen", record_prompts)])
+    score_groups([g], [RewardConfig(name="seen", fn=record_prompts)])
     assert seen == [f"reach the target\n\n{n}" for n in notes]
     for c in g.completions:
         c.trained, c.advantage = True, 1.0
@@ -422,13 +412,9 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
             [0],
             backend=ScriptedBackend(tok, script),
             tokenizer=tok,
-            group_size=3,
-            max_tokens=64,
-            max_turns=3,
+            generation=GenerationConfig(group_size=3, max_tokens=64, max_turns=3),
+            tools=ToolsConfig(environment=ListEnv, env_slots=1, tool_timeout_s=0.2),
             seed=0,
-            environment_factory=ListEnv,
-            env_slots=1,
-            tool_timeout_s=0.2,
         )
     )
     c0, c1, c2 = g.completions
@@ -475,16 +461,12 @@ def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
 
     backend = ScriptedBackend(tok, script)
     run(
-        gen.generate_groups(
-            [{"prompt": "p"}], [0], backend=backend, tokenizer=tok, group_size=1, max_tokens=64,
-            max_turns=3, tools=[ping], version_fn=lambda: version[0],
-        )
+        gen.generate_groups([{"prompt": "p"}], [0], backend=backend, tokenizer=tok, generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=3), tools=ToolsConfig(tools=[ping]), version_fn=lambda: version[0])
     )  # fmt: skip
     salts = [r["cache_salt"] for r in backend.requests]
     assert salts == [cache_salt_for(3), cache_salt_for(4)] and salts[0] != salts[1]
     single = ScriptedBackend(tok, script)
-    run(gen.generate_groups([{"prompt": "q"}], [1], backend=single, tokenizer=tok, group_size=2, max_tokens=4,
-                            version_fn=lambda: 4))  # fmt: skip
+    run(gen.generate_groups([{"prompt": "q"}], [1], backend=single, tokenizer=tok, generation=GenerationConfig(group_size=2, max_tokens=4), version_fn=lambda: 4))  # fmt: skip
     assert [r["cache_salt"] for r in single.requests] == [cache_salt_for(4)]
 
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
+from tasks.config import AlgorithmConfig
 from tasks.grpo import compute_loss, group_advantages
 
 pytestmark = pytest.mark.unit
+
+ALGORITHM_FIELDS = set(AlgorithmConfig.model_fields)
+
+
+def loss_of(*tensors, **kw):
+    """compute_loss with the algorithm fields among `kw` as its section (correction off unless given)."""
+    algorithm = AlgorithmConfig(**{"correction": "none"} | {k: kw.pop(k) for k in set(kw) & ALGORITHM_FIELDS})
+    return compute_loss(*tensors, algorithm, **kw)
 LOSSES = ["grpo", "dr_grpo", "dapo", "gspo"]
 
 
@@ -55,9 +65,10 @@ def test_no_scaling_and_zero_std_filter():
 
 
 def test_zero_std_is_judged_with_a_tolerance():
-    rewards = [0.1, 0.1, 0.1]
-    mean = sum(rewards) / 3
-    assert math.sqrt(sum((r - mean) ** 2 for r in rewards) / 2) > 0  # float noise: ~1.7e-17, not 0
+    # Equal rewards up to their last bit (0.1 + 0.2 vs 0.3): a real std of ~1e-17, which no stats
+    # helper rounds to 0 and which `std == 0` would take for a signal.
+    rewards = [0.1 + 0.2, 0.3, 0.3]
+    assert 0 < statistics.stdev(rewards) < 1e-16
     adv, mask, m = group_advantages([rewards], [[True] * 3], filter_zero_std=True)
     assert mask == [[False] * 3] and m["groups_zero_std"] == 1 and m["groups_trained"] == 0
     adv, mask, m = group_advantages([rewards], [[True] * 3])  # not filtered: trained with advantage 0
@@ -87,7 +98,7 @@ def _two_seq():
 )
 def test_loss_variants_hand_derived(loss_type, expected, grads):
     logp, behav, adv, mask = _two_seq()
-    loss, m = compute_loss(logp, behav, adv, mask, loss_type=loss_type, max_completion_length=4)
+    loss, m = loss_of(logp, behav, adv, mask, loss_type=loss_type, max_completion_length=4)
     assert loss.item() == pytest.approx(expected)
     loss.backward()
     # d(-ratio*adv)/dlogp = -adv at ratio 1, divided by the normaliser
@@ -101,13 +112,13 @@ def test_clipping():
     old = torch.tensor([[-1.0], [-1.0]])
     logp = (old + math.log(1.5)).clone().requires_grad_(True)
     mask = torch.ones(2, 1)
-    loss, m = compute_loss(logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old)
+    loss, m = loss_of(logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old)
     assert float(loss) == pytest.approx((-1.2 + 1.5) / 2)
     loss.backward()
     assert logp.grad[0, 0] == 0.0 and logp.grad[1, 0] == pytest.approx(1.5 / 2)  # d(1.5*e^x)/dx /2
     assert m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0
     # epsilon_high widens only the upper side: 1.5 < 1 + 0.6, nothing clipped
-    loss2, m2 = compute_loss(
+    loss2, m2 = loss_of(
         logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old, epsilon_high=0.6
     )
     assert float(loss2) == pytest.approx((-1.5 + 1.5) / 2) and m2["clip_frac_high"] == 0.0
@@ -125,7 +136,7 @@ def test_clipping():
 def test_off_policy_correction(correction, expected_loss, masked):
     logp = torch.tensor([[-1.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.0 - math.log(3.0)]])  # the sampler gave this token 1/3 the prob
-    loss, m = compute_loss(
+    loss, m = loss_of(
         logp,
         behaviour,
         torch.tensor([1.0]),
@@ -143,7 +154,7 @@ def test_kl_penalty_k3():
     # ref = logp + log 2 -> k3 = e^{log 2} - log 2 - 1 = 0.306853 per token; adv 0 leaves only KL
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     ref = logp.detach() + math.log(2.0)
-    loss, m = compute_loss(
+    loss, m = loss_of(
         logp,
         logp.detach(),
         torch.tensor([0.0]),
@@ -180,11 +191,11 @@ def test_invalid_half_equals_batch_without_them(loss_type, correction):
     m_full = mask * keep.unsqueeze(-1)
     adv_full = adv * keep
     kw = dict(loss_type=loss_type, correction=correction, max_completion_length=5)
-    loss_full, _ = compute_loss(_logp(logits, tokens), behav, adv_full, m_full, **kw)
+    loss_full, _ = loss_of(_logp(logits, tokens), behav, adv_full, m_full, **kw)
     (g_full,) = torch.autograd.grad(loss_full, logits)
 
     sub = logits.detach()[keep].clone().requires_grad_(True)
-    loss_sub, _ = compute_loss(_logp(sub, tokens[keep]), behav[keep], adv[keep], mask[keep], **kw)
+    loss_sub, _ = loss_of(_logp(sub, tokens[keep]), behav[keep], adv[keep], mask[keep], **kw)
     (g_sub,) = torch.autograd.grad(loss_sub, sub)
     assert float(loss_full) == pytest.approx(float(loss_sub), rel=1e-6, abs=1e-8)
     assert torch.allclose(g_full[keep], g_sub, atol=1e-7)
@@ -195,10 +206,10 @@ def test_invalid_half_equals_batch_without_them(loss_type, correction):
 def test_micro_batches_add_up_to_the_full_batch(loss_type):
     logits, tokens, behav, adv, mask = _batch(1)
     kw = dict(loss_type=loss_type, max_completion_length=5)
-    full, _ = compute_loss(_logp(logits, tokens), behav, adv, mask, **kw)
+    full, _ = loss_of(_logp(logits, tokens), behav, adv, mask, **kw)
     totals = dict(total_sequences=6, total_tokens=int(mask.sum()))
     parts = sum(
-        compute_loss(_logp(logits[s], tokens[s]), behav[s], adv[s], mask[s], **kw, **totals)[0]
+        loss_of(_logp(logits[s], tokens[s]), behav[s], adv[s], mask[s], **kw, **totals)[0]
         for s in (slice(0, 2), slice(2, 6))
     )
     assert float(parts) == pytest.approx(float(full), rel=1e-6)
@@ -236,7 +247,7 @@ def test_any_sampler_gap_keeps_loss_gradients_and_metrics_finite(
     # old_logprobs far from the learner (many optimizer steps per batch): huge ratios both ways
     old = torch.tensor([[-1.0, 60.0, -0.5], [-1.0, -3.0, 0.0], [-5.0, -1e4, -80.0], [0.0, 0.0, 0.0]])
     ref = torch.tensor([[-1.0, -2.0, -1e4], [-1e4, -3.0, 0.0], [-1.0, -1e4, -1.0], [0.0, 0.0, 0.0]])
-    loss, metrics = compute_loss(
+    loss, metrics = loss_of(
         logp,
         behaviour,
         torch.tensor([1.0, -1.0, -2.0, 0.0]),
@@ -265,11 +276,11 @@ def test_an_impossible_sampler_token_is_dropped_not_diluted(behaviour_value):
     behaviour = torch.full((1, 101), -1.0)
     behaviour[0, 50] = behaviour_value
     kw = dict(loss_type="dapo", correction_cap=2.0)
-    loss, m = compute_loss(
+    loss, m = loss_of(
         logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="icepop", **kw
     )
     assert float(loss) == pytest.approx(-100 / 101) and m["is_masked_frac"] == pytest.approx(1 / 101)
-    loss, m = compute_loss(
+    loss, m = loss_of(
         logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="seq_mask", **kw
     )
     assert float(loss) == 0.0 and m["is_masked_frac"] == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.learn import Learner, TrainSample, _logprobs_from, token_logprobs
 from tasks.tiny_model import build_tiny_model
 
@@ -14,6 +15,15 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
+                 **fields) -> Learner:  # fmt: skip
+    """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
+    (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
+    algorithm = {"correction": "none"} | {k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)}
+    return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), total_steps=total_steps,
+                   seed=seed, tokenizer_path=tokenizer_path, skip_zero_advantage=skip_zero_advantage)  # fmt: skip
 
 
 def samples() -> list[TrainSample]:
@@ -34,7 +44,7 @@ def seq_logprob(learner: Learner, s: TrainSample) -> float:
 
 
 def test_update_moves_logprobs_in_the_advantage_direction(model_dir):
-    learner = Learner(model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0)
+    learner = make_learner(model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0)
     before = [seq_logprob(learner, s) for s in samples()]
     m = learner.train_step(samples())
     after = [seq_logprob(learner, s) for s in samples()]
@@ -46,7 +56,7 @@ def test_micro_batching_gives_the_same_update(model_dir):
     # Compare the accumulated gradients (Adam's first step would amplify float noise in tiny grads).
     grads, losses = [], []
     for mbs in (1, 3):
-        learner = Learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0)
+        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0)
         learner.optimizer.step = lambda: None
         losses.append(learner.train_step(samples())["train/loss"])
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters()]))
@@ -55,10 +65,10 @@ def test_micro_batching_gives_the_same_update(model_dir):
 
 
 def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
-    a = Learner(model_dir, lr=1e-3, total_steps=10, lr_schedule="cosine", warmup_steps=2, seed=0)
+    a = make_learner(model_dir, lr=1e-3, total_steps=10, lr_schedule="cosine", warmup_steps=2, seed=0)
     a.train_step(samples())
     a.save(tmp_path)
-    b = Learner(
+    b = make_learner(
         tmp_path / "model",
         lr=1e-3,
         total_steps=10,
@@ -74,8 +84,17 @@ def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
         assert torch.allclose(pa_, pb, atol=1e-6)
 
 
+def test_lr_schedule_is_transformers_warm_up_from_zero_then_decay(model_dir):
+    # transformers.get_scheduler: warm-up lr(k) = peak * k / warmup for update k = 0, 1, ..., so the
+    # first update runs at lr 0 (grpoflow's own schedule used (k + 1) / warmup before).
+    learner = make_learner(model_dir, lr=1e-3, total_steps=6, warmup_steps=2, lr_schedule="linear")
+    learner.optimizer.step = lambda: None  # the schedule alone
+    used = [learner.train_step(samples())["train/lr"] for _ in range(6)]
+    assert used == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
 def test_empty_batch_is_a_skipped_step(model_dir):
-    learner = Learner(model_dir, lr=1e-3, total_steps=1)
+    learner = make_learner(model_dir, lr=1e-3, total_steps=1)
     assert learner.train_step([])["train/skipped"] == 1.0
 
 
@@ -92,7 +111,7 @@ def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(
     ]
     runs = {}
     for skip in (False, True):
-        learner = Learner(
+        learner = make_learner(
             model_dir, lr=1e-3, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
         )
         learner.optimizer.step = lambda: None
@@ -111,7 +130,7 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
     ]
     params = []
     for skip in (False, True):
-        learner = Learner(
+        learner = make_learner(
             model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
         )
         learner.train_step(samples())
@@ -122,7 +141,7 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
 
 
 def test_logits_only_where_completions_are_predicted(model_dir):
-    learner = Learner(model_dir, lr=1e-3, total_steps=1)
+    learner = make_learner(model_dir, lr=1e-3, total_steps=1)
     ids = torch.tensor([[5, 6, 7, 70, 71, 72, 3], [9, 9, 9, 9, 90, 91, 92]])
     attn = torch.ones_like(ids)
     with torch.no_grad():
@@ -136,7 +155,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
     # repeated; logprobs, loss and gradients match the full-sequence forward.
     runs = {}
     for share in (False, True):
-        learner = Learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share)
+        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share)
         assert learner.share_prompt is share
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(samples()), grads_of(learner))

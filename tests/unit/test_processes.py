@@ -126,13 +126,14 @@ def test_a_reward_worker_stuck_in_a_hung_reward_dies_with_its_run(tmp_path):
     pid_file = tmp_path / "worker"
     code = f"""
 import asyncio, os
-from tasks.score import RewardSpec, score_groups, _process_pool
+from tasks.config import RewardConfig
+from tasks.score import score_groups, _process_pool
 from storage.records import RolloutCompletion, RolloutGroup
 pool = _process_pool()
 pids = pool.submit(os.getpid).result(), pool.submit(os.getpid).result()
 open({str(pid_file)!r}, "w").write(" ".join(str(p) for p in sorted(set(pids))))
 g = RolloutGroup("g", 0, "p", [1], [RolloutCompletion(0, "a", [1], [1], [-1.0])])
-score_groups([g], [RewardSpec("stuck", "tests.unit.reward_fns:hang_forever", executor="process",
+score_groups([g], [RewardConfig(name="stuck", fn="tests.unit.reward_fns:hang_forever", executor="process",
                               timeout_s=600, kwargs={{"pid_dir": {str(tmp_path)!r}}})])
 """
     run = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))

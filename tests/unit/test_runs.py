@@ -9,6 +9,7 @@ import pytest
 from flows.config import ConfigError, load_config
 from flows.runs import load_rows, open_run, prepare_model, rows_for_step
 from storage.records import RolloutCompletion, RolloutGroup
+from tasks.config import AlgorithmConfig
 from tasks.steps import assign_advantages
 
 pytestmark = pytest.mark.unit
@@ -85,7 +86,7 @@ def _group(gid: str, rewards, versions):
 def test_stale_groups_are_dropped_with_a_reason_and_counted():
     fresh = _group("fresh", [1.0, 0.0, None], [4, 4, 4])
     stale = _group("stale", [1.0, 0.0], [2, 3])  # oldest completion is 3 versions behind step 5
-    m = assign_advantages([fresh, stale], step=5, max_staleness=2, scale="group", filter_zero_std=False)
+    m = assign_advantages([fresh, stale], step=5, algorithm=AlgorithmConfig(max_staleness=2))
     assert m["groups_dropped_stale"] == 1 and m["staleness_max"] == 3
     assert all(not c.trained and c.drop_reason.startswith("stale") for c in stale.completions)
     a, b, invalid = fresh.completions
@@ -108,12 +109,7 @@ def test_pushing_every_n_steps_drops_nothing_and_staleness_is_one_number(max_sta
         v = served_at_start_of(max(0, step - max_staleness))
         g = _group(f"g{step}", [1.0, 0.0], [v, v])
         m = assign_advantages(
-            [g],
-            step=step,
-            max_staleness=max_staleness,
-            sync_every=sync_every,
-            scale="group",
-            filter_zero_std=False,
+            [g], step=step, algorithm=AlgorithmConfig(max_staleness=max_staleness), sync_every=sync_every
         )
         assert m["groups_dropped_stale"] == 0 and all(c.trained for c in g.completions)
         (row, _) = rollout_rows([g], run_id="r", step=step)

@@ -13,7 +13,8 @@ import pytest
 from storage.records import RolloutCompletion, RolloutGroup, reward_rows
 from storage.rollouts import RolloutStore
 from storage.sql import query, run_canned
-from tasks.score import RewardImportError, RewardSpec, resolve_reward, score_groups, score_groups_async
+from tasks.config import RewardConfig
+from tasks.score import RewardImportError, resolve_reward, score_groups, score_groups_async
 
 pytestmark = pytest.mark.unit
 
@@ -106,8 +107,8 @@ FAULTS = {
 
 def test_fault_matrix_every_cell_has_the_right_status():
     groups = make_groups()
-    specs = [RewardSpec("healthy", healthy, weight=2.0)] + [
-        RewardSpec(name, fn, timeout_s=0.5, required=False) for name, (fn, _, _) in FAULTS.items()
+    specs = [RewardConfig(name="healthy", fn=healthy, weight=2.0)] + [
+        RewardConfig(name=name, fn=fn, timeout_s=0.5, required=False) for name, (fn, _, _) in FAULTS.items()
     ]
     t0 = time.perf_counter()
     metrics = score_groups(groups, specs)
@@ -129,7 +130,7 @@ def test_fault_matrix_every_cell_has_the_right_status():
 
 def test_required_reward_failure_masks_the_completion():
     groups = make_groups(1, 3)
-    metrics = score_groups(groups, [RewardSpec("h", healthy), RewardSpec("f", first_invalid)])
+    metrics = score_groups(groups, [RewardConfig(name="h", fn=healthy), RewardConfig(name="f", fn=first_invalid)])
     first, *rest = groups[0].completions
     assert (
         not first.reward_valid
@@ -151,7 +152,7 @@ def test_reward_receives_columns_prompts_and_environments():
 
     groups = make_groups(2, 2)
     groups[1].completions[0].environment = "env-snapshot"
-    score_groups(groups, [RewardSpec("spy", spy, kwargs={"scale": 3})])
+    score_groups(groups, [RewardConfig(name="spy", fn=spy, kwargs={"scale": 3})])
     assert seen["prompts"] == ["raw 0", "raw 0", "raw 1", "raw 1"]
     assert seen["answer"] == [0, 0, 1, 1] and seen["envs"][2] == "env-snapshot" and seen["kw"] == {"scale": 3}
 
@@ -176,8 +177,8 @@ def test_all_functions_run_concurrently():
 
         return f
 
-    specs = [RewardSpec(f"s{i}", make_sync(i)) for i in range(4)] + [
-        RewardSpec(f"a{i}", make_async(i)) for i in range(4)
+    specs = [RewardConfig(name=f"s{i}", fn=make_sync(i)) for i in range(4)] + [
+        RewardConfig(name=f"a{i}", fn=make_async(i)) for i in range(4)
     ]
     score_groups(make_groups(), specs)
     starts = sorted(t for *_, t in started)
@@ -187,16 +188,16 @@ def test_all_functions_run_concurrently():
 
 async def test_works_inside_a_running_event_loop():
     groups = make_groups(1, 2)
-    metrics = score_groups(groups, [RewardSpec("h", healthy)])  # sync API called from a coroutine
+    metrics = score_groups(groups, [RewardConfig(name="h", fn=healthy)])  # sync API called from a coroutine
     assert metrics["reward/valid_frac"] == 1.0
-    metrics = await score_groups_async(make_groups(1, 2), [RewardSpec("h", healthy)])
+    metrics = await score_groups_async(make_groups(1, 2), [RewardConfig(name="h", fn=healthy)])
     assert metrics["reward/mean"] == 1.5
 
 
 def test_process_executor_by_import_path():
     groups = make_groups(1, 3)
     metrics = score_groups(
-        groups, [RewardSpec("letters", "examples.rewards:letter_fraction", executor="process")]
+        groups, [RewardConfig(name="letters", fn="examples.rewards:letter_fraction", executor="process")]
     )
     assert [c.reward for c in groups[0].completions] == [1.0, 1.0, 1.0]  # completions are all 'a'
     assert metrics["reward/letters/failed_rate"] == 0.0
@@ -212,14 +213,14 @@ def test_nn_module_reward_model_runs_off_the_loop():
 
     model = LengthModel()
     groups = make_groups(1, 2)
-    score_groups(groups, [RewardSpec("rm", model)])
+    score_groups(groups, [RewardConfig(name="rm", fn=model)])
     assert [c.reward for c in groups[0].completions] == [1.0, 2.0]
     assert model.thread.startswith("grpoflow-")  # a daemon worker thread, not the event loop
 
 
 def test_bad_import_path_is_named():
     with pytest.raises(RewardImportError, match="examples.rewards:nope"):
-        resolve_reward(RewardSpec("x", "examples.rewards:nope"))
+        resolve_reward(RewardConfig(name="x", fn="examples.rewards:nope"))
 
 
 # --- optional rewards: a missing value is imputed with the group mean --------------------------
@@ -243,8 +244,8 @@ def optional_by_group(completions, answer, **_):
 def test_a_failed_optional_reward_counts_as_its_group_mean(tmp_path):
     groups = make_groups(4, 3)
     specs = [
-        RewardSpec("req", required_len),
-        RewardSpec("opt", optional_by_group, weight=0.5, required=False),
+        RewardConfig(name="req", fn=required_len),
+        RewardConfig(name="opt", fn=optional_by_group, weight=0.5, required=False),
     ]
     metrics = score_groups(groups, specs)
     firsts = [g.completions[0] for g in groups]
@@ -295,14 +296,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="checks workers through /proc")
 def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
     # timeout_s generous for the good reward: a fresh worker imports prefect (seconds on a busy box)
-    good = RewardSpec("good", "tests.unit.reward_fns:length", executor="process", timeout_s=30)
-    hang = RewardSpec(
-        "hang",
-        "tests.unit.reward_fns:hang_forever",
+    good = RewardConfig(name="good", fn="tests.unit.reward_fns:length", executor="process", timeout_s=30)
+    hang = RewardConfig(
+        name="hang",
+        fn="tests.unit.reward_fns:hang_forever",
         executor="process",
         timeout_s=1.0,
-        kwargs={"pid_dir": str(tmp_path)},
-    )
+        kwargs={"pid_dir": str(tmp_path)})
     for _ in range(2):  # the pool has 2 workers: on the old code two hangs held both for good
         groups = make_groups(1, 3)
         score_groups(groups, [good])  # a warm worker, so the hang starts well inside its 1 s
@@ -323,17 +323,16 @@ def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
 def test_a_good_process_reward_survives_a_hang_that_recycles_the_pool(tmp_path):
     # The hang's timeout kills every worker of the pool, the slow good reward's included: its call
     # is retried once on the new pool, within its own timeout.
-    slow = RewardSpec(
-        "slow", "tests.unit.reward_fns:length", executor="process", timeout_s=60, kwargs={"seconds": 3}
+    slow = RewardConfig(
+        name="slow", fn="tests.unit.reward_fns:length", executor="process", timeout_s=60, kwargs={"seconds": 3}
     )
-    hang = RewardSpec(
-        "hang",
-        "tests.unit.reward_fns:hang_forever",
+    hang = RewardConfig(
+        name="hang",
+        fn="tests.unit.reward_fns:hang_forever",
         executor="process",
         timeout_s=1.0,
         required=False,
-        kwargs={"pid_dir": str(tmp_path)},
-    )
+        kwargs={"pid_dir": str(tmp_path)})
     groups = make_groups(1, 3)
     score_groups(groups, [slow, hang])
     assert [[x.status for x in c.reward_cells] for c in groups[0].completions] == [["valid", "timeout"]] * 3
@@ -356,9 +355,9 @@ async def async_slow(completions, **_):
 def test_a_blocking_async_reward_is_cut_off_and_delays_nobody():
     groups = make_groups(1, 2)
     specs = [
-        RewardSpec("blocker", blocks_the_loop, timeout_s=1.0, required=False),
-        RewardSpec("h", healthy),
-        RewardSpec("a", async_slow),
+        RewardConfig(name="blocker", fn=blocks_the_loop, timeout_s=1.0, required=False),
+        RewardConfig(name="h", fn=healthy),
+        RewardConfig(name="a", fn=async_slow),
     ]
     t0 = time.perf_counter()
     score_groups(groups, specs)
@@ -387,7 +386,7 @@ async def async_raises_timeout(completions, **_):
 )
 def test_a_reward_raising_timeout_error_failed_rather_than_timed_out(fn, executor):
     groups = make_groups(1, 2)
-    score_groups(groups, [RewardSpec("t", fn, timeout_s=30, executor=executor)])
+    score_groups(groups, [RewardConfig(name="t", fn=fn, timeout_s=30, executor=executor)])
     for c in groups[0].completions:
         (cell,) = c.reward_cells
         assert cell.status == "failed" and "TimeoutError: my message" in cell.reason, cell

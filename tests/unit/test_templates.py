@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import tasks.generate as gen
+from tasks.config import GenerationConfig, ToolsConfig
 from tests.unit.test_generate import ScriptedBackend
 
 pytestmark = pytest.mark.unit
@@ -119,10 +120,8 @@ def test_multi_turn_glue_is_the_templates_own_text_and_masks_align(smollm2_token
             [0],
             backend=ScriptedBackend(tok, script, 4096),
             tokenizer=tok,
-            group_size=2,
-            max_tokens=64,
-            max_turns=3,
-            tools=[add],
+            generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
+            tools=ToolsConfig(tools=[add]),
         )
     )
     for c in g.completions:
@@ -168,10 +167,8 @@ def test_a_template_that_drops_assistant_content_fails_with_a_clear_error(smollm
                 [0],
                 backend=ScriptedBackend(tok, script, 4096),
                 tokenizer=tok,
-                group_size=1,
-                max_tokens=64,
-                max_turns=2,
-                tools=[add],
+                generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=2),
+                tools=ToolsConfig(tools=[add]),
             )
         )
 
