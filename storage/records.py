@@ -19,14 +19,18 @@ RewardStatus = Literal["valid", "invalid", "failed", "timeout"]
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+class InvalidRunIdError(ValueError):
+    """A run id that is not a safe single path component (the message names it)."""
+
+
 def validate_run_id(run_id: str) -> str:
-    """Return `run_id` if it is a safe single path component, else raise ValueError naming it.
+    """Return `run_id` if it is a safe single path component, else raise InvalidRunIdError naming it.
 
     Run ids become directory names under the store root; anything with a separator, `..`, or a
     leading dot could escape the root or hide a run, so only `[A-Za-z0-9._-]` is allowed.
     """
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or ".." in run_id:
-        raise ValueError(
+        raise InvalidRunIdError(
             f"invalid run id {run_id!r}: use 1-128 characters from [A-Za-z0-9._-], "
             "starting with a letter or digit, without '..'"
         )
@@ -332,6 +336,28 @@ def reward_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[d
 
 def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> list[RolloutGroup]:
     """Rebuild groups from table rows (inverse of rollout_rows/reward_rows, environments excepted)."""
+    cells = _cells_by_completion(rewards)
+    groups: dict[str, RolloutGroup] = {}
+    for r in rollouts:
+        g = groups.get(r["group_id"])
+        if g is None:
+            g = groups[r["group_id"]] = RolloutGroup(
+                group_id=r["group_id"],
+                prompt_index=r["prompt_index"],
+                prompt=r["prompt"],
+                prompt_ids=list(r["prompt_ids"]),
+                completions=[],
+                split=r["split"],
+                policy_version=r["policy_version"],
+            )
+        g.policy_version = min(g.policy_version, r["policy_version"])
+        g.completions.append(_completion_from_row(r, g, cells.get((r["group_id"], r["sample_index"]), [])))
+    for g in groups.values():
+        g.completions.sort(key=lambda c: c.sample_index)
+    return list(groups.values())
+
+
+def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int], list[RewardCell]]:
     cells: dict[tuple[str, int], list[RewardCell]] = {}
     for r in rewards:
         cells.setdefault((r["group_id"], r["sample_index"]), []).append(
@@ -347,48 +373,33 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
                 imputed_value=r.get("imputed_value"),
             )
         )
-    groups: dict[str, RolloutGroup] = {}
-    for r in rollouts:
-        g = groups.get(r["group_id"])
-        if g is None:
-            g = groups[r["group_id"]] = RolloutGroup(
-                group_id=r["group_id"],
-                prompt_index=r["prompt_index"],
-                prompt=r["prompt"],
-                prompt_ids=list(r["prompt_ids"]),
-                completions=[],
-                split=r["split"],
-                policy_version=r["policy_version"],
-            )
-        g.policy_version = min(g.policy_version, r["policy_version"])
-        g.completions.append(
-            RolloutCompletion(
-                sample_index=r["sample_index"],
-                completion=r["completion"],
-                completion_ids=list(r["completion_ids"]),
-                completion_mask=list(r["completion_mask"]),
-                logprobs=list(r["logprobs"]),
-                messages=[TaggedMessage(**m) for m in r["messages"]],
-                turns=[TurnRecord(**t) for t in r["turns"]],
-                tool_calls=[ToolCallRecord(**t) for t in r["tool_calls"]],
-                truncated=r["truncated"],
-                truncation_reason=r["truncation_reason"],
-                finish_reason=r["finish_reason"],
-                policy_version=r["policy_version"],
-                policy_version_end=r["policy_version_end"],
-                gen_seconds=r["gen_seconds"],
-                reward=r["reward"],
-                reward_valid=r["reward_valid"],
-                invalid_reason=r["invalid_reason"],
-                reward_cells=cells.get((r["group_id"], r["sample_index"]), []),
-                advantage=r["advantage"],
-                trained=r["trained"],
-                drop_reason=r["drop_reason"],
-                # its own prompt only where it differs from the group's (per-sample reset notes)
-                prompt_ids=None if list(r["prompt_ids"]) == g.prompt_ids else list(r["prompt_ids"]),
-                prompt=None if r["prompt"] == g.prompt else r["prompt"],
-            )
-        )
-    for g in groups.values():
-        g.completions.sort(key=lambda c: c.sample_index)
-    return list(groups.values())
+    return cells
+
+
+def _completion_from_row(r: dict[str, Any], g: RolloutGroup, cells: list[RewardCell]) -> RolloutCompletion:
+    return RolloutCompletion(
+        sample_index=r["sample_index"],
+        completion=r["completion"],
+        completion_ids=list(r["completion_ids"]),
+        completion_mask=list(r["completion_mask"]),
+        logprobs=list(r["logprobs"]),
+        messages=[TaggedMessage(**m) for m in r["messages"]],
+        turns=[TurnRecord(**t) for t in r["turns"]],
+        tool_calls=[ToolCallRecord(**t) for t in r["tool_calls"]],
+        truncated=r["truncated"],
+        truncation_reason=r["truncation_reason"],
+        finish_reason=r["finish_reason"],
+        policy_version=r["policy_version"],
+        policy_version_end=r["policy_version_end"],
+        gen_seconds=r["gen_seconds"],
+        reward=r["reward"],
+        reward_valid=r["reward_valid"],
+        invalid_reason=r["invalid_reason"],
+        reward_cells=cells,
+        advantage=r["advantage"],
+        trained=r["trained"],
+        drop_reason=r["drop_reason"],
+        # its own prompt only where it differs from the group's (per-sample reset notes)
+        prompt_ids=None if list(r["prompt_ids"]) == g.prompt_ids else list(r["prompt_ids"]),
+        prompt=None if r["prompt"] == g.prompt else r["prompt"],
+    )

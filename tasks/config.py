@@ -173,7 +173,11 @@ class InferenceConfig(_Section):
 
 
 class SyncConfig(_Section):
-    backend: Literal["checkpoint"] = Field("checkpoint", description="Weight push backend.")
+    backend: Literal["checkpoint"] = Field(
+        "checkpoint",
+        description="Weight push backend. Only 'checkpoint' today (safetensors written to the store, then "
+        "vLLM's reload_weights); the field is the slot for future backends.",
+    )
     sync_every: int = Field(
         1,
         ge=1,

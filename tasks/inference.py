@@ -252,29 +252,9 @@ class VLLMClient:
         `cache_salt_for(version)` so that no request reuses KV computed under other weights.
         Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
         `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt_ids,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "n": n,
-            "logprobs": 0,  # logprob of the sampled token only
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if seed is not None:
-            body["seed"] = seed
-        if stop:
-            body["stop"] = stop
-        if stop_token_ids:
-            body["stop_token_ids"] = stop_token_ids
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        clash = sorted(set(sampling) & set(body))
-        if clash:
-            raise ValueError(f"sampling parameters {clash} are set by complete() itself")
-        body.update(sampling)
+        body = self._completion_body(
+            prompt_ids, max_tokens, temperature, top_p, n, seed, stop, stop_token_ids, cache_salt, sampling
+        )
         text = await self._request(
             "POST", "/v1/completions", json_body=body, timeout=self.gen_timeout, limited=True
         )
@@ -288,6 +268,27 @@ class VLLMClient:
                 f"{where} answered 2xx with malformed choices ({type(e).__name__}: {e}): {text[:300]!r}"
             ) from None
         return choices, self._usage(data.get("usage"))
+
+    def _completion_body(
+        self, prompt_ids, max_tokens, temperature, top_p, n, seed, stop, stop_token_ids, cache_salt, sampling
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "n": n,
+            "logprobs": 0,  # logprob of the sampled token only
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        optional = {"seed": seed, "stop": stop, "stop_token_ids": stop_token_ids, "cache_salt": cache_salt}
+        body.update({k: v for k, v in optional.items() if v is not None and v != []})
+        clash = sorted(set(sampling) & set(body))
+        if clash:
+            raise ValueError(f"sampling parameters {clash} are set by complete() itself")
+        return body | sampling
 
     @staticmethod
     def _choice(c: dict[str, Any]) -> Choice:
