@@ -1,17 +1,48 @@
-"""`grpoflow` command line: train, serve, sql, runs, make-tiny-model."""
+"""`grpoflow` command line: train, serve, sql, runs, report, config, make-tiny-model."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
+import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-letters.yaml"
+FORMATS = ["table", "csv", "json"]
+ROOT_HELP = "store root (default: $GRPOFLOW_ROOT or ./runs)"
+VERBOSE_HELP = "also show Prefect's INFO lines of every task run (e.g. 'Finished in state Completed()')"
 
 
 def _root(args) -> str:
     return args.root or os.environ.get("GRPOFLOW_ROOT") or "runs"
+
+
+class _TaskRunInfoFilter(logging.Filter):
+    """Keeps task runs' INFO (and lower) lines off the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        task_run = record.name == "prefect.task_runs" or record.name.startswith("prefect.task_runs.")
+        return record.levelno >= logging.WARNING or not task_run
+
+
+_TASK_RUN_INFO = _TaskRunInfoFilter()
+
+
+def quiet_prefect_task_logs(quiet: bool = True) -> None:
+    """Hide (or show again) Prefect's per-task INFO lines on the terminal: every task of every step
+    logs 'Finished in state Completed()'. Only the console handler filters them: task runs, their
+    states and their logs still reach the Prefect API (the UI), and flow-run lines (the one line per
+    step) still show. Task-run warnings and errors always show."""
+    import prefect  # noqa: F401  (importing Prefect sets up its logging: the console handler on root)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            (handler.addFilter if quiet else handler.removeFilter)(_TASK_RUN_INFO)
 
 
 def cmd_train(args) -> int:
@@ -24,12 +55,16 @@ def cmd_train(args) -> int:
         overrides.append(f"run.run_id={args.run_id}")
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     cfg = load_config(config_path, overrides)
-    from flows.runs import preflight
+    from flows.runs import new_run_id, preflight
 
     preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
+    if args.resume is None and cfg.run.run_id is None:
+        cfg.run.run_id = new_run_id()  # named here, so that an interrupted run can be named to resume
+    args.interrupted_run = (cfg.storage.root, args.resume or cfg.run.run_id)
     from flows.prefect_api import owned_prefect_api
     from flows.train import grpo_train
 
+    quiet_prefect_task_logs(not args.verbose)
     with owned_prefect_api():  # Prefect's temporary API server dies with this process
         summary = grpo_train(config=cfg, resume=args.resume)
     print(
@@ -66,8 +101,14 @@ def cmd_runs(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from flows.serve import policy_server
+    from flows.config import ConfigError
+    from flows.serve import _is_loopback, policy_server
 
+    if not args.api_key and not _is_loopback(args.host):  # before the flow run: one line, no traceback
+        raise ConfigError(
+            f"--host {args.host}: refusing to serve off loopback without an API key; give --api-key "
+            "or set GRPOFLOW_API_KEY (the default 127.0.0.1 needs none)"
+        )
     policy_server(
         model_dir=args.model, host=args.host, port=args.port, api_key=args.api_key, root=_root(args)
     )
@@ -76,6 +117,9 @@ def cmd_serve(args) -> int:
 
 def cmd_report(args) -> int:
     from flows.report import grpo_report_flow
+    from storage.records import validate_run_id
+
+    validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
 
     print(grpo_report_flow()(run_id=args.run, root=_root(args), out_dir=args.out))
     return 0
@@ -88,48 +132,98 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def cmd_config_show(args) -> int:
+    from flows.config import load_config
+    from flows.config_docs import render_yaml
+
+    config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    print(render_yaml(load_config(config_path, args.set)), end="")
+    return 0
+
+
+def cmd_config_schema(args) -> int:
+    import json
+
+    from flows.config import GRPOConfig
+
+    print(json.dumps(GRPOConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_config_docs(args) -> int:
+    from flows.config_docs import DOCS_PATH, render_markdown
+
+    text = render_markdown()
+    if args.write:
+        DOCS_PATH.write_text(text)
+        print(f"wrote {DOCS_PATH}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpoflow", description="Async GRPO as Prefect flows.")
-    sub = p.add_subparsers(dest="command", required=True)
+    version = f"grpoflow {importlib.metadata.version('grpoflow')}"
+    p.add_argument("--version", action="version", version=version, help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
 
     t = sub.add_parser("train", help="run grpo-train (no arguments: the tiny demo)")
     t.add_argument("--config", help="YAML config (default: configs/tiny-letters.yaml)")
-    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     t.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
-    t.add_argument("--run-id", help="name of a new run")
-    t.add_argument("--root", help="store root (default: $GRPOFLOW_ROOT or ./runs)")
+    t.add_argument("--run-id", help="name of a new run (default: generated)")
+    t.add_argument("--root", help=ROOT_HELP)
+    t.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     t.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls")
-    s.add_argument("query", nargs="?", help="SQL text, or @file.sql")
+    s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
     s.add_argument("--canned", help="a canned query: reward_curve, invalid_rate, tool_failures, lengths")
     s.add_argument("--run", help="restrict a canned query to one run")
-    s.add_argument("--root")
-    s.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    s.add_argument("--root", help=ROOT_HELP)
+    s.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     s.set_defaults(fn=cmd_sql)
 
     r = sub.add_parser("runs", help="list runs in the store")
-    r.add_argument("--root")
-    r.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    r.add_argument("--root", help=ROOT_HELP)
+    r.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     r.set_defaults(fn=cmd_runs)
 
     v = sub.add_parser("serve", help="start and supervise a vLLM server (policy-server flow)")
     v.add_argument("--model", required=True, help="model directory")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"))
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1; others need a key)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    key_help = "bearer key every request must carry (default: $GRPOFLOW_API_KEY)"
+    v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
     v.add_argument("--root", help="store root; the server's pid file goes to <root>/pids/")
+    v.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     v.set_defaults(fn=cmd_serve, runs_flows=True)
 
     rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")
-    rp.add_argument("run")
-    rp.add_argument("--root")
+    rp.add_argument("run", help="run id (see `grpoflow runs`)")
+    rp.add_argument("--root", help=ROOT_HELP)
     rp.add_argument("--out", help="output folder (default: <root>/reports/<run>)")
+    rp.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     rp.set_defaults(fn=cmd_report, runs_flows=True)
 
+    c = sub.add_parser("config", help="show a resolved config, its JSON schema, or the reference docs")
+    csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION", help="one of:")
+    cs = csub.add_parser("show", help="the resolved config as YAML, each field's description as a comment")
+    cs.add_argument("config", nargs="?", help="YAML config (default: configs/tiny-letters.yaml)")
+    cs.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    cs.set_defaults(fn=cmd_config_show)
+    cj = csub.add_parser("schema", help="the JSON schema of the config tree")
+    cj.set_defaults(fn=cmd_config_schema)
+    cd = csub.add_parser("docs", help="docs/configuration.md: a table per config section")
+    cd.add_argument("--write", action="store_true", help="write docs/configuration.md instead of printing it")
+    cd.set_defaults(fn=cmd_config_docs)
+
     m = sub.add_parser("make-tiny-model", help="build the tiny random model + tokenizer")
-    m.add_argument("dir")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("dir", help="output directory")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     m.set_defaults(fn=cmd_make_tiny_model)
     return p
 
@@ -139,22 +233,42 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     from flows.config import ConfigError
+    from storage.records import InvalidRunIdError
+    from storage.sql import ReadOnlyQueryError
 
     try:
         if not getattr(args, "runs_flows", False):
             return args.fn(args)
         from flows.prefect_api import owned_prefect_api
 
+        quiet_prefect_task_logs(not args.verbose)
         with owned_prefect_api():  # Prefect's temporary API server dies with this process
             return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, ReadOnlyQueryError, InvalidRunIdError) as e:
+        # Bad input: one clear line, no traceback. Any other error is a bug and keeps its traceback.
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # refused queries, bad run ids: one clear line, no traceback
-        if type(e).__name__ in {"ReadOnlyQueryError", "ValueError"}:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except KeyboardInterrupt:
+        print(interrupted_message(args), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
+
+
+def interrupted_message(args) -> str:
+    """'interrupted', plus how to resume when a training run was interrupted after it began."""
+    root, run_id = getattr(args, "interrupted_run", (None, None))
+    if run_id is None:
+        return "interrupted"
+    with contextlib.suppress(Exception):  # the message must never fail: then it stays plain
+        from storage.rollouts import RolloutStore
+
+        if RolloutStore(Path(root)).read_run_meta(run_id) is not None:
+            again = ["grpoflow", "train"]
+            again += ["--config", args.config] if args.config else []
+            for item in args.set or []:
+                again += ["--set", item]
+            again += ["--root", args.root] if args.root else []
+            return f"interrupted; resume with {shlex.join([*again, '--resume', run_id])}"
+    return "interrupted"
 
 
 if __name__ == "__main__":
