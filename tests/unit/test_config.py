@@ -80,3 +80,23 @@ def test_prefect_yaml_train_defaults_equal_the_tiny_letters_config():
         "limit": 1,
         "collision_strategy": "CANCEL_NEW",
     }
+
+
+def test_prefect_yaml_parameters_fit_their_flows():
+    """Every deployment's parameters are ones its flow takes, of the right types; shared pieces come
+    from `definitions:` by alias, and the config files named there load."""
+    import importlib
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    shipped = yaml.safe_load((repo / "prefect.yaml").read_text())
+    assert {"work_pools", "config_file"} <= set(shipped["definitions"])
+    for d in shipped["deployments"]:
+        path, name = d["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        flow.validate_parameters(d.get("parameters", {}))  # raises on unknown names or bad types
+        assert d["work_pool"] in shipped["definitions"]["work_pools"].values(), d["name"]
+        if "config_file" in d.get("parameters", {}):
+            assert d["parameters"]["config_file"] == shipped["definitions"]["config_file"]
+            load_config(repo / d["parameters"]["config_file"])
