@@ -34,7 +34,7 @@ _TASK_RUN_INFO = _TaskRunInfoFilter()
 
 def quiet_prefect_task_logs(quiet: bool = True) -> None:
     """Hide (or show again) Prefect's per-task INFO lines on the terminal: every task of every step
-    logs 'Finished in state Completed()'. Only the console handler filters them: task runs, their
+    logs 'Finished in state Completed()'; and transformers' progress bars. Only the console handler filters them: task runs, their
     states and their logs still reach the Prefect API (the UI), and flow-run lines (the one line per
     step) still show. Task-run warnings and errors always show."""
     import prefect  # noqa: F401  (importing Prefect sets up its logging: the console handler on root)
@@ -43,6 +43,11 @@ def quiet_prefect_task_logs(quiet: bool = True) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler):
             (handler.addFilter if quiet else handler.removeFilter)(_TASK_RUN_INFO)
+    # transformers' per-call progress bars ("Loading weights", "Writing model shards") at every load,
+    # push and checkpoint: the same noise, off unless --verbose.
+    from transformers.utils import logging as hf_logging
+
+    (hf_logging.disable_progress_bar if quiet else hf_logging.enable_progress_bar)()
 
 
 def cmd_train(args) -> int:

@@ -264,8 +264,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             weights.trained = step + 1
             m["sync_seconds"] = 0.0
             if _due(step, cfg.sync.sync_every, steps):
-                pushed, m["sync_seconds"] = timer.call(weights.push, step + 1, body="sync/total_seconds")
-                m |= pushed
+                pushed, _ = timer.call(weights.push, step + 1, body="sync/total_seconds")
+                m |= pushed | {"sync_seconds": pushed["sync/total_seconds"]}  # Prefect's part: separate
             m |= {"write_seconds": writer.result(), "policy_version": versions.get()}
             m |= {"server_restarts": pipeline.restarts} | timer.metrics()
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
