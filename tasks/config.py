@@ -106,6 +106,13 @@ class ToolsConfig(_Section):
     )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
+    describe_tools: Literal["auto", "system", "template"] = Field(
+        "auto",
+        description="Where the model is told its tools and the call format: 'template' = the chat "
+        "template's own rendering of `tools=`; 'system' = grpoflow writes them (and the format the tool "
+        "call parser reads) into the system turn; 'auto' = 'system' when the chat template ignores "
+        "`tools=` (SmolLM2's does), else 'template'.",
+    )
 
     @field_validator("tools")
     @classmethod

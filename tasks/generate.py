@@ -51,6 +51,13 @@ def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
     raise ValueError(f"row {index}: 'prompt' must be a string or a list of chat messages")
 
 
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` appended to their system turn, or in a new system turn first."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         messages, tools=schemas or None, add_generation_prompt=generation_prompt, tokenize=False
@@ -107,8 +114,22 @@ class RolloutSettings:
         factory = _resolve(tools.environment) if tools.environment is not None else None
         self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
         self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
+        self.describe_tools, self._template_ignores_tools = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
+
+    def tools_in_system_turn(self, schemas: list[dict]) -> bool:
+        """Whether the tools and the call format go into the system turn: `tools.describe_tools`
+        'system', or 'auto' and the chat template ignores `tools=` (SmolLM2's and many small models'
+        templates do; a model that is never told its tools never calls them)."""
+        if self.describe_tools != "auto":
+            return self.describe_tools == "system"
+        if self._template_ignores_tools is None:
+            probe = [{"role": "user", "content": "?"}]
+            self._template_ignores_tools = render(self.tok, probe, schemas, True) == render(
+                self.tok, probe, None, True
+            )
+        return self._template_ignores_tools
 
     @property
     def single_turn(self) -> bool:
@@ -242,6 +263,8 @@ def snapshot(env: Any) -> Any:
 
 async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[dict], box: ToolBox):
     schemas = [tool_schema(f) for f in box.tools.values()]
+    if schemas and r.tools_in_system_turn(schemas):
+        history[:] = with_system_text(history, r.parser.instructions(schemas))
     prompt_text = render(r.tok, history, schemas, True)
     prompt_ids = r.tok.encode(prompt_text, add_special_tokens=False)
     ids, mask, lps, msgs, turns, calls = list(prompt_ids), [], [], [], [], []
@@ -343,8 +366,7 @@ async def generate_groups(
             return await coro
 
     groups = [
-        _group(r, row, i, m, bounded, split)
-        for row, i, m in zip(rows, prompt_indices, messages, strict=True)
+        _group(r, row, i, m, bounded, split) for row, i, m in zip(rows, prompt_indices, messages, strict=True)
     ]
     return list(await asyncio.gather(*groups))
 

@@ -30,11 +30,26 @@ class ParsedCall:
 
 
 class ToolCallParser(Protocol):
+    """Reads tool calls from the model's text, and describes the format it reads: a chat template
+    that does not render tool schemas gets that description in the system turn instead."""
+
     def parse(self, text: str) -> list[ParsedCall]: ...
+
+    def instructions(self, schemas: list[dict[str, Any]]) -> str: ...
 
 
 class HermesToolParser:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes / Qwen2.5 format)."""
+
+    def instructions(self, schemas: list[dict[str, Any]]) -> str:
+        tools = "\n".join(json.dumps(s.get("function", s)) for s in schemas)
+        return (
+            "You can call these tools:\n<tools>\n"
+            f"{tools}\n</tools>\n"
+            "To call a tool, write one line "
+            '<tool_call>{"name": "<tool name>", "arguments": {"<argument>": <value>}}</tool_call> '
+            "and stop. The result comes back in the next message; then answer."
+        )
 
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 

@@ -126,12 +126,14 @@ def test_multi_turn_glue_is_the_templates_own_text_and_masks_align(smollm2_token
     )
     for c in g.completions:
         assert c.num_turns == 2 and c.tool_calls[0].result == "5" and not c.tool_calls[0].failed
-        # the prompt is the template's own rendering, tools included
+        # the prompt is the template's own rendering, tools included: by the template where it renders
+        # `tools=` (llama3, qwen25), else in a system turn grpoflow writes (smollm2, zephyr)
+        schemas = [gen.tool_schema(add)]
+        user = [{"role": "user", "content": "What is 2 + 3?"}]
+        if case in ("smollm2", "zephyr"):
+            user = gen.with_system_text(user, gen.HermesToolParser().instructions(schemas))
         expected_prompt = tok.apply_chat_template(
-            [{"role": "user", "content": "What is 2 + 3?"}],
-            tools=[gen.tool_schema(add)],
-            add_generation_prompt=True,
-            tokenize=False,
+            user, tools=schemas, add_generation_prompt=True, tokenize=False
         )
         assert tok.decode(g.prompt_ids) == expected_prompt
         # mask 1 = exactly the sampled tokens (EOS included), behaviour logprobs one to one
@@ -178,3 +180,44 @@ def test_smollm2_template_renders_tool_calls_the_hermes_parser_reads(smollm2_tok
     text = tok.apply_chat_template([{"role": "assistant", "content": CALL}], tokenize=False)
     (parsed,) = gen.HermesToolParser().parse(text)
     assert (parsed.name, parsed.arguments) == ("add", json.loads(CALL.strip()[11:-12])["arguments"])
+
+
+@pytest.mark.parametrize("describe", ["auto", "system", "template"])
+def test_tools_are_stated_in_the_system_turn_when_smollm2s_template_ignores_them(
+    smollm2_tokenizer_dir, describe
+):
+    """SmolLM2's template drops `tools=`: told nothing, the model never calls a tool. grpoflow writes
+    the tools and the parser's call format into the system turn ('auto' detects the template)."""
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    bare = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}], add_generation_prompt=True, tokenize=False
+    )
+    assert bare == tok.apply_chat_template(
+        [{"role": "user", "content": "q"}],
+        tools=[gen.tool_schema(add)],
+        add_generation_prompt=True,
+        tokenize=False,
+    )  # the premise: this template ignores tools=
+
+    async def script(text, k, seed):
+        return ANSWER
+
+    (g,) = asyncio.run(
+        gen.generate_groups(
+            [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]}],
+            [0],
+            backend=ScriptedBackend(tok, script, 4096),
+            tokenizer=tok,
+            generation=GenerationConfig(group_size=1, max_tokens=16, max_turns=2),
+            tools=ToolsConfig(tools=[add], describe_tools=describe),
+        )
+    )
+    prompt = g.completions[0].prompt
+    system = prompt.split("<|im_end|>")[0]
+    if describe == "template":
+        assert system == "<|im_start|>system\nBe brief." and "<tool_call>" not in prompt
+    else:  # the user's system text first, then the tools and the exact format the parser reads
+        assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:")
+        assert '"name": "add"' in system and '<tool_call>{"name": "<tool name>", "arguments"' in system
+        (call,) = gen.HermesToolParser().parse(CALL)
+        assert call.name == "add"
