@@ -50,16 +50,19 @@ def quiet_prefect_task_logs(quiet: bool = True) -> None:
     (hf_logging.disable_progress_bar if quiet else hf_logging.enable_progress_bar)()
 
 
-def cmd_train(args) -> int:
+def _config(args, *more: str):
+    """The config of `--config` (default: the tiny demo's) with `--set`, `--root` and `more` applied."""
     from flows.config import load_config
 
     overrides = list(args.set or [])
     if args.root or os.environ.get("GRPOFLOW_ROOT"):
         overrides.append(f"storage.root={_root(args)}")
-    if args.run_id:
-        overrides.append(f"run.run_id={args.run_id}")
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-    cfg = load_config(config_path, overrides)
+    return load_config(config_path, overrides + list(more))
+
+
+def cmd_train(args) -> int:
+    cfg = _config(args, *([f"run.run_id={args.run_id}"] if args.run_id else []))
     from flows.runs import new_run_id, preflight
 
     preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
@@ -117,6 +120,22 @@ def cmd_serve(args) -> int:
     policy_server(
         model_dir=args.model, host=args.host, port=args.port, api_key=args.api_key, root=_root(args)
     )
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    import json
+
+    from flows.evaluate import grpo_evaluate
+    from storage.records import validate_run_id
+
+    cfg = _config(args)
+    if args.run:
+        validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
+    result = grpo_evaluate(
+        config=cfg, run_id=args.run, checkpoint=args.checkpoint, prompts=args.prompts, greedy=args.greedy
+    )
+    print(json.dumps(result))
     return 0
 
 
@@ -204,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--root", help="store root; the server's pid file goes to <root>/pids/")
     v.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     v.set_defaults(fn=cmd_serve, runs_flows=True)
+
+    e = sub.add_parser(
+        "evaluate", help="run grpo-evaluate: score a run's latest checkpoint (or the base model)"
+    )
+    e.add_argument("--config", help="YAML config (default: configs/tiny-letters.yaml)")
+    e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    e.add_argument("--run", help="evaluate this run's latest checkpoint (default: the config's base model)")
+    e.add_argument("--checkpoint", help="evaluate this checkpoint directory instead")
+    e.add_argument("--prompts", type=int, default=16, help="rows evaluated, the dataset's last (default: 16)")
+    e.add_argument("--greedy", action="store_true", help="one completion per prompt at temperature 0")
+    e.add_argument("--root", help=ROOT_HELP)
+    e.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    e.set_defaults(fn=cmd_evaluate, runs_flows=True)
 
     rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")
     rp.add_argument("run", help="run id (see `grpoflow runs`)")

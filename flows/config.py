@@ -86,6 +86,11 @@ class GRPOConfig(_Section):
                 f"generation.group_size: GRPO compares completions within a group, so it needs at least "
                 f"2 per prompt, got {v.group_size}"
             )
+        if v.temperature <= 0:
+            raise ValueError(
+                "generation.temperature: training samples, so it needs a temperature above 0 (greedy "
+                "decoding is for evaluation: grpoflow evaluate --greedy)"
+            )
         return v
 
     @model_validator(mode="after")

@@ -45,12 +45,17 @@ def grpo_evaluate(
     checkpoint: str | None = None,
     prompts: int = 16,
     pass_threshold: float = 1.0,
+    greedy: bool = False,
 ) -> dict[str, Any]:
     """Evaluate `prompts` rows (from the end of the dataset order) and publish pass rate and rewards.
 
     `config` is the whole config tree; `config_file` (a YAML, as for grpo-train) is used when `config`
-    is not given."""
+    is not given. `greedy`: one completion per prompt at temperature 0, so two checkpoints are
+    compared on the same prompts without sampling luck."""
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
+    if greedy:
+        greedy_gen = {"temperature": 0.0, "group_size": 1}
+        cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update=greedy_gen)})
     check_imports(cfg)
     confine(cfg)
     rows = load_rows(cfg)

@@ -55,7 +55,11 @@ class GenerationConfig(_Section):
         8, ge=1, description="Completions per prompt (G); training needs at least 2 (evaluation may use 1)."
     )
     max_tokens: int = Field(16, ge=1, description="Max new tokens per generation turn.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses it too).")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature (the learner uses it too); 0 = greedy, for evaluation only.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_turns: int = Field(1, ge=1, description="Max model turns per rollout (tool calls in between).")
     max_rollout_tokens: int | None = Field(

@@ -38,6 +38,15 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
     assert rows == [("eval", 2 * 4 * 8)]
     assert 0.0 <= second["eval"]["pass_rate"] <= 1.0 and second["eval"]["completions"] == 32
 
+    # greedy: one completion per prompt at temperature 0 (the training config itself refuses 0)
+    from flows.evaluate import grpo_evaluate
+
+    greedy = grpo_evaluate(config=cfg, run_id="nightly", prompts=4, greedy=True)
+    assert greedy["completions"] == 4 and cfg.generation.temperature > 0
+    _, texts = query(tmp_path, "SELECT completion FROM rollouts WHERE run_id = 'nightly-eval' AND step = 4 "
+                     "ORDER BY prompt_index")  # fmt: skip
+    assert len(texts) == 4
+
     out = rollout_sql(root=str(tmp_path), canned="reward_curve", run="nightly")
     assert out["rows"] == 5
 
