@@ -16,7 +16,7 @@ else
 TORCH_SPEC := torch==2.13.0
 endif
 
-.PHONY: help install demo test test-unit test-integration lint format deploy bench clean
+.PHONY: help install demo demo-smollm2 test test-unit test-integration lint format deploy bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ install: $(BIN)/.installed $(VLLM_VENV)/.installed  ## create .venv (grpoflow) a
 demo: install  ## install, train the tiny demo through vLLM + Prefect, print the reward curve
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
+
+demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~20 min on 2 cores; SEED=0)
+	$(BIN)/python scripts/demo_smollm2.py --seed $(or $(SEED),0) --root $(ROOT)
 
 test: install  ## the whole test suite (unit + integration with the real vLLM server and Prefect API)
 	$(BIN)/pytest tests $(PYTEST_ARGS)

@@ -81,6 +81,8 @@ def group_members(pgid: int) -> list[int]:
 def kill_tree(pids: list[int]) -> None:
     """Last-resort cleanup (tests' teardown): SIGKILL leftover groups so a failure leaks nothing."""
     for p in pids:
+        if p <= 0:  # kill(0 or -1) would signal this process's group or every process
+            continue
         for fn in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 fn(p, signal.SIGKILL)

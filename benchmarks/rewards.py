@@ -38,8 +38,14 @@ def groups() -> list[RolloutGroup]:
 
 
 def specs() -> list[RewardConfig]:
-    sync = [RewardConfig(name=f"sync{i}", fn="examples.rewards:slow_sync", kwargs={"delay": DELAY}) for i in range(4)]
-    asyn = [RewardConfig(name=f"async{i}", fn="examples.rewards:slow_async", kwargs={"delay": DELAY}) for i in range(4)]
+    sync = [
+        RewardConfig(name=f"sync{i}", fn="examples.rewards:slow_sync", kwargs={"delay": DELAY})
+        for i in range(4)
+    ]
+    asyn = [
+        RewardConfig(name=f"async{i}", fn="examples.rewards:slow_async", kwargs={"delay": DELAY})
+        for i in range(4)
+    ]
     return sync + asyn
 
 

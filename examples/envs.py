@@ -61,3 +61,27 @@ def arith_rows(n: int = 256, seed: int = 0, hi: int = 40) -> list[dict]:
             q, ans = f"Ann had {a + b} stickers and gave away {b}. How many are left?", a
         rows.append({"prompt": f"{q} Answer with the number only.", "answer": ans, "id": i})
     return rows
+
+
+def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> list[dict]:
+    """'What is a + b? Reply with only the number.' with 1 <= a, b <= `hi` (the SmolLM2 demo).
+
+    `part`: 'train' draws only pairs outside the held-out fifth, 'eval' only pairs inside it (a fixed
+    split by the pair itself, so no eval prompt is ever a training prompt, whatever the seeds)."""
+    if hi < 1:
+        raise ValueError(f"hi must be at least 1, got {hi}")
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+    pairs = [
+        (a, b) for a in range(1, hi + 1) for b in range(1, hi + 1) if _held_out(a, b) == (part == "eval")
+    ]
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.choice(pairs)
+        rows.append({"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": a + b, "id": i})
+    return rows
+
+
+def _held_out(a: int, b: int) -> bool:
+    return (a * 7 + b * 13) % 5 == 0

@@ -39,6 +39,26 @@ def exact_number(completions: list[str], answer: list | None = None, **_) -> lis
     return out
 
 
+def number_only(
+    completions: list[str], answer: list | None = None, max_words: int = 8, **_
+) -> list[float | None]:
+    """Partial credit for 'reply with only the number', in [0, 1]: half for brevity (1 for a reply of
+    one word, falling linearly to 0 at `max_words` + 1 words), half for correctness (the reply's last
+    number equals the row's `answer`). None when the row has no answer."""
+    answers = answer or [None] * len(completions)
+    out: list[float | None] = []
+    for text, ans in zip(completions, answers, strict=True):
+        if ans is None:
+            out.append(None)
+            continue
+        words = len(text.split())
+        brevity = 0.0 if words == 0 else max(0.0, 1.0 - (words - 1) / max_words)  # empty: no answer
+        nums = _NUMBER.findall(text)
+        correct = 1.0 if nums and abs(float(nums[-1]) - float(ans)) < 1e-6 else 0.0
+        out.append(0.5 * brevity + 0.5 * correct)
+    return out
+
+
 def env_reward(environments: list, **_) -> list[float | None]:
     """The environment snapshot's reward: `get_reward()` if it has one, else its `reward` attribute."""
     out = []

@@ -218,6 +218,8 @@ def check_imports(cfg: GRPOConfig) -> None:
     env = cfg.tools.environment
     if env is not None:
         factory = resolve_import(env, "tools.environment") if isinstance(env, str) else env
-        check_environment(factory, env if isinstance(env, str) else getattr(env, "__qualname__", "environment"))
+        check_environment(
+            factory, env if isinstance(env, str) else getattr(env, "__qualname__", "environment")
+        )
     if cfg.data.generator and not cfg.data.path:
         resolve_import(cfg.data.generator, "data.generator")

@@ -80,6 +80,16 @@ def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
     return [python, str(GUARD), str(os.getpid()), module, *args]
 
 
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ServerHandle:
     """A server process (vLLM, or Prefect's API): start, health-wait, restart, stop (process group)."""
 
@@ -135,18 +145,23 @@ class ServerHandle:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's whole process group, then SIGKILL whatever of it is left after
+        `grace_s`: the API server (the group's leader) can exit before its engine and worker
+        processes, which would otherwise outlive it, re-parented and holding their memory."""
         if self.pid_file is not None:
             forget_process(*self.pid_file)
         if self.proc is None or self.proc.poll() is not None:
             return
+        group, deadline = self.proc.pid, time.monotonic() + grace_s
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
+            os.killpg(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        while _group_exists(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.proc.wait(10)
 
     def kill(self) -> None:
         """SIGKILL the whole server (fault-injection tests)."""

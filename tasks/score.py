@@ -100,7 +100,9 @@ def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) 
     return out
 
 
-def _error_cells(spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float) -> list[RewardCell]:
+def _error_cells(
+    spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float
+) -> list[RewardCell]:
     dt = time.perf_counter() - t0
     return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt)] * n
 
@@ -307,7 +309,9 @@ async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
     raise AssertionError("unreachable")
 
 
-async def score_groups_async(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dict[str, float | None]:
+async def score_groups_async(
+    groups: list[RolloutGroup], specs: list[RewardConfig]
+) -> dict[str, float | None]:
     """Score every completion with every reward, concurrently; fills the completions in place."""
     t0 = time.perf_counter()
     inputs = _batch_inputs(groups)

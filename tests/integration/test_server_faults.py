@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.drill import group_members, kill_tree
 from flows.serve import free_port, is_healthy
 from tasks.inference import InferenceUnavailableError, VLLMClient
 
@@ -31,6 +32,11 @@ def wait_for(pred, timeout: float, what: str, proc=None) -> None:
             raise AssertionError(f"{what}: supervisor exited with {proc.returncode}")
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def server_pid_or_none(port: int) -> int:
+    out = subprocess.run(["pgrep", "-f", f"api_server.*--port {port}"], capture_output=True, text=True).stdout
+    return int(out.split()[0]) if out.split() else -1
 
 
 def server_pid(port: int) -> int:
@@ -76,7 +82,8 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
 
         assert asyncio.run(in_flight_then_kill()) < 10  # bounded retries, then a clear error
         wait_for(lambda: is_healthy(url), 400, "restart by the policy-server flow", proc)
-        assert server_pid(port) != first
+        second = server_pid(port)  # the guarded API server leads its group: engine and workers too
+        assert second != first
 
         async def works():
             async with VLLMClient(url, api_key=key) as c:
@@ -87,13 +94,21 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         assert len(asyncio.run(works())[0].token_ids) >= 1
         assert "restart 1/3" in log.read_text()
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C on `grpoflow serve`
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        subprocess.run(["pkill", "-9", "-f", f"api_server.*--port {port}"])
+        group = second if "second" in locals() else server_pid_or_none(port)
+        deadline = time.monotonic() + 10  # a group being killed right now gets a moment
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = group_members(group) if group > 0 else []
+        if group > 0:
+            kill_tree([group])
     assert not is_healthy(url)
+    # Nothing of the server outlives it: not the API server, nor its engine and worker processes.
+    assert left == [], f"server processes left behind: {left}"
 
 
 def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):

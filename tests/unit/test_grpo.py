@@ -20,6 +20,8 @@ def loss_of(*tensors, **kw):
     """compute_loss with the algorithm fields among `kw` as its section (correction off unless given)."""
     algorithm = AlgorithmConfig(**{"correction": "none"} | {k: kw.pop(k) for k in set(kw) & ALGORITHM_FIELDS})
     return compute_loss(*tensors, algorithm, **kw)
+
+
 LOSSES = ["grpo", "dr_grpo", "dapo", "gspo"]
 
 
@@ -276,11 +278,7 @@ def test_an_impossible_sampler_token_is_dropped_not_diluted(behaviour_value):
     behaviour = torch.full((1, 101), -1.0)
     behaviour[0, 50] = behaviour_value
     kw = dict(loss_type="dapo", correction_cap=2.0)
-    loss, m = loss_of(
-        logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="icepop", **kw
-    )
+    loss, m = loss_of(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="icepop", **kw)
     assert float(loss) == pytest.approx(-100 / 101) and m["is_masked_frac"] == pytest.approx(1 / 101)
-    loss, m = loss_of(
-        logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="seq_mask", **kw
-    )
+    loss, m = loss_of(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="seq_mask", **kw)
     assert float(loss) == 0.0 and m["is_masked_frac"] == 1.0

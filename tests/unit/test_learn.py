@@ -21,7 +21,9 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
                  **fields) -> Learner:  # fmt: skip
     """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
     (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
-    algorithm = {"correction": "none"} | {k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)}
+    algorithm = {"correction": "none"} | {
+        k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
+    }
     return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), total_steps=total_steps,
                    seed=seed, tokenizer_path=tokenizer_path, skip_zero_advantage=skip_zero_advantage)  # fmt: skip
 
@@ -56,7 +58,9 @@ def test_micro_batching_gives_the_same_update(model_dir):
     # Compare the accumulated gradients (Adam's first step would amplify float noise in tiny grads).
     grads, losses = [], []
     for mbs in (1, 3):
-        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0)
+        learner = make_learner(
+            model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0
+        )
         learner.optimizer.step = lambda: None
         losses.append(learner.train_step(samples())["train/loss"])
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters()]))
@@ -155,7 +159,9 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
     # repeated; logprobs, loss and gradients match the full-sequence forward.
     runs = {}
     for share in (False, True):
-        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share)
+        learner = make_learner(
+            model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share
+        )
         assert learner.share_prompt is share
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(samples()), grads_of(learner))

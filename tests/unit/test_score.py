@@ -130,7 +130,9 @@ def test_fault_matrix_every_cell_has_the_right_status():
 
 def test_required_reward_failure_masks_the_completion():
     groups = make_groups(1, 3)
-    metrics = score_groups(groups, [RewardConfig(name="h", fn=healthy), RewardConfig(name="f", fn=first_invalid)])
+    metrics = score_groups(
+        groups, [RewardConfig(name="h", fn=healthy), RewardConfig(name="f", fn=first_invalid)]
+    )
     first, *rest = groups[0].completions
     assert (
         not first.reward_valid
@@ -302,7 +304,8 @@ def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
         fn="tests.unit.reward_fns:hang_forever",
         executor="process",
         timeout_s=1.0,
-        kwargs={"pid_dir": str(tmp_path)})
+        kwargs={"pid_dir": str(tmp_path)},
+    )
     for _ in range(2):  # the pool has 2 workers: on the old code two hangs held both for good
         groups = make_groups(1, 3)
         score_groups(groups, [good])  # a warm worker, so the hang starts well inside its 1 s
@@ -324,7 +327,11 @@ def test_a_good_process_reward_survives_a_hang_that_recycles_the_pool(tmp_path):
     # The hang's timeout kills every worker of the pool, the slow good reward's included: its call
     # is retried once on the new pool, within its own timeout.
     slow = RewardConfig(
-        name="slow", fn="tests.unit.reward_fns:length", executor="process", timeout_s=60, kwargs={"seconds": 3}
+        name="slow",
+        fn="tests.unit.reward_fns:length",
+        executor="process",
+        timeout_s=60,
+        kwargs={"seconds": 3},
     )
     hang = RewardConfig(
         name="hang",
@@ -332,7 +339,8 @@ def test_a_good_process_reward_survives_a_hang_that_recycles_the_pool(tmp_path):
         executor="process",
         timeout_s=1.0,
         required=False,
-        kwargs={"pid_dir": str(tmp_path)})
+        kwargs={"pid_dir": str(tmp_path)},
+    )
     groups = make_groups(1, 3)
     score_groups(groups, [slow, hang])
     assert [[x.status for x in c.reward_cells] for c in groups[0].completions] == [["valid", "timeout"]] * 3
