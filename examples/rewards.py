@@ -45,17 +45,11 @@ def number_only(
     """Partial credit for 'reply with only the number', in [0, 1]: half for brevity (1 for a reply of
     one word, falling linearly to 0 at `max_words` + 1 words), half for correctness (the reply's last
     number equals the row's `answer`). None when the row has no answer."""
-    answers = answer or [None] * len(completions)
     out: list[float | None] = []
-    for text, ans in zip(completions, answers, strict=True):
-        if ans is None:
-            out.append(None)
-            continue
+    for text, correct in zip(completions, exact_number(completions, answer), strict=True):
         words = len(text.split())
         brevity = 0.0 if words == 0 else max(0.0, 1.0 - (words - 1) / max_words)  # empty: no answer
-        nums = _NUMBER.findall(text)
-        correct = 1.0 if nums and abs(float(nums[-1]) - float(ans)) < 1e-6 else 0.0
-        out.append(0.5 * brevity + 0.5 * correct)
+        out.append(None if correct is None else 0.5 * brevity + 0.5 * correct)
     return out
 
 
