@@ -191,28 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
     version = f"grpoflow {importlib.metadata.version('grpoflow')}"
     p.add_argument("--version", action="version", version=version, help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
+    _flow_commands(sub)
+    _store_commands(sub)
+    return p
 
+
+def _config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (default: configs/tiny-letters.yaml)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+
+
+def _flow_commands(sub) -> None:
+    """The commands that run a Prefect flow: train, serve, evaluate, report."""
     t = sub.add_parser("train", help="run grpo-train (no arguments: the tiny demo)")
-    t.add_argument("--config", help="YAML config (default: configs/tiny-letters.yaml)")
-    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    _config_options(t)
     t.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
     t.add_argument("--run-id", help="name of a new run (default: generated)")
     t.add_argument("--root", help=ROOT_HELP)
     t.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     t.set_defaults(fn=cmd_train)
-
-    s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls")
-    s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
-    s.add_argument("--canned", help="a canned query: reward_curve, invalid_rate, tool_failures, lengths")
-    s.add_argument("--run", help="restrict a canned query to one run")
-    s.add_argument("--root", help=ROOT_HELP)
-    s.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    s.set_defaults(fn=cmd_sql)
-
-    r = sub.add_parser("runs", help="list runs in the store")
-    r.add_argument("--root", help=ROOT_HELP)
-    r.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    r.set_defaults(fn=cmd_runs)
 
     v = sub.add_parser("serve", help="start and supervise a vLLM server (policy-server flow)")
     v.add_argument("--model", required=True, help="model directory")
@@ -227,8 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "evaluate", help="run grpo-evaluate: score a run's latest checkpoint (or the base model)"
     )
-    e.add_argument("--config", help="YAML config (default: configs/tiny-letters.yaml)")
-    e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    _config_options(e)
     e.add_argument("--run", help="evaluate this run's latest checkpoint (default: the config's base model)")
     e.add_argument("--checkpoint", help="evaluate this checkpoint directory instead")
     e.add_argument("--prompts", type=int, default=16, help="rows evaluated, the dataset's last (default: 16)")
@@ -244,6 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     rp.set_defaults(fn=cmd_report, runs_flows=True)
 
+
+def _store_commands(sub) -> None:
+    """The commands that read the store or the config: sql, runs, config, make-tiny-model."""
+    s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls")
+    s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
+    s.add_argument("--canned", help="a canned query: reward_curve, invalid_rate, tool_failures, lengths")
+    s.add_argument("--run", help="restrict a canned query to one run")
+    s.add_argument("--root", help=ROOT_HELP)
+    s.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    s.set_defaults(fn=cmd_sql)
+
+    r = sub.add_parser("runs", help="list runs in the store")
+    r.add_argument("--root", help=ROOT_HELP)
+    r.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    r.set_defaults(fn=cmd_runs)
+
     c = sub.add_parser("config", help="show a resolved config, its JSON schema, or the reference docs")
     csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION", help="one of:")
     cs = csub.add_parser("show", help="the resolved config as YAML, each field's description as a comment")
@@ -252,8 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
     )
     cs.set_defaults(fn=cmd_config_show)
-    cj = csub.add_parser("schema", help="the JSON schema of the config tree")
-    cj.set_defaults(fn=cmd_config_schema)
+    csub.add_parser("schema", help="the JSON schema of the config tree").set_defaults(fn=cmd_config_schema)
     cd = csub.add_parser("docs", help="docs/configuration.md: a table per config section")
     cd.add_argument("--write", action="store_true", help="write docs/configuration.md instead of printing it")
     cd.set_defaults(fn=cmd_config_docs)
@@ -262,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir", help="output directory")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     m.set_defaults(fn=cmd_make_tiny_model)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(interrupted_message(args), file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports it
+    except BrokenPipeError:  # `grpoflow sql ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def interrupted_message(args) -> str:

@@ -290,3 +290,13 @@ def test_task_run_info_lines_only_with_verbose_in_a_real_flow(tmp_path):
     # the API (the UI) still got the task runs' INFO lines of the quiet run
     api = out.stdout.split("API ", 1)[1]
     assert "task info line" in api and "Finished in state Completed()" in api
+
+
+def test_a_closed_pipe_is_not_an_error():
+    """`grpoflow config schema | head`: the reader leaves early; no traceback, exit 0."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m flows.cli config schema | true"  # the reader is gone before any write
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
