@@ -71,15 +71,13 @@ def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path
         from flows.config import load_config
         from flows.runs import preflight
         from storage.records import RolloutCompletion, RolloutGroup
-        from tasks.config import RewardConfig
         from tasks.score import score_groups
 
         cfg = load_config({str(proj / "cfg.yaml")!r})
         rows = preflight(cfg)  # imports every path, reads the rows
         comps = [RolloutCompletion(i, t, [1], [1], [-1.0]) for i, t in enumerate(["2", "3"])]
         g = RolloutGroup("g", 0, "p", [1], comps, row=rows[0])
-        specs = [RewardConfig(name=r.name, fn=r.fn, executor=r.executor) for r in cfg.rewards]
-        score_groups([g], specs)
+        score_groups([g], cfg.rewards)  # the config's own reward sections, as the flow passes them
         print(len(rows), [[c.status for c in x.reward_cells] for x in comps], comps[0].reward)
         """,
         cwd=elsewhere,
