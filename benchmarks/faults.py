@@ -127,20 +127,12 @@ def server_kill_drill(root: Path, model: Path) -> dict:
 
 
 def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
-    from examples.envs import letters_rows
-    from examples.tools import flaky_lookup
     from flows.config import load_config
     from flows.train import grpo_train
     from storage.sql import query
-    from tasks.tiny_model import teach_tool_calls
-
-    caller = root / "tool-caller"
-    shutil.copytree(model, caller)
-    teach_tool_calls(caller, flaky_lookup, lambda rng: {"key": rng.randint(0, 9)},
-                     [r["prompt"] for r in letters_rows(64)])  # fmt: skip
     steps, run_id = 8, "reward-tool-faults"
     cfg = load_config(REPO / "configs" / "tiny-faults.yaml", [
-        f"storage.root={root}", f"model.path={caller}", f"inference.url={url}", f"run.steps={steps}",
+        f"storage.root={root}", f"model.path={model}", f"inference.url={url}", f"run.steps={steps}",
         f"run.run_id={run_id}",
     ])  # fmt: skip
     t0 = time.perf_counter()

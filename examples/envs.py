@@ -83,5 +83,22 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
     return rows
 
 
+def product_rows(n: int = 512, seed: int = 0, part: str = "train") -> list[dict]:
+    """'What is a * b?' with a three-digit `a` and a two-digit `b`, to be answered with the calculator
+    tool (configs/smollm2-tools.yaml): a 135M model cannot multiply these in its head, so the reward
+    rises only as its tool calls succeed. `part` splits pairs as `sum_rows` does."""
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    while len(rows) < n:
+        a, b = rng.randint(100, 999), rng.randint(11, 99)
+        if _held_out(a, b) != (part == "eval"):
+            continue
+        prompt = f"What is {a} * {b}? Use the calculator, then reply with only the number."
+        rows.append({"prompt": prompt, "answer": a * b, "a": a, "b": b, "id": len(rows)})
+    return rows
+
+
 def _held_out(a: int, b: int) -> bool:
     return (a * 7 + b * 13) % 5 == 0

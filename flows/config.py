@@ -25,6 +25,7 @@ from tasks.config import (
     StorageConfig,
     SyncConfig,
     ToolsConfig,
+    WarmupConfig,
     _Section,
 )
 from tasks.imports import add_search_dir, import_object
@@ -43,6 +44,7 @@ __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from the
     "StorageConfig",
     "SyncConfig",
     "ToolsConfig",
+    "WarmupConfig",
     "load_config",
 ]
 
@@ -61,6 +63,7 @@ class GRPOConfig(_Section):
         description="Reward functions (at least one).",
     )
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools and environments.")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="Supervised warm-up before RL.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="GRPO variant.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Optimisation.")
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="vLLM server.")
@@ -223,3 +226,5 @@ def check_imports(cfg: GRPOConfig) -> None:
         )
     if cfg.data.generator and not cfg.data.path:
         resolve_import(cfg.data.generator, "data.generator")
+    if isinstance(cfg.warmup.examples, str):
+        resolve_import(cfg.warmup.examples, "warmup.examples")

@@ -6,6 +6,7 @@ is loaded and before anything is written to the store.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import secrets
@@ -81,15 +82,43 @@ def confine(cfg: GRPOConfig) -> None:
 
 
 def prepare_model(cfg: GRPOConfig) -> Path:
-    """Resolve `model.path`; 'tiny' builds the tiny random model once under <root>/models/tiny."""
+    """The model a run starts from: `model.path` ('tiny' builds the tiny random model once under
+    <root>/models/tiny), after the `warmup` section's SFT when it has steps."""
     if cfg.model.path == "tiny":
-        out = Path(cfg.storage.root) / "models" / "tiny"
-        if not (out / "config.json").is_file():
+        base = Path(cfg.storage.root) / "models" / "tiny"
+        if not (base / "config.json").is_file():
             from tasks.tiny_model import build_tiny_model
 
-            build_tiny_model(out, seed=cfg.run.seed)
-        return out
-    return check_model_dir(Path(cfg.model.path))
+            build_tiny_model(base, seed=cfg.run.seed)
+    else:
+        base = check_model_dir(Path(cfg.model.path))
+    return warmed_model(cfg, base) if cfg.warmup.steps else base
+
+
+def warmed_model(cfg: GRPOConfig, base: Path) -> Path:
+    """`base` after the warm-up, cached under <root>/models/warmup-<key>: the key covers the base
+    model's weights file, the warm-up and tools settings and the seed, so any change warms up anew
+    and a resumed run finds the model it started from."""
+    from tasks.warmup import callable_name, warm_up
+
+    weights = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
+    key = {
+        "base": str(base.resolve()),
+        "weights": [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
+        "warmup": {
+            **cfg.warmup.model_dump(exclude={"examples"}),
+            "examples": callable_name(cfg.warmup.examples),
+        },
+        "tools": [callable_name(t) for t in cfg.tools.tools],
+        "environment": callable_name(cfg.tools.environment),
+        "describe_tools": cfg.tools.describe_tools,
+        "seed": cfg.run.seed,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(cfg.storage.root) / "models" / f"warmup-{digest}"
+    if not (out / "warmup.json").is_file():
+        warm_up(base, out, cfg.warmup, cfg.tools, seed=cfg.run.seed)
+    return out
 
 
 def check_model_dir(p: Path) -> Path:

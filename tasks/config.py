@@ -129,6 +129,34 @@ class ToolsConfig(_Section):
         return _check_import_path(v) if isinstance(v, str) else v
 
 
+class WarmupConfig(_Section):
+    """Supervised fine-tuning before RL, for a model that never does what the reward needs (a model
+    that never writes a tool call gets no tool-call signal to learn from). Run once per model and
+    settings, cached under the store root; keep it short of saturation so RL has room to improve."""
+
+    examples: str | SkipJsonSchema[Callable[..., Any]] | None = Field(
+        None,
+        description="'module:function' returning SFT examples: rows with 'prompt' (as data rows) and "
+        "'reply' (the assistant's text, or the messages that follow the prompt: assistant turns are "
+        "learned, tool turns are context). Prompts get the tools exactly as rollouts do.",
+    )
+    examples_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
+    steps: int = Field(0, ge=0, description="SFT optimizer steps (0 = no warm-up).")
+    batch_size: int = Field(8, ge=1, description="Examples per SFT step.")
+    lr: float = Field(1e-4, gt=0, description="SFT learning rate (AdamW, constant).")
+
+    @field_validator("examples")
+    @classmethod
+    def _import_path(cls, v: Any) -> Any:
+        return _check_import_path(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _examples_when_steps(self) -> WarmupConfig:
+        if self.steps and self.examples is None:
+            raise ValueError(f"warmup.steps is {self.steps} but warmup.examples is not set")
+        return self
+
+
 class AlgorithmConfig(_Section):
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="Loss variant.")
     epsilon: float = Field(0.2, gt=0, description="Lower clip range of the ratio.")

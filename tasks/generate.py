@@ -64,6 +64,11 @@ def render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
     )
 
 
+def template_ignores_tools(tokenizer, schemas: list[dict]) -> bool:
+    probe = [{"role": "user", "content": "?"}]
+    return render(tokenizer, probe, schemas, True) == render(tokenizer, probe, None, True)
+
+
 def _seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
     if seed is None:
         return None
@@ -110,8 +115,8 @@ class RolloutSettings:
     ):
         self.backend, self.tok, self.gen, self.seed = backend, tokenizer, gen, seed
         self.budget = gen.max_rollout_tokens or gen.max_tokens * gen.max_turns
-        self.tools = [_resolve(t) for t in tools.tools]
-        factory = _resolve(tools.environment) if tools.environment is not None else None
+        self.tools = [resolve_callable(t) for t in tools.tools]
+        factory = resolve_callable(tools.environment) if tools.environment is not None else None
         self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
         self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
         self.describe_tools, self._template_ignores_tools = tools.describe_tools, None
@@ -125,10 +130,7 @@ class RolloutSettings:
         if self.describe_tools != "auto":
             return self.describe_tools == "system"
         if self._template_ignores_tools is None:
-            probe = [{"role": "user", "content": "?"}]
-            self._template_ignores_tools = render(self.tok, probe, schemas, True) == render(
-                self.tok, probe, None, True
-            )
+            self._template_ignores_tools = template_ignores_tools(self.tok, schemas)
         return self._template_ignores_tools
 
     @property
@@ -392,7 +394,7 @@ async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split
     )
 
 
-def _resolve(obj: str | Callable[..., Any]) -> Callable[..., Any]:
+def resolve_callable(obj: str | Callable[..., Any]) -> Callable[..., Any]:
     """A tool or environment factory: an import path 'module:attr', or the callable itself."""
     return import_object(obj) if isinstance(obj, str) else obj
 

@@ -4,7 +4,6 @@ examples/), not mocks; only their failures are staged."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,22 +16,9 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tool_caller_dir(tiny_model_dir, tmp_path_factory):
-    """The session's tiny model after a few seconds of SFT to call examples.tools:flaky_lookup."""
-    from examples.envs import letters_rows
-    from examples.tools import flaky_lookup
-    from tasks.tiny_model import teach_tool_calls
-
-    out = tmp_path_factory.mktemp("models") / "tool-caller"
-    shutil.copytree(tiny_model_dir, out)
-    prompts = [r["prompt"] for r in letters_rows(64)]
-    return teach_tool_calls(out, flaky_lookup, lambda rng: {"key": rng.randint(0, 9)}, prompts)
-
-
 @pytest.mark.slow
 def test_failing_rewards_and_hanging_tools_run_completes_with_rates(
-    tmp_path, vllm_server, tool_caller_dir, prefect_api
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
     from flows.train import grpo_train
 
@@ -41,7 +27,7 @@ def test_failing_rewards_and_hanging_tools_run_completes_with_rates(
         REPO / "configs" / "tiny-faults.yaml",
         [
             f"storage.root={tmp_path}",
-            f"model.path={tool_caller_dir}",
+            f"model.path={tiny_model_dir}",  # the config's warm-up teaches it to call flaky_lookup
             f"inference.url={vllm_server.url}",
             f"run.steps={steps}",
             "run.run_id=chaos",

@@ -13,7 +13,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 
 def test_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"tiny-letters.yaml", "tiny-counter-env.yaml", "smollm2-arith-tools.yaml"} <= names
+    assert {"tiny-letters.yaml", "tiny-counter-env.yaml", "smollm2-tools.yaml", "smollm2-demo.yaml"} <= names
     assert any(n.startswith("gpu-") for n in names)
 
 

@@ -1,0 +1,48 @@
+"""Every shipped CPU config with tools stores tool calls when run as shipped: a random tiny model never
+writes one, so those configs carry a `warmup` section, and the warm-up must teach the format on the
+very prompts the rollouts are generated from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from storage.sql import query
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_counter_env_config_stores_tool_calls_after_its_warm_up(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    from flows.runs import load_rows, prepare_model
+    from flows.train import grpo_train
+    from tasks.generate import load_tokenizer, render
+    from tasks.tools import HermesToolParser
+    from tasks.warmup import PromptRenderer
+
+    cfg = load_config(
+        REPO / "configs" / "tiny-counter-env.yaml",
+        [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+         "run.steps=2", "run.run_id=counter"],
+    )  # fmt: skip
+    assert grpo_train(config=cfg)["steps_trained"] == 2
+    _, [(calls, ok, max_count)] = query(
+        tmp_path,
+        "SELECT count(*), count(*) FILTER (WHERE NOT failed AND result LIKE 'count is now %'), "
+        "(SELECT max(reward) FROM rewards WHERE reward_name = 'count') FROM tool_calls",
+    )
+    assert calls > 0 and ok > 0 and max_count >= 1  # parsed, executed on the environment, rewarded
+
+    # the warm-up learned on exactly the prompt text rollouts used (the env's reset note included)
+    tok = load_tokenizer(str(prepare_model(cfg)))
+    renderer = PromptRenderer(tok, cfg.tools, HermesToolParser())
+    rendered = {
+        render(tok, renderer.messages(r, i), renderer.schemas, True) for i, r in enumerate(load_rows(cfg))
+    }
+    _, prompts = query(tmp_path, "SELECT DISTINCT prompt FROM rollouts")
+    assert prompts and {p for (p,) in prompts} <= rendered
