@@ -2,7 +2,9 @@
 
 Scores a held-out set greedily with the base model, trains configs/smollm2-demo.yaml, prints the mean
 reward of the first and last 5 steps, then scores the same held-out set greedily with the trained
-checkpoint. Held-out rows are the generator's `part: eval` pairs, which training never draws.
+checkpoint. Held-out rows are the generator's `part: eval` pairs, which training never draws. All three
+share one embedded vLLM server (training pushes its weights into it; the last evaluation pushes the
+final checkpoint), so the model loads once.
 
     .venv/bin/python scripts/demo_smollm2.py [--seed N] [--root DIR] [--set KEY=VALUE ...]
 """
@@ -32,15 +34,21 @@ def main() -> int:
     from flows.evaluate import grpo_evaluate
     from flows.prefect_api import owned_prefect_api
     from flows.runs import new_run_id
+    from flows.serve import inference_server
     from flows.train import grpo_train
     from storage.sql import query
 
     run_id = f"smollm2-demo-s{args.seed}-{new_run_id()[5:]}"
     sets = [f"storage.root={args.root}", f"run.seed={args.seed}", f"run.run_id={run_id}", *args.set]
-    cfg = load_config(REPO / "configs" / "smollm2-demo.yaml", sets)
-    held_out = load_config(REPO / "configs" / "smollm2-demo.yaml", [*sets, "data.generator_kwargs.part=eval"])
+    config = REPO / "configs" / "smollm2-demo.yaml"
+    base = load_config(config, sets)
     quiet_prefect_task_logs()
-    with owned_prefect_api():
+    with (
+        owned_prefect_api(),
+        inference_server(base.inference, base.model.path, args.root, f"vllm-{run_id}") as srv,
+    ):
+        cfg = load_config(config, [*sets, f"inference.url={srv.url}"])
+        held_out = load_config(config, [*sets, f"inference.url={srv.url}", "data.generator_kwargs.part=eval"])
         before = grpo_evaluate(config=held_out, prompts=args.eval_prompts, greedy=True)
         summary = grpo_train(config=cfg)
         after = grpo_evaluate(config=held_out, run_id=run_id, prompts=args.eval_prompts, greedy=True)
