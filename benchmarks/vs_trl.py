@@ -231,6 +231,8 @@ def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
         "gen_tokens_per_step": rnd(med(gen_tok[later]), 1),
         "gen_tokens_per_s": rnd(med(rates[later]), 1),
         "reward_curve": [rnd(clock.rewards.get(i + 1), 4) for i in range(len(walls))],
+        # End of each step, seconds since the start of step 0 (benchmarks/learning.py's time axis).
+        "step_end_seconds": [rnd(e - clock.begin) for e in clock.ends],
     }
     del trainer, model
     return result
