@@ -12,7 +12,7 @@ weight push, and for the first grpoflow run the start of Prefect's ephemeral API
 
 Workloads: `tiny` (configs/tiny-letters.yaml: random tiny model, reward = fraction of "a") and
 `smollm2` (SmolLM2-135M-Instruct, examples.envs:arith_rows + examples.rewards:exact_number, no tools,
-32 new tokens; the learning settings of configs/smollm2-arith-tools.yaml).
+32 new tokens, lr 5e-6; configs/smollm2-tools.yaml with its tools and warm-up off).
 
     .venv/bin/python benchmarks/vs_trl.py [--workloads tiny smollm2] [--smollm2 models/smollm2-135m]
         [--steps N] [--repeats R]

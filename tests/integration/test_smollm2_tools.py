@@ -20,14 +20,16 @@ STEPS, PROMPTS, G = 2, 4, 4
 
 
 @pytest.fixture(scope="module")
-def smollm2_model_dir(request):
+def smollm2_model_dir(request, tmp_path_factory):
     """`make models/smollm2-135m`'s conversion, or the same conversion kept in pytest's cache."""
     from tasks.models import convert_gguf
 
     shipped = REPO / "models" / "smollm2-135m"
     if (shipped / "config.json").is_file():
         return shipped
-    return convert_gguf(request.config.cache.mkdir("smollm2-135m-model") / "model")
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("smollm2-135m-model") if cache is not None else tmp_path_factory.mktemp("smollm2")
+    return convert_gguf(folder / "model")
 
 
 @pytest.mark.slow
