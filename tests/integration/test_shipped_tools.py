@@ -34,7 +34,7 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     _, [(calls, ok, max_count)] = query(
         tmp_path,
         "SELECT count(*), count(*) FILTER (WHERE NOT failed AND result LIKE 'count is now %'), "
-        "(SELECT max(reward) FROM rewards WHERE reward_name = 'count') FROM tool_calls",
+        "(SELECT max(value) FROM rewards WHERE reward_name = 'count') FROM tool_calls",
     )
     assert calls > 0 and ok > 0 and max_count >= 1  # parsed, executed on the environment, rewarded
 
