@@ -47,7 +47,7 @@ demo: install  ## install, train the tiny demo through vLLM + Prefect, print the
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
 
-demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~25 min on 2 cores; SEED=0)
+demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
 	$(BIN)/python scripts/demo_smollm2.py --seed $(or $(SEED),0) --root $(ROOT)
 
 test: install  ## the whole test suite (unit + integration with the real vLLM server and Prefect API)

@@ -137,6 +137,15 @@ def _leg(system: str, seed: int, config: Path, overrides: list[str], rewards, wa
     }
 
 
+def _grpoflow_leg(system: str, seed: int, config: Path, overrides: list[str], rows, **extra) -> dict:
+    """A leg from a grpoflow run's `steps` rows: checkpoint saves are left out of the step times."""
+    ckpt = [float(r.get("checkpoint_seconds") or 0.0) for r in rows]
+    walls = [float(r["wall_seconds"]) - c for r, c in zip(rows, ckpt, strict=True)]
+    rewards = [r.get("reward/mean") for r in rows]
+    return _leg(system, seed, config, overrides, rewards, _cumulative(walls),
+                checkpoint_seconds_excluded=round(sum(ckpt), 3), **extra)  # fmt: skip
+
+
 def _model_path(cfg, smollm2: str | None) -> str:
     """`model.path` as a path that exists from here: --smollm2, else the config's own (a relative one
     tried under the repository too); `tiny` stays `tiny` (prepare_model builds it)."""
@@ -194,8 +203,6 @@ def run_leg(
         rows, run_seconds = run_steps(
             config, sets, url=server.url, steps=steps, staleness=staleness, run_id=run_id
         )
-    step_walls = [float(s["wall_seconds"]) - float(s.get("checkpoint_seconds") or 0.0) for s in rows]
-    ckpt = sum(float(s.get("checkpoint_seconds") or 0.0) for s in rows)
     used = [
         *sets,
         f"algorithm.max_staleness={staleness}",
@@ -203,16 +210,7 @@ def run_leg(
         f"run.checkpoint_every={steps}",
         "inference.url=<embedded vLLM server>",
     ]
-    return _leg(
-        system,
-        seed,
-        config,
-        used,
-        [s.get("reward/mean") for s in rows],
-        _cumulative(step_walls),
-        run_seconds=round(run_seconds, 3),
-        checkpoint_seconds_excluded=round(ckpt, 3),
-    )
+    return _grpoflow_leg(system, seed, config, used, rows, run_seconds=round(run_seconds, 3))
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -284,17 +282,13 @@ def import_run(
     if (meta or {}).get("status") != "completed":
         notes.append(f"the run's recorded status is {(meta or {}).get('status')!r}, not 'completed'")
         print(f"# warning: {notes[-1]}", flush=True)
-    ckpt = [float(r.get("checkpoint_seconds") or 0.0) for r in rows]
-    walls = [float(r["wall_seconds"]) - c for r, c in zip(rows, ckpt, strict=True)]
     overrides = [f"run.seed={seed}", f"run.steps={len(rows)}", f"algorithm.max_staleness={SYSTEMS[system]}"]
-    return _leg(
+    return _grpoflow_leg(
         system,
         seed,
         config,
         overrides,
-        [r.get("reward/mean") for r in rows],
-        _cumulative(walls),
-        checkpoint_seconds_excluded=round(sum(ckpt), 3),
+        rows,
         from_run={
             "root": str(Path(root).resolve()),
             "run_id": run_id,
