@@ -50,13 +50,13 @@ demo: install  ## install, train the tiny demo through vLLM + Prefect, print the
 demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
 	$(BIN)/python scripts/demo_smollm2.py --seed $(or $(SEED),0) --root $(ROOT)
 
-test: install  ## the whole test suite (unit + integration with the real vLLM server and Prefect API)
+test: install models/smollm2-135m  ## the whole test suite (unit + integration with the real vLLM server and Prefect API; SmolLM2 converted once)
 	$(BIN)/pytest tests $(PYTEST_ARGS)
 
 test-unit: $(BIN)/.installed  ## fast tests, no servers
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-test-integration: install  ## real vLLM CPU server + Prefect API
+test-integration: install models/smollm2-135m  ## real vLLM CPU server + Prefect API
 	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed  ## ruff check + format check

@@ -20,16 +20,12 @@ STEPS, PROMPTS, G = 2, 4, 4
 
 
 @pytest.fixture(scope="module")
-def smollm2_model_dir(request, tmp_path_factory):
-    """`make models/smollm2-135m`'s conversion, or the same conversion kept in pytest's cache."""
-    from tasks.models import convert_gguf
-
-    shipped = REPO / "models" / "smollm2-135m"
-    if (shipped / "config.json").is_file():
-        return shipped
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("smollm2-135m-model") if cache is not None else tmp_path_factory.mktemp("smollm2")
-    return convert_gguf(folder / "model")
+def smollm2_model_dir():
+    """The model `make models/smollm2-135m` converts (`make test` runs that target first)."""
+    model = REPO / "models" / "smollm2-135m"
+    if not (model / "config.json").is_file():
+        pytest.fail(f"no SmolLM2 model at {model}: run `make models/smollm2-135m` (make test does)")
+    return model
 
 
 @pytest.mark.slow
