@@ -69,6 +69,22 @@ def template_ignores_tools(tokenizer, schemas: list[dict]) -> bool:
     return render(tokenizer, probe, schemas, True) == render(tokenizer, probe, None, True)
 
 
+def tools_in_system_turn(describe_tools: str, tokenizer, schemas: list[dict]) -> bool:
+    """Whether the tools and the call format go into the system turn: `tools.describe_tools`
+    'system', or 'auto' and the chat template ignores `tools=` (SmolLM2's and many small models'
+    templates do; a model that is never told its tools never calls them)."""
+    if describe_tools != "auto":
+        return describe_tools == "system"
+    return template_ignores_tools(tokenizer, schemas)
+
+
+def with_reset_note(messages: list[dict], note: Any) -> list[dict]:
+    """`messages` with an environment's `reset` note (a non-empty string) appended to the last one."""
+    if not (isinstance(note, str) and note):
+        return messages
+    return [*messages[:-1], {**messages[-1], "content": f"{messages[-1]['content']}\n\n{note}"}]
+
+
 def _seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
     if seed is None:
         return None
@@ -119,19 +135,15 @@ class RolloutSettings:
         factory = resolve_callable(tools.environment) if tools.environment is not None else None
         self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
         self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
-        self.describe_tools, self._template_ignores_tools = tools.describe_tools, None
+        self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
 
     def tools_in_system_turn(self, schemas: list[dict]) -> bool:
-        """Whether the tools and the call format go into the system turn: `tools.describe_tools`
-        'system', or 'auto' and the chat template ignores `tools=` (SmolLM2's and many small models'
-        templates do; a model that is never told its tools never calls them)."""
-        if self.describe_tools != "auto":
-            return self.describe_tools == "system"
-        if self._template_ignores_tools is None:
-            self._template_ignores_tools = template_ignores_tools(self.tok, schemas)
-        return self._template_ignores_tools
+        """`tools_in_system_turn` for this run's template, decided once (the tools do not change)."""
+        if self._tools_in_system is None:
+            self._tools_in_system = tools_in_system_turn(self.describe_tools, self.tok, schemas)
+        return self._tools_in_system
 
     @property
     def single_turn(self) -> bool:
@@ -237,9 +249,7 @@ async def _multi_turn(r: RolloutSettings, row: dict, index: int, sample: int, me
     history = [dict(m) for m in messages]
     if r.env_pool is not None:
         env = await r.env_pool.acquire()
-        note = env.reset(**row)
-        if isinstance(note, str) and note:
-            history[-1] = {**history[-1], "content": f"{history[-1]['content']}\n\n{note}"}
+        history = with_reset_note(history, env.reset(**row))
         tools.update(environment_tools(env))
     # Rewards see the prompt in the row's own form, with this sample's reset note in it.
     prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]

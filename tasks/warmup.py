@@ -24,7 +24,8 @@ from tasks.generate import (
     prompt_messages,
     render,
     resolve_callable,
-    template_ignores_tools,
+    tools_in_system_turn,
+    with_reset_note,
     with_system_text,
 )
 from tasks.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
@@ -61,17 +62,14 @@ class PromptRenderer:
         if self.env is not None:
             fns += list(environment_tools(self.env).values())
         self.schemas = [tool_schema(f) for f in fns]
-        self.in_system = bool(self.schemas) and (
-            self.describe == "system"
-            or (self.describe == "auto" and template_ignores_tools(tokenizer, self.schemas))
-        )
+        self.in_system = bool(self.schemas) and tools_in_system_turn(self.describe, tokenizer, self.schemas)
 
     def messages(self, row: dict[str, Any], index: int) -> list[dict[str, Any]]:
         history = prompt_messages(row, index)
         if self.env is not None:
-            note = self.env.reset(**{k: v for k, v in row.items() if k != "reply"})
-            if isinstance(note, str) and note:
-                history[-1] = {**history[-1], "content": f"{history[-1]['content']}\n\n{note}"}
+            history = with_reset_note(
+                history, self.env.reset(**{k: v for k, v in row.items() if k != "reply"})
+            )
         if self.in_system:
             history = with_system_text(history, self.parser.instructions(self.schemas))
         return history
