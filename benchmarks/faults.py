@@ -130,6 +130,7 @@ def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
     from flows.config import load_config
     from flows.train import grpo_train
     from storage.sql import query
+
     steps, run_id = 8, "reward-tool-faults"
     cfg = load_config(REPO / "configs" / "tiny-faults.yaml", [
         f"storage.root={root}", f"model.path={model}", f"inference.url={url}", f"run.steps={steps}",

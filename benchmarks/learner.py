@@ -3,10 +3,13 @@
 A step of `--prompts` arithmetic prompts (examples.envs:arith_rows through the model's chat template)
 x `--group` completions of 8-32 random tokens; advantages +-1 (every sample trains) or, with
 `--zero-groups K`, K groups with equal rewards (advantage 0). Variants: `share_prompt` off/on (each
-group's prompt once, its KV cache repeated), zero-advantage skipping off/on. The LM head runs only on
-positions that predict completion tokens in every variant. Prints one JSON line per variant.
+prompt once, its KV cache row reused by its completions), zero-advantage skipping off/on, and one
+shared-prompt variant per further `--micro-batch` size (a micro-batch larger than a group packs
+several prompts, left-padded, into one forward). The LM head runs only on positions that predict
+completion tokens in every variant. Prints one JSON line per variant.
 
     .venv/bin/python benchmarks/learner.py --model models/smollm2-135m [--repeats 3] [--zero-groups 2]
+        [--prompts 8 --micro-batch 8 16 32]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m"))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, nargs="+", default=[8], help="sizes (the first for all)")
     ap.add_argument("--zero-groups", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per variant (+1 warm-up)")
     args = ap.parse_args()
@@ -58,17 +61,22 @@ def main() -> None:
     from tasks.learn import Learner
 
     samples = step_samples(args.model, args.prompts, args.group, args.zero_groups)
-    variants = [(False, False), (True, False)] + ([(True, True)] if args.zero_groups else [])
-    for share, skip in variants:
+    first, *more = args.micro_batch
+    variants = [(False, False, first), (True, False, first)] + (
+        [(True, True, first)] if args.zero_groups else []
+    )
+    variants += [(True, bool(args.zero_groups), n) for n in more]
+    for share, skip, micro_batch in variants:
         learner = Learner(
-            args.model, LearnerConfig(lr=5e-6, micro_batch_size=args.micro_batch, share_prompt=share),
+            args.model, LearnerConfig(lr=5e-6, micro_batch_size=micro_batch, share_prompt=share),
             AlgorithmConfig(loss_type="dapo", correction="tis"), total_steps=100, skip_zero_advantage=skip,
         )  # fmt: skip
         secs = [learner.train_step(samples)["train/seconds"] for _ in range(args.repeats + 1)]
         print(json.dumps({
-            "share_prompt": share, "skip_zero_advantage": skip, "samples": len(samples),
+            "share_prompt": share, "skip_zero_advantage": skip, "micro_batch_size": micro_batch,
+            "micro_batches": len(learner._micro_batches([s for s in samples if s.advantage or not skip])), "samples": len(samples),
             "zero_advantage_samples": args.zero_groups * args.group,
-            "prompt_tokens": samples[0].prompt_len,
+            "prompt_tokens": sorted({s.prompt_len for s in samples}),
             "completion_tokens": sum(len(s.completion_mask) for s in samples),
             "seconds_per_step": round(statistics.median(secs[1:]), 3),
         }), flush=True)  # fmt: skip

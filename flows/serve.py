@@ -248,6 +248,10 @@ def _vllm_args(
         # request is split by chunked prefill; whole-prompt prefill with a large token budget avoids it.
         budget = max(8192, max_model_len or 0)
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+        # The CPU build's default KV block is 128 tokens, and the prefix cache shares whole blocks
+        # only: a group's G completions of a shorter prompt each prefilled it again. 32 is the
+        # smallest block its attention kernel takes.
+        args += ["--block-size", "32"]
     return args
 
 

