@@ -1,4 +1,5 @@
-"""`grpoflow` command line: train, serve, sql, runs, report, config, make-tiny-model."""
+"""`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, report, config,
+make-tiny-model."""
 
 from __future__ import annotations
 
@@ -117,9 +118,84 @@ def cmd_serve(args) -> int:
             f"--host {args.host}: refusing to serve off loopback without an API key; give --api-key "
             "or set GRPOFLOW_API_KEY (the default 127.0.0.1 needs none)"
         )
+    if not args.model and not args.lineage:
+        raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
+    if args.lineage:
+        from storage.promotions import PromotionLog
+        from storage.records import validate_run_id
+
+        if PromotionLog(_root(args)).serving(validate_run_id(args.lineage)) is None and not args.model:
+            raise ConfigError(
+                f"--lineage {args.lineage}: no promotion recorded under {_root(args)}; give --model"
+            )
     policy_server(
-        model_dir=args.model, host=args.host, port=args.port, api_key=args.api_key, root=_root(args)
+        model_dir=args.model,
+        lineage=args.lineage,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        root=_root(args),
     )
+    return 0
+
+
+def cmd_retrain(args) -> int:
+    import json
+
+    from flows.retrain import grpo_retrain
+
+    cfg = _config(args)
+    out = grpo_retrain(lineage=args.lineage, extra_steps=args.steps, config=cfg, eval_prompts=args.eval_prompts,
+                       server_url=args.server, gate_metric=args.metric, gate_margin=args.margin,
+                       eval_greedy=args.greedy)  # fmt: skip
+    d = out["decision"]
+    print(json.dumps({"decision": d["decision"], "reason": d["reason"], "eval": out["eval"],
+                      "incumbent_eval": out["incumbent_eval"]}, default=str))  # fmt: skip
+    return 0
+
+
+def _server_inference(args):
+    from tasks.config import InferenceConfig
+
+    return InferenceConfig(api_key=args.api_key) if args.api_key else InferenceConfig()
+
+
+def cmd_promote(args) -> int:
+    from flows.config import ConfigError
+    from flows.promote import base_version, checkpoint_version, promote, serving_version
+    from storage.promotions import PromotionError
+    from storage.records import validate_run_id
+    from tasks.push import WeightPushError
+
+    root, run = _root(args), validate_run_id(args.run)
+    lineage = validate_run_id(args.lineage or run)
+    try:
+        candidate = checkpoint_version(root, run, args.step)
+        incumbent = serving_version(root, lineage) or base_version(root, run)
+        row = promote(root, lineage, candidate, incumbent=incumbent, server_url=args.server,
+                      inference=_server_inference(args), reason=args.reason)  # fmt: skip
+    except (PromotionError, WeightPushError) as e:
+        raise ConfigError(str(e)) from None
+    print(
+        f"{lineage}: promoted {run} step {row['serving_step']}"
+        + (f" into {args.server}" if args.server else "")
+    )
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    from flows.config import ConfigError
+    from flows.promote import rollback
+    from storage.promotions import PromotionError
+    from storage.records import validate_run_id
+    from tasks.push import WeightPushError
+
+    try:
+        row = rollback(_root(args), validate_run_id(args.lineage), server_url=args.server,
+                       inference=_server_inference(args))  # fmt: skip
+    except (PromotionError, WeightPushError) as e:
+        raise ConfigError(str(e)) from None
+    print(f"{args.lineage}: {row['reason']}" + (f" on {args.server}" if args.server else ""))
     return 0
 
 
@@ -132,9 +208,8 @@ def cmd_evaluate(args) -> int:
     cfg = _config(args)
     if args.run:
         validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
-    result = grpo_evaluate(
-        config=cfg, run_id=args.run, checkpoint=args.checkpoint, prompts=args.prompts, greedy=args.greedy
-    )
+    result = grpo_evaluate(config=cfg, run_id=args.run, checkpoint=args.checkpoint, prompts=args.prompts,
+                           greedy=args.greedy, server_url=args.server)  # fmt: skip
     print(json.dumps(result))
     return 0
 
@@ -212,7 +287,10 @@ def _flow_commands(sub) -> None:
     t.set_defaults(fn=cmd_train)
 
     v = sub.add_parser("serve", help="start and supervise a vLLM server (policy-server flow)")
-    v.add_argument("--model", required=True, help="model directory")
+    v.add_argument(
+        "--model", help="model directory (with --lineage: served until the lineage has a promotion)"
+    )
+    v.add_argument("--lineage", help="serve what this lineage's promotion log says it serves")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1; others need a key)")
     v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     key_help = "bearer key every request must carry (default: $GRPOFLOW_API_KEY)"
@@ -227,11 +305,52 @@ def _flow_commands(sub) -> None:
     _config_options(e)
     e.add_argument("--run", help="evaluate this run's latest checkpoint (default: the config's base model)")
     e.add_argument("--checkpoint", help="evaluate this checkpoint directory instead")
-    e.add_argument("--prompts", type=int, default=16, help="rows evaluated, the dataset's last (default: 16)")
+    e.add_argument(
+        "--prompts",
+        type=int,
+        help="at most this many eval rows (default: the eval split, else the last 16 rows)",
+    )
+    e.add_argument("--server", help="evaluate on this server (its weights are replaced; default: its own)")
     e.add_argument("--greedy", action="store_true", help="one completion per prompt at temperature 0")
     e.add_argument("--root", help=ROOT_HELP)
     e.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     e.set_defaults(fn=cmd_evaluate, runs_flows=True)
+
+    key_help = "bearer key of --server (default: $GRPOFLOW_API_KEY)"
+    rt = sub.add_parser(
+        "retrain", help="run grpo-retrain: train a lineage N more steps, promote it only if better"
+    )
+    _config_options(rt)
+    rt.add_argument("--lineage", required=True, help="the lineage (a run id) to continue")
+    rt.add_argument("--steps", type=int, default=10, help="steps to train (default: 10)")
+    rt.add_argument("--server", help="live policy server the promoted weights go into")
+    rt.add_argument("--metric", default="reward_mean", choices=("reward_mean", "pass_rate", "valid_frac"),
+                    help="gate metric (default: reward_mean)")  # fmt: skip
+    rt.add_argument("--margin", type=float, default=0.0, help="the candidate must beat the incumbent by more")
+    rt.add_argument("--eval-prompts", type=int, help="at most this many eval rows (default: the eval split)")
+    rt.add_argument("--greedy", action="store_true", help="evaluate one greedy completion per row")
+    rt.add_argument("--root", help=ROOT_HELP)
+    rt.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    rt.set_defaults(fn=cmd_retrain, runs_flows=True)
+
+    pr = sub.add_parser("promote", help="serve a run's checkpoint: load it into --server and record it")
+    pr.add_argument("run", help="run id")
+    pr.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    pr.add_argument("--lineage", help="lineage recorded (default: the run id)")
+    pr.add_argument("--server", help="live policy server to load it into")
+    pr.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
+    pr.add_argument("--reason", default="manual promotion", help="recorded with the decision")
+    pr.add_argument("--root", help=ROOT_HELP)
+    pr.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    pr.set_defaults(fn=cmd_promote, runs_flows=True)
+
+    rb = sub.add_parser("rollback", help="serve a lineage's previous promoted version again")
+    rb.add_argument("lineage", help="lineage (run id)")
+    rb.add_argument("--server", help="live policy server to load it into")
+    rb.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
+    rb.add_argument("--root", help=ROOT_HELP)
+    rb.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    rb.set_defaults(fn=cmd_rollback, runs_flows=True)
 
     rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")
     rp.add_argument("run", help="run id (see `grpoflow runs`)")
@@ -243,10 +362,12 @@ def _flow_commands(sub) -> None:
 
 def _store_commands(sub) -> None:
     """The commands that read the store or the config: sql, runs, config, make-tiny-model."""
-    s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls")
+    s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls, promotions")
     s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
-    s.add_argument("--canned", help="a canned query: reward_curve, invalid_rate, tool_failures, lengths")
-    s.add_argument("--run", help="restrict a canned query to one run")
+    s.add_argument(
+        "--canned", help="a canned query: reward_curve, invalid_rate, tool_failures, lengths, promotions"
+    )
+    s.add_argument("--run", help="restrict a canned query to one run (promotions: one lineage)")
     s.add_argument("--root", help=ROOT_HELP)
     s.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     s.set_defaults(fn=cmd_sql)

@@ -179,6 +179,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         add_search_dir(here)  # the user's reward/tool/environment modules beside their config
         cfg._config_dir = here
         cfg.data.path = _beside_config(cfg.data.path, here)
+        cfg.data.eval_path = _beside_config(cfg.data.eval_path, here)
         if cfg.model.path != "tiny":
             cfg.model.path = _beside_config(cfg.model.path, here)
     return cfg

@@ -1,7 +1,14 @@
-"""grpo-evaluate: generate + score an eval split with a checkpoint (or the server's current weights).
+"""grpo-evaluate: generate + score the eval split with a checkpoint, a model dir or the base model.
 
-Eval rollouts are written with `split='eval'` under the run id `<run>-eval` (step = the checkpoint's
-step), so they never overwrite training files and `WHERE split = 'eval'` finds them.
+The eval rows are the config's eval split (`data.eval_path` / `data.eval_fraction`, never trained on);
+without one, the last `prompts` rows of the dataset (training rows, and the result says so). Each row
+keeps its place in the split as its `prompt_index`, and sampling is seeded by (run.seed, prompt_index,
+sample), so two models evaluated with one config see identical prompts and sampling.
+
+Evaluation runs on its own embedded vLLM server, or on `server_url` (a server the caller keeps for
+evaluation: its weights are replaced), never on the training config's `inference.url`, which may be
+the server users are served from. Eval rollouts are written with `split='eval'` under the run id
+`<run>-eval` (or `eval_run`), step = the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -16,19 +23,23 @@ from prefect.utilities.annotations import quote
 
 from flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from flows.progress import artifact_key
-from flows.runs import confine, load_rows, prepare_model, rollout_job
+from flows.runs import confine, load_rows, prepare_model, rollout_job, split_rows
 from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from tasks.steps import VersionBox, persist_step, rollout_batch
 
 
-def _model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
+def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
+    """(model dir, step) of `checkpoint` (a checkpoint dir, or a plain model dir: step 0), else of
+    run `run_id`'s latest checkpoint, else of the config's base model (step 0)."""
     if checkpoint:
         p = Path(checkpoint)
-        if not (p / "model" / "config.json").is_file():
-            raise ConfigError(f"checkpoint: {p} is not a checkpoint dir (no model/config.json)")
-        return str(p / "model"), int(CheckpointStore.load_state(p).get("step", 0))
+        if (p / "model" / "config.json").is_file():
+            return str(p / "model"), int(CheckpointStore.load_state(p).get("step", 0))
+        if (p / "config.json").is_file():
+            return str(p), 0
+        raise ConfigError(f"checkpoint: {p} is neither a checkpoint dir nor a model dir (no config.json)")
     if run_id:
         latest = CheckpointStore(cfg.storage.root).latest(validate_run_id(run_id))
         if latest is None:
@@ -37,65 +48,86 @@ def _model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> t
     return str(prepare_model(cfg)), 0
 
 
+def eval_rows(cfg: GRPOConfig, prompts: int | None) -> tuple[list[dict[str, Any]], str]:
+    """The rows evaluated and where they come from ('eval': the held-out split, at most `prompts` of
+    it in its order; 'train': no split is configured, the dataset's last `prompts` (default 16))."""
+    rows, held = split_rows(cfg, load_rows(cfg))
+    if held:
+        return held[:prompts] if prompts else held, "eval"
+    n = prompts or 16
+    return rows[-n:], "train"
+
+
+def evaluation_config(cfg: GRPOConfig, greedy: bool) -> GRPOConfig:
+    if not greedy:
+        return cfg
+    greedy_gen = {"temperature": 0.0, "group_size": 1}
+    return cfg.model_copy(update={"generation": cfg.generation.model_copy(update=greedy_gen)})
+
+
+def evaluate_model(
+    cfg: GRPOConfig,
+    model: str,
+    step: int,
+    eval_run: str,
+    rows: list[dict[str, Any]],
+    url: str,
+    *,
+    load: bool,
+) -> list:
+    """Generate and score `rows` with the model dir `model` on the server at `url` (first loaded into
+    it when `load`), and persist them as step `step` of `eval_run` (split 'eval'); the groups."""
+    if load:
+        from tasks.push import load_weights_sync
+
+        load_weights_sync(model, step, url=url, root=cfg.storage.root, run_id=eval_run,
+                          inference=cfg.inference, reload_timeout_s=cfg.sync.reload_timeout_s)  # fmt: skip
+    cursor = list(range(len(rows)))
+    job = rollout_job(cfg, url, model, VersionBox(step))
+    batch = rollout_batch(step, rows, cursor, quote(job))
+    for g in batch.groups:
+        g.split = "eval"
+        g.group_id = g.group_id.replace("train-", "eval-")
+    persist_step(cfg.storage.root, eval_run, step, quote(batch.groups))
+    return batch.groups
+
+
 @flow(name="grpo-evaluate", log_prints=True)
 def grpo_evaluate(
     config: GRPOConfig | None = None,
     run_id: str | None = None,
     config_file: str | None = None,
     checkpoint: str | None = None,
-    prompts: int = 16,
+    prompts: int | None = None,
     pass_threshold: float = 1.0,
     greedy: bool = False,
+    server_url: str | None = None,
+    eval_run: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate `prompts` rows (from the end of the dataset order) and publish pass rate and rewards.
+    """Evaluate the eval split (see the module doc) and publish pass rate and rewards.
 
     `config` is the whole config tree; `config_file` (a YAML, as for grpo-train) is used when `config`
-    is not given. `greedy`: one completion per prompt at temperature 0, so two checkpoints are
-    compared on the same prompts without sampling luck."""
+    is not given. `prompts`: at most this many eval rows (default: all; 16 without an eval split).
+    `greedy`: one completion per prompt at temperature 0. `server_url`: evaluate on this server
+    (its weights are replaced) instead of an embedded one."""
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
-    if greedy:
-        greedy_gen = {"temperature": 0.0, "group_size": 1}
-        cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update=greedy_gen)})
+    cfg = evaluation_config(cfg, greedy)
+    confine(cfg, server_url=server_url)
     check_imports(cfg)
-    confine(cfg)
-    rows = load_rows(cfg)
-    model, step = _model_for(cfg, run_id, checkpoint)
-    eval_run = validate_run_id(f"{run_id or cfg.run.run_id or 'base'}-eval")
-    with inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
-        url = server.url
-        if cfg.inference.url and (checkpoint or run_id):
-            # An external server must serve the evaluated weights: push them (pause/reload/resume).
-            from transformers import AutoModelForCausalLM
-
-            from tasks.push import push_weights_sync
-
-            weights = AutoModelForCausalLM.from_pretrained(model)
-            push_weights_sync(
-                weights,
-                step,
-                url=url,
-                root=cfg.storage.root,
-                run_id=eval_run,
-                sync=cfg.sync.model_copy(update={"keep_last": 1}),
-                inference=cfg.inference,
-            )
-        # Deterministic eval rows: the last `prompts` rows of the dataset, in order.
-        cursor = list(range(max(0, len(rows) - prompts), len(rows)))
-        job = rollout_job(cfg, url, model, VersionBox(step))
-        batch = rollout_batch(step, [rows[i] for i in cursor], cursor, quote(job))
-        for g in batch.groups:
-            g.split = "eval"
-            g.group_id = g.group_id.replace("train-", "eval-")
-        persist_step(cfg.storage.root, eval_run, step, quote(batch.groups))
-    return _publish(batch.groups, eval_run, step, pass_threshold, cfg.storage.root)
+    rows, source = eval_rows(cfg, prompts)
+    model, step = model_for(cfg, run_id, checkpoint)
+    eval_run = validate_run_id(eval_run or f"{run_id or cfg.run.run_id or 'base'}-eval")
+    own = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"url": server_url})})
+    with inference_server(own.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
+        groups = evaluate_model(own, model, step, eval_run, rows, server.url, load=server_url is not None)
+    return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 
 
-def _publish(groups, eval_run: str, step: int, threshold: float, root: str) -> dict[str, Any]:
+def scores(groups, threshold: float) -> dict[str, Any]:
+    """Mean reward over valid completions, valid fraction and pass rate (invalid counts as a fail)."""
     comps = [c for g in groups for c in g.completions]
     valid = [c.reward for c in comps if c.reward_valid]
-    result = {
-        "eval_run": eval_run,
-        "step": step,
+    return {
         "completions": len(comps),
         "valid_frac": len(valid) / max(1, len(comps)),
         "reward_mean": statistics.fmean(valid) if valid else None,
@@ -103,13 +135,18 @@ def _publish(groups, eval_run: str, step: int, threshold: float, root: str) -> d
         "pass_rate": sum(r >= threshold for r in valid) / max(1, len(comps)),
         "pass_threshold": threshold,
     }
+
+
+def _publish(groups, eval_run: str, step: int, threshold: float, root: str, source: str) -> dict[str, Any]:
+    result = {"eval_run": eval_run, "step": step, "rows": source, **scores(groups, threshold)}
+    rows = "held-out eval" if source == "eval" else "training"
     create_table_artifact(table=[result], key=artifact_key(f"{eval_run}-{step}"),
                           description="grpo-evaluate result")  # fmt: skip
     create_markdown_artifact(
         markdown=f"# Evaluation `{eval_run}` at step {step}\n\npass rate **{result['pass_rate']:.3f}** "
         f"(reward >= {threshold}, invalid counts as a fail), mean reward over valid completions "
-        f'{result["reward_mean"]}.\n\n```\ngrpoflow sql --root {root} "SELECT * FROM rollouts WHERE '
-        f"split = 'eval' AND run_id = '{eval_run}'\"\n```\n",
+        f"{result['reward_mean']}, on {rows} rows.\n\n```\ngrpoflow sql --root {root} "
+        f"\"SELECT * FROM rollouts WHERE split = 'eval' AND run_id = '{eval_run}'\"\n```\n",
         description="grpo-evaluate summary",
     )
     print(result)

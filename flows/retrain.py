@@ -1,24 +1,58 @@
-"""grpo-retrain: continue a lineage from its latest checkpoint for N more steps, then evaluate.
+"""grpo-retrain: continue a lineage for N more steps, evaluate it against the served policy, and promote
+it into the live server only if it is better.
 
 A lineage is a run id. The first call trains it from the base model; each later call resumes it
-(the data source is re-read, so rows added since the last call are in the new epochs), trains
-`extra_steps` more steps and evaluates. Each call is recorded in `runs/<run>.json` under `retrains`.
+(the data source is re-read, so rows added since the last call are in the new epochs) and trains
+`extra_steps` more steps. Then the gate: the candidate (the new latest checkpoint) and the incumbent
+(the lineage's promoted version, or the base model before any promotion) are evaluated on the same
+held-out eval rows with the same seeds, on one evaluation server of their own (embedded, or
+`eval_server_url`), never the live one. The candidate is promoted when its `gate_metric` beats the
+incumbent's by more than `gate_margin`: it is loaded into `server_url` (when given) and recorded
+(flows/promote.py); otherwise it is recorded as rejected and the server keeps the incumbent. Each call
+is also recorded in `runs/<run>.json` under `retrains`.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 
-from flows.config import GRPOConfig, load_config
-from flows.evaluate import grpo_evaluate
+from flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from flows.evaluate import eval_rows, evaluate_model, evaluation_config, scores
+from flows.promote import base_version, checkpoint_version, promote, reject, serving_version
 from flows.runs import confine
+from flows.serve import inference_server
 from flows.train import grpo_train
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
+
+GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
+
+
+def gate(candidate: float | None, incumbent: float | None, metric: str, margin: float) -> tuple[bool, str]:
+    """(promote?, why): the candidate must have a score and beat the incumbent's by more than `margin`."""
+    if candidate is None:
+        return False, f"the candidate has no {metric} (no valid eval reward)"
+    if incumbent is None:
+        return (
+            True,
+            f"the incumbent has no {metric} (no valid eval reward); the candidate has {candidate:.4f}",
+        )
+    if candidate > incumbent + margin:
+        return True, f"{metric} {candidate:.4f} beats the incumbent's {incumbent:.4f} by more than {margin:g}"
+    return (
+        False,
+        f"{metric} {candidate:.4f} does not beat the incumbent's {incumbent:.4f} by more than {margin:g}",
+    )
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.id
 
 
 @flow(name="grpo-retrain", log_prints=True)
@@ -27,29 +61,73 @@ def grpo_retrain(
     extra_steps: int = 10,
     config: GRPOConfig | None = None,
     config_file: str | None = "configs/tiny-letters.yaml",
-    eval_prompts: int = 16,
+    eval_prompts: int | None = None,
+    server_url: str | None = None,
+    gate_metric: GateMetric = "reward_mean",
+    gate_margin: float = 0.0,
+    eval_greedy: bool = False,
+    eval_server_url: str | None = None,
+    pass_threshold: float = 1.0,
 ) -> dict[str, Any]:
+    """`server_url`: the live policy server the promoted weights go into (None: the decision is only
+    recorded; `grpoflow serve --lineage` starts from it). `eval_prompts`: at most this many eval rows
+    (default: the whole eval split). `eval_greedy`: one greedy completion per row instead of the
+    config's seeded group."""
     cfg = config or load_config(config_file)
-    confine(cfg)  # before the store is read: a worker-started run stays inside its allowed roots
+    # before the store is read: a worker-started run stays inside its allowed roots and servers
+    confine(cfg, server_url=server_url, eval_server_url=eval_server_url)
+    check_imports(cfg)
     run_id = validate_run_id(lineage)
-    store = RolloutStore(cfg.storage.root)
-    latest = CheckpointStore(cfg.storage.root).latest(run_id)
+    if extra_steps < 1:
+        raise ConfigError(f"extra_steps: must be at least 1, got {extra_steps}")
+    root = cfg.storage.root
+    store = RolloutStore(root)
+    latest = CheckpointStore(root).latest(run_id)
     done = int(CheckpointStore.load_state(latest)["step"]) + 1 if latest is not None else 0
     cfg = cfg.model_copy(deep=True)
     cfg.run.run_id = run_id
     cfg.run.steps = done + extra_steps
     resume = run_id if store.read_run_meta(run_id) is not None else None
     summary = grpo_train(config=cfg, resume=resume)
-    evaluation = grpo_evaluate(config=cfg, run_id=run_id, prompts=eval_prompts)
+
+    candidate = checkpoint_version(root, run_id)
+    incumbent = serving_version(root, lineage) or base_version(root, run_id)
+    if incumbent is None:
+        raise ConfigError(f"lineage {lineage!r}: its run records no base model to compare against")
+    ecfg = evaluation_config(cfg, eval_greedy)
+    rows, source = eval_rows(ecfg, eval_prompts)
+    if source != "eval":
+        print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")
+    step = candidate["step"]
+    own = ecfg.model_copy(update={"inference": ecfg.inference.model_copy(update={"url": eval_server_url})})
+    with inference_server(own.inference, candidate["path"], root, f"vllm-{lineage}-gate") as server:
+        cand_groups = evaluate_model(own, candidate["path"], step, f"{lineage}-eval", rows, server.url,
+                                     load=eval_server_url is not None)  # fmt: skip
+        inc_groups = evaluate_model(own, incumbent["path"], step, f"{lineage}-eval-incumbent", rows, server.url,
+                                    load=True)  # fmt: skip
+    cand_eval = {"rows": source, **scores(cand_groups, pass_threshold)}
+    inc_eval = {"rows": source, **scores(inc_groups, pass_threshold)}
+    better, why = gate(cand_eval[gate_metric], inc_eval[gate_metric], gate_metric, gate_margin)
+    gate_scores = {"metric": gate_metric, "margin": gate_margin,
+                   "candidate_score": cand_eval[gate_metric], "incumbent_score": inc_eval[gate_metric]}  # fmt: skip
+    decide = promote if better else reject
+    decision = decide(root, lineage, candidate, incumbent=incumbent, server_url=server_url, reason=why,
+                      scores=gate_scores, flow_run_id=_flow_run_id(),
+                      **({"inference": cfg.inference} if better else {}))  # fmt: skip
+    print(f"lineage {lineage}: {decision['decision']}: {why}")
+
     meta = store.read_run_meta(run_id) or {}
     meta.setdefault("retrains", []).append(
         {
             "at": datetime.now(UTC).isoformat(),
             "from_step": done,
             "to_step": cfg.run.steps - 1,
-            "eval": evaluation,
+            "eval": cand_eval,
+            "incumbent_eval": inc_eval,
+            "decision": decision["decision"],
+            "decision_id": decision["decision_id"],
         }
     )
     meta["lineage"] = lineage
     store.write_run_meta(run_id, meta)
-    return {"train": summary, "eval": evaluation}
+    return {"train": summary, "eval": cand_eval, "incumbent_eval": inc_eval, "decision": decision}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
 from storage.checkpoints import CheckpointStore
-from storage.records import validate_run_id
+from storage.records import held_out, row_id_of, validate_run_id
 from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
 
@@ -39,13 +39,14 @@ class RunState:
 
 
 def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]]:
-    """Every check that can fail without loading a model or writing a file; returns the dataset rows.
+    """Every check that can fail without loading a model or writing a file; returns the training rows
+    (the dataset less its eval split).
 
     Run by `grpoflow train` before a flow run is even created, and again by the flow (deployments).
     """
     confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
     check_imports(cfg)  # reward / tool / environment / generator import paths
-    rows = load_rows(cfg)
+    rows, _ = split_rows(cfg, load_rows(cfg))
     if cfg.model.path != "tiny":
         if not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path: not found: {where_searched(cfg, cfg.model.path)}")
@@ -63,15 +64,21 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     return rows
 
 
-def confine(cfg: GRPOConfig) -> None:
+def confine(cfg: GRPOConfig, **servers: str | None) -> None:
     """Refuse, before any file is read or request sent, what the worker's settings do not allow
-    (tasks/allowlist.py); server flags that undo grpoflow's own safety defaults are refused always."""
+    (tasks/allowlist.py); server flags that undo grpoflow's own safety defaults are refused always.
+    `servers`: a flow's own server parameters (name=url), bounded like `inference.url`."""
     try:
+        for name, url in servers.items():
+            if url:
+                check_server(url, name)
         check_server_flags(cfg.inference.extra_args)
         if not enforced():
             return
         if cfg.data.path:
             check_path(cfg.data.path, "data.path")
+        if cfg.data.eval_path:
+            check_path(cfg.data.eval_path, "data.eval_path")
         if cfg.model.path != "tiny":
             check_path(cfg.model.path, "model.path")
         check_path(cfg.storage.root, "storage.root")
@@ -129,39 +136,73 @@ def check_model_dir(p: Path) -> Path:
     return p
 
 
-def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
-    """Dataset rows from `data.path` (JSONL/Parquet) or `data.generator`; each needs a 'prompt'."""
-    if cfg.data.path:
-        p = Path(cfg.data.path)
-        if not p.is_file():
-            raise ConfigError(f"data.path: file not found: {where_searched(cfg, cfg.data.path)}")
-        if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
+def _read_rows(path: str, field: str, cfg: GRPOConfig) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{field}: file not found: {where_searched(cfg, path)}")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
 
-            rows = pq.read_table(p).to_pylist()
-        else:
-            rows = []
-            for i, line in enumerate(p.read_text().splitlines()):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"data.path: {p} line {i + 1}: invalid JSON: {e}") from None
-    else:
-        gen = resolve_import(cfg.data.generator, "data.generator")
-        rows = list(gen(**cfg.data.generator_kwargs))
+        return pq.read_table(p).to_pylist()
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{field}: {p} line {i + 1}: invalid JSON: {e}") from None
+    return rows
+
+
+def _check_rows(rows: list[Any], where: str) -> None:
     if not rows:
-        raise ConfigError("data: the dataset is empty")
+        raise ConfigError(f"{where}: the dataset is empty")
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "prompt" not in row:
             # the row's keys, not its content: the file may hold what its reader must not see
             keys = sorted(row)[:10] if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"data: row {i} has no 'prompt' field (found {keys})")
+            raise ConfigError(f"{where}: row {i} has no 'prompt' field (found {keys})")
         prompt = row["prompt"]
         if not isinstance(prompt, str | list) or not prompt:
-            raise ConfigError(f"data: row {i}: 'prompt' must be a non-empty string or message list")
+            raise ConfigError(f"{where}: row {i}: 'prompt' must be a non-empty string or message list")
+
+
+def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """Every dataset row, from `data.path` (JSONL/Parquet) or `data.generator`; each needs a 'prompt'.
+    Training and evaluation take their sides of it from `split_rows`."""
+    if cfg.data.path:
+        rows = _read_rows(cfg.data.path, "data.path", cfg)
+    else:
+        gen = resolve_import(cfg.data.generator, "data.generator")
+        rows = list(gen(**cfg.data.generator_kwargs))
+    _check_rows(rows, "data")
     return rows
+
+
+def split_rows(
+    cfg: GRPOConfig, rows: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, eval rows) of the dataset `rows`.
+
+    `data.eval_path`: its rows are the eval split, and training rows with one of their ids are left
+    out of training. `data.eval_fraction`: a row is held out by a hash of its id (`held_out`), so the
+    same rows are held out in every run and resume, and as the data grows. Neither: no eval split."""
+    d = cfg.data
+    if d.eval_path:
+        eval_rows = _read_rows(d.eval_path, "data.eval_path", cfg)
+        _check_rows(eval_rows, "data.eval_path")
+        ids = {row_id_of(r) for r in eval_rows}
+        train = [r for r in rows if row_id_of(r) not in ids]
+    elif d.eval_fraction > 0:
+        train, eval_rows = [], []
+        for r in rows:
+            (eval_rows if held_out(row_id_of(r), d.eval_fraction) else train).append(r)
+    else:
+        return rows, []
+    if not train:
+        raise ConfigError(f"data: all {len(rows)} rows are eval rows; none is left to train on")
+    return train, eval_rows
 
 
 def rows_for_step(

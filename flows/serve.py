@@ -366,9 +366,25 @@ def inference_server(inference: InferenceConfig, model_dir: str | Path, root: st
         yield Server(handle.url, handle)
 
 
+def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | None) -> str:
+    """What a policy server of `lineage` serves: the version its promotion log says (a promoted
+    checkpoint, or the base model it rolled back to), else `model_dir`."""
+    if lineage is not None:
+        from storage.promotions import PromotionLog
+        from storage.records import validate_run_id
+
+        serving = PromotionLog(root).serving(validate_run_id(lineage))
+        if serving is not None:
+            return serving["path"]
+    if model_dir is None:
+        raise ValueError(f"policy-server: lineage {lineage!r} has no promotion under {root}; give model_dir")
+    return model_dir
+
+
 @flow(name="policy-server", log_prints=True)
 def policy_server(
-    model_dir: str,
+    model_dir: str | None = None,
+    lineage: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
@@ -380,12 +396,16 @@ def policy_server(
     root: str = "runs",
 ) -> dict:
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
-    dies while still starting."""
+    dies while still starting. `lineage`: serve what the lineage's promotion log says it serves (its
+    promoted version, or the base model it rolled back to); `model_dir` until it has a decision."""
     log = get_run_logger()
     from tasks.allowlist import check_path
 
-    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
     check_path(root, "root")
+    model_dir = served_model_dir(root, lineage, model_dir)
+    if lineage is not None:
+        log.info("lineage %s serves %s", lineage, model_dir)
+    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
     cmd, env, url = server_command(
         model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
     )

@@ -49,9 +49,11 @@ def main() -> int:
     ):
         cfg = load_config(config, [*sets, f"inference.url={srv.url}"])
         held_out = load_config(config, [*sets, f"inference.url={srv.url}", "data.generator_kwargs.part=eval"])
-        before = grpo_evaluate(config=held_out, prompts=args.eval_prompts, greedy=True)
+        before = grpo_evaluate(config=held_out, prompts=args.eval_prompts, greedy=True, server_url=srv.url)
         summary = grpo_train(config=cfg)
-        after = grpo_evaluate(config=held_out, run_id=run_id, prompts=args.eval_prompts, greedy=True)
+        after = grpo_evaluate(
+            config=held_out, run_id=run_id, prompts=args.eval_prompts, greedy=True, server_url=srv.url
+        )
     _, rows = query(args.root, CURVE, {"run": run_id})
     rewards = [r for _, r in rows]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])

@@ -21,6 +21,14 @@ from storage.records import validate_run_id
 from storage.rollouts import fsync_dir
 
 STATE_FILE = "state.json"
+PIN_FILE = (
+    "PINNED"  # `PINNED-<lineage>` files: a promoted version or a rollback target (storage/promotions.py)
+)
+
+
+def pinned(path: Path) -> bool:
+    """Whether a version dir is pinned by some lineage's promotions (retention never removes it)."""
+    return any(path.glob(f"{PIN_FILE}-*"))
 
 
 class VersionedDirs:
@@ -94,8 +102,9 @@ class VersionedDirs:
         return final
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
+        """Remove all but the last `keep_last` versions, except pinned ones; the numbers removed."""
         done = self.list(run_id)
-        drop = done[:-keep_last] if keep_last > 0 else done
+        drop = [n for n in (done[:-keep_last] if keep_last > 0 else done) if not pinned(self.path(run_id, n))]
         for n in drop:
             # Renamed aside first: a kill mid-delete never leaves a marker beside missing files
             # (sweep_temp removes the rest).

@@ -7,6 +7,8 @@ row per (completion, reward function) for the Parquet tables described in docs/a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -35,6 +37,24 @@ def validate_run_id(run_id: str) -> str:
             "starting with a letter or digit, without '..'"
         )
     return run_id
+
+
+def row_id_of(row: dict[str, Any]) -> str:
+    """A dataset row's stable id: its `id` field when it has one (a non-empty string or an integer),
+    else a hash of its content (JSON with sorted keys). The same row gets the same id in every run,
+    resume and grown dataset, which is what the eval split and the `row_id` column rely on."""
+    v = row.get("id")
+    if (isinstance(v, str) and v) or (isinstance(v, int) and not isinstance(v, bool)):
+        return str(v)
+    blob = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def held_out(row_id: str, fraction: float) -> bool:
+    """Whether the row with this id belongs to the eval split of `fraction` of the rows: a pure function
+    of the id (a hash), so a row stays on its side however the dataset grows or is reordered."""
+    h = int.from_bytes(hashlib.sha256(b"grpoflow-eval\0" + row_id.encode()).digest()[:8], "big")
+    return h < fraction * 2**64
 
 
 @dataclass
@@ -144,6 +164,7 @@ class RolloutGroup:
     row: dict[str, Any] = field(default_factory=dict)  # dataset columns passed to reward functions
     split: str = "train"
     policy_version: int = 0  # min version over the group's completions
+    row_id: str = ""  # the dataset row's stable id (row_id_of)
 
     @property
     def size(self) -> int:
@@ -192,6 +213,7 @@ ROLLOUTS_SCHEMA = pa.schema(
         ("group_id", pa.string()),
         ("sample_index", pa.int32()),
         ("prompt_index", pa.int64()),
+        ("row_id", pa.string()),
         ("prompt", pa.string()),
         ("prompt_ids", pa.list_(pa.int32())),
         ("messages", pa.list_(MESSAGE_TYPE)),
@@ -275,6 +297,7 @@ def rollout_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[
                     "group_id": g.group_id,
                     "sample_index": c.sample_index,
                     "prompt_index": g.prompt_index,
+                    "row_id": g.row_id,
                     "prompt": g.prompt_of(c),
                     "prompt_ids": g.prompt_ids_of(c),
                     "messages": [asdict(m) for m in c.messages],
@@ -349,6 +372,7 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
                 completions=[],
                 split=r["split"],
                 policy_version=r["policy_version"],
+                row_id=r.get("row_id") or "",
             )
         g.policy_version = min(g.policy_version, r["policy_version"])
         g.completions.append(_completion_from_row(r, g, cells.get((r["group_id"], r["sample_index"]), [])))

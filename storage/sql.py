@@ -1,7 +1,8 @@
 """DuckDB over the store: read-only views, canned queries, result formatting.
 
-Views: `rollouts`, `rewards`, `steps` (the last two unioned by name: metric columns differ between
-runs, reward columns between versions) and `tool_calls` (one row per tool call). Files are globbed as `*/step-*.parquet`, so the hidden temp
+Views: `rollouts`, `rewards`, `steps` (unioned by name: metric columns differ between runs, columns
+were added between versions), `tool_calls` (one row per tool call) and `promotions` (one row per
+promotion decision of a lineage, storage/promotions.py). Files are globbed as `*/step-*.parquet`, so the hidden temp
 names used by atomic writes are never read. A table with no files yet is still a view with the right
 columns and zero rows.
 """
@@ -17,7 +18,10 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from storage.promotions import PROMOTIONS_SCHEMA
 from storage.records import SCHEMAS
+
+VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
 
 # Read statements only: everything else (CREATE, COPY, INSERT, ATTACH, INSTALL/LOAD, SET, PRAGMA,
 # CALL, EXPORT, ...) is refused before it runs.
@@ -39,14 +43,14 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     the configuration is locked so no statement can undo it."""
     root = Path(root).resolve()  # symlinks resolved: the allowed directory is the real store
     con = duckdb.connect(":memory:")
-    for table, schema in SCHEMAS.items():
+    for table, schema in VIEWS.items():
         if any((root / table).glob("*/step-*.parquet")):
-            # By name: steps' metric columns differ between runs, and reward files written before the
-            # `imputed` columns existed must not hide them (DuckDB takes the first file's schema).
-            union = ", union_by_name = true" if table in ("steps", "rewards") else ""
+            # By name: steps' metric columns differ between runs, and files written before a column
+            # existed (rewards' `imputed`, rollouts' `row_id`) must not hide it (DuckDB takes the
+            # first file's schema otherwise).
             con.execute(
                 f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_glob(root, table)}', "
-                f"hive_partitioning = false{union})"
+                f"hive_partitioning = false, union_by_name = true)"
             )
         else:
             con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=schema))
@@ -135,6 +139,14 @@ CANNED: dict[str, str] = {
                avg(CASE WHEN truncated THEN 1.0 ELSE 0.0 END) AS truncated_rate
         FROM rollouts WHERE {_RUN}
         GROUP BY run_id, step ORDER BY run_id, step""",
+    # A lineage's promotion history (--run names the lineage): what was served after each decision.
+    "promotions": """
+        SELECT lineage, decision_id, created_at, decision, reason, metric,
+               candidate_run, candidate_step, candidate_score,
+               incumbent_run, incumbent_step, incumbent_score,
+               serving_run, serving_step, server
+        FROM promotions WHERE ($run IS NULL OR lineage = $run)
+        ORDER BY lineage, decision_id""",
 }
 
 

@@ -42,11 +42,25 @@ class DataConfig(_Section):
     )
     prompts_per_step: int = Field(8, ge=1, description="Dataset rows (groups) per training step.")
     shuffle: bool = Field(True, description="Shuffle rows each epoch (seeded by run.seed).")
+    eval_path: str | None = Field(
+        None,
+        description="JSONL or Parquet file of held-out eval rows (grpo-evaluate's default rows); training "
+        "rows with the same id (their `id` field, else a hash of the row) are never trained on.",
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Hold out this fraction of the rows for evaluation, chosen by a hash of each row's id: "
+        "the same rows stay held out across runs, resumes and data growth (0: none).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if not self.path and not self.generator:
             raise ValueError("set data.path or data.generator")
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("set data.eval_path or data.eval_fraction, not both")
         return self
 
 

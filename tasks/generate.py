@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from storage.faults import failpoint
-from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
+from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
 from tasks.config import GenerationConfig, ToolsConfig
 from tasks.imports import import_object
 from tasks.inference import cache_salt_for
@@ -401,6 +401,7 @@ async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split
         row=row,
         split=split,
         policy_version=min(c.policy_version for c in comps),
+        row_id=row_id_of(row),
     )
 
 

@@ -373,6 +373,15 @@ class VLLMClient:
     async def resume(self) -> None:
         await self._request("POST", "/resume")
 
+    async def reset_prefix_cache(self, *, running: bool = True) -> bool:
+        """Drop the server's prefix cache, for every client. `running`: requests in flight are
+        preempted and recomputed (under the weights loaded now) so none keeps KV of the old ones.
+        False when vLLM could not reset it (blocks still held); the caller may retry."""
+        text = await self._request(
+            "POST", "/reset_prefix_cache", params={"reset_running_requests": str(running).lower()}
+        )
+        return bool(_json_object(text, f"POST {self.base_url}/reset_prefix_cache", ("success",))["success"])
+
     async def is_paused(self) -> bool:
         text = await self._request("GET", "/is_paused")
         value = _json_object(text, f"GET {self.base_url}/is_paused", ("is_paused",))["is_paused"]

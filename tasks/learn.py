@@ -267,7 +267,7 @@ class Learner:
         metrics["train/skipped_zero_advantage"] = float(len(samples) - len(work))
         sums = self._accumulate(work, len(samples), total_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        lr = float(self.scheduler.get_last_lr()[0])  # the rate this update runs at
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update runs at
         self.optimizer.step()
         self.scheduler.step()
         dt = time.perf_counter() - t0
@@ -347,5 +347,13 @@ class Learner:
         trainer = torch.load(Path(directory) / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(trainer["optimizer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
+        # The configured learning rate wins over the checkpoint's (a retrain may change it): the
+        # schedule keeps its place, scaled to the configured peak.
+        lr = self.config.lr
+        if any(base != lr for base in self.scheduler.base_lrs):
+            self.scheduler.base_lrs = [lr] * len(self.scheduler.base_lrs)
+            for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas, strict=True):
+                group["initial_lr"] = lr
+                group["lr"] = lr * factor(self.scheduler.last_epoch)
         torch.set_rng_state(trainer["torch_rng"])
         random.setstate(trainer["python_rng"])

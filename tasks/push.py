@@ -86,6 +86,20 @@ class CheckpointWeightPush:
             self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version}
         )
         t1 = time.perf_counter()
+        await self.load(path, version)
+        t2 = time.perf_counter()
+        self.weights.prune(self.run_id, self.keep_last)
+        return {
+            "sync/save_seconds": t1 - t0,
+            "sync/reload_seconds": t2 - t1,
+            "sync/total_seconds": time.perf_counter() - t0,
+            "sync/version": float(version),
+        }
+
+    async def load(self, path: str | Path, version: int, *, reset_prefix_cache: bool = False) -> None:
+        """pause(keep) -> reload the model dir `path` -> resume, as the module doc says.
+        `reset_prefix_cache`: also drop the server's whole prefix cache before resuming (requests in
+        flight are recomputed under the new weights), for servers whose other clients salt nothing."""
         stage = "pause the server"
         try:
             # A pause that fails or times out may still have taken effect on the server: it is inside
@@ -97,6 +111,10 @@ class CheckpointWeightPush:
             stage = "reload the weights"
             await self.client.reload_weights(str(path), timeout_s=self.reload_timeout_s)
             _loaded[self.client.base_url] = str(path)
+            if reset_prefix_cache:
+                stage = "reset its prefix cache"
+                if not await self.client.reset_prefix_cache(running=True):
+                    raise InferenceError("vLLM answered success=false")
             renew_cache_salt(version)  # before the version flips: no request of it may see old KV
             if self.on_reloaded is not None:
                 self.on_reloaded(version)
@@ -119,14 +137,6 @@ class CheckpointWeightPush:
             raise _push_error(
                 f"weight push v{version} from {path} failed: the weights were loaded", resume_error
             ) from resume_error
-        t2 = time.perf_counter()
-        self.weights.prune(self.run_id, self.keep_last)
-        return {
-            "sync/save_seconds": t1 - t0,
-            "sync/reload_seconds": t2 - t1,
-            "sync/total_seconds": time.perf_counter() - t0,
-            "sync/version": float(version),
-        }
 
     def _lease_s(self) -> float:
         # Longer than any push can hold the pause: the reload, a roll-back reload, and the control
@@ -196,6 +206,30 @@ def push_weights_sync(
             return await pusher.push(model, version)
 
     return asyncio.run(go())
+
+
+def load_weights_sync(
+    path: str | Path,
+    version: int,
+    *,
+    url: str,
+    root: str | Path,
+    run_id: str,
+    inference: InferenceConfig | None = None,
+    reset_prefix_cache: bool = False,
+    reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
+) -> float:
+    """Load a model dir already on disk (a checkpoint's `model/`) into the server at `url`, as a push
+    does but without saving a copy first; the seconds it took."""
+    t0 = time.perf_counter()
+
+    async def go() -> None:
+        async with client_for(url, inference or InferenceConfig()) as client:
+            pusher = CheckpointWeightPush(client, root, run_id, reload_timeout_s=reload_timeout_s)
+            await pusher.load(Path(path).resolve(), version, reset_prefix_cache=reset_prefix_cache)
+
+    asyncio.run(go())
+    return time.perf_counter() - t0
 
 
 def _owner(run_id: str) -> str:

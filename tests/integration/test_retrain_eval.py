@@ -23,8 +23,10 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
         f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
         "run.checkpoint_every=2", "data.prompts_per_step=4",
     ])  # fmt: skip
-    first = grpo_retrain(lineage="nightly", extra_steps=3, config=cfg, eval_prompts=4)
-    second = grpo_retrain(lineage="nightly", extra_steps=2, config=cfg, eval_prompts=4)
+    # evaluation on the shared server too (its weights are replaced; the default is an own server)
+    shared = {"eval_prompts": 4, "eval_server_url": vllm_server.url}
+    first = grpo_retrain(lineage="nightly", extra_steps=3, config=cfg, **shared)
+    second = grpo_retrain(lineage="nightly", extra_steps=2, config=cfg, **shared)
     assert first["train"]["steps_trained"] == 3 and second["train"]["steps_trained"] == 2
     store = RolloutStore(tmp_path)
     assert store.steps_written("steps", "nightly") == [0, 1, 2, 3, 4]
@@ -41,7 +43,7 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
     # greedy: one completion per prompt at temperature 0 (the training config itself refuses 0)
     from flows.evaluate import grpo_evaluate
 
-    greedy = grpo_evaluate(config=cfg, run_id="nightly", prompts=4, greedy=True)
+    greedy = grpo_evaluate(config=cfg, run_id="nightly", prompts=4, greedy=True, server_url=vllm_server.url)
     assert greedy["completions"] == 4 and cfg.generation.temperature > 0
     _, texts = query(tmp_path, "SELECT completion FROM rollouts WHERE run_id = 'nightly-eval' AND step = 4 "
                      "ORDER BY prompt_index")  # fmt: skip

@@ -88,6 +88,16 @@ def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
         assert torch.allclose(pa_, pb, atol=1e-6)
 
 
+def test_a_resume_with_another_learning_rate_uses_it_from_the_schedules_place(model_dir, tmp_path):
+    a = make_learner(model_dir, lr=1e-3, total_steps=4, lr_schedule="linear", seed=0)
+    a.train_step(samples())
+    a.save(tmp_path)
+    b = make_learner(tmp_path / "model", lr=4e-3, total_steps=4, lr_schedule="linear", seed=0,
+                     tokenizer_path=model_dir)  # fmt: skip
+    b.load_trainer_state(tmp_path)
+    assert b.train_step(samples())["train/lr"] == pytest.approx(4e-3 * 3 / 4)  # update 1 of 4, linear
+
+
 def test_lr_schedule_is_transformers_warm_up_from_zero_then_decay(model_dir):
     # transformers.get_scheduler: warm-up lr(k) = peak * k / warmup for update k = 0, 1, ..., so the
     # first update runs at lr 0 (grpoflow's own schedule used (k + 1) / warmup before).

@@ -1,0 +1,195 @@
+"""Putting a lineage's policy into the live server: gated promotion, rejection, manual promotion, rollback.
+
+A lineage is a run id (`grpo-retrain` resumes it). Its promoted versions are checkpoints; the promotion
+log (storage/promotions.py, the `promotions` SQL view) records every decision and what the server
+serves after it. Loading a version into the live server is vLLM's pause(keep) -> reload -> resume, with
+the server's whole prefix cache dropped before it resumes (requests in flight are recomputed under the
+new weights), so no client, salted or not, reuses KV computed under the old weights.
+
+Order of effects, so that a crash at any point leaves the log true of the server or errs safe: pin the
+version, load it into the server, then record the decision (a crash before the record leaves a pinned
+checkpoint and a server ahead of the log; the next decision reloads whatever it serves, and
+`grpoflow serve --lineage` starts from what the log says).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from storage.checkpoints import CheckpointStore
+from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
+from storage.rollouts import RolloutStore
+from tasks.config import InferenceConfig
+
+
+def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
+    """The servable version of run `run_id` at checkpoint `step` (default: its latest)."""
+    store = CheckpointStore(root)
+    steps = store.list(run_id)
+    if not steps:
+        raise PromotionError(f"run {run_id!r} has no checkpoint under {root}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise PromotionError(f"run {run_id!r} has no checkpoint at step {step} (it has {steps})")
+    return version(run_id, step, str((store.dirs.path(run_id, step) / "model").resolve()))
+
+
+def base_version(root: str | Path, run_id: str) -> dict[str, Any] | None:
+    """The base model run `run_id` started from (None if the run records none)."""
+    meta = RolloutStore(root).read_run_meta(run_id) or {}
+    base = meta.get("base_model")
+    return version(None, None, str(Path(base).resolve())) if base else None
+
+
+def serving_version(root: str | Path, lineage: str) -> dict[str, Any] | None:
+    """What the lineage's live server should serve now (None: nothing decided yet)."""
+    return PromotionLog(root).serving(lineage)
+
+
+def load_into_server(
+    path: str,
+    step: int | None,
+    *,
+    server_url: str,
+    root: str | Path,
+    lineage: str,
+    inference: InferenceConfig,
+) -> float:
+    from tasks.push import load_weights_sync
+
+    return load_weights_sync(
+        path,
+        step or 0,
+        url=server_url,
+        root=root,
+        run_id=lineage,
+        inference=inference,
+        reset_prefix_cache=True,
+    )
+
+
+def _announce(row: dict[str, Any]) -> None:
+    """A Prefect event (`grpoflow.policy.<decision>`) and a markdown artifact comparing the two."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.events import emit_event
+
+    from flows.progress import artifact_key
+
+    payload = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in row.items()}
+    emit_event(
+        event=f"grpoflow.policy.{row['decision']}",
+        resource={
+            "prefect.resource.id": f"grpoflow.lineage.{row['lineage']}",
+            "prefect.resource.name": row["lineage"],
+        },
+        payload=payload,
+    )
+
+    def name(run, step) -> str:
+        return "base model" if run is None else f"`{run}` step {step}"
+
+    def score(v) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    create_markdown_artifact(
+        key=artifact_key(f"promotion-{row['lineage']}"),
+        markdown=(
+            f"# Lineage `{row['lineage']}`: {row['decision'].replace('_', ' ')}\n\n{row['reason']}\n\n"
+            f"| | version | {row['metric'] or 'score'} |\n|---|---|---|\n"
+            f"| candidate | {name(row['candidate_run'], row['candidate_step'])} | {score(row['candidate_score'])} |\n"
+            f"| incumbent | {name(row['incumbent_run'], row['incumbent_step'])} | {score(row['incumbent_score'])} |\n\n"
+            f"Serving now: {name(row['serving_run'], row['serving_step'])}"
+            f"{' on ' + row['server'] if row['server'] else ''}.\n"
+        ),
+        description=f"grpoflow promotion decision {row['decision_id']}",
+    )
+
+
+def promote(
+    root: str | Path,
+    lineage: str,
+    candidate: dict[str, Any],
+    *,
+    incumbent: dict[str, Any] | None,
+    server_url: str | None,
+    inference: InferenceConfig | None = None,
+    reason: str,
+    scores: dict[str, Any] | None = None,
+    flow_run_id: str | None = None,
+) -> dict[str, Any]:
+    """Make `candidate` the lineage's served version: pin it, load it into `server_url` (if given),
+    record it. `scores`: metric, margin, candidate_score, incumbent_score of a gated decision."""
+    log = PromotionLog(root)
+    with log.locked(lineage):
+        pin(candidate["path"], lineage)
+        try:
+            if server_url:
+                load_into_server(candidate["path"], candidate["step"], server_url=server_url, root=root,
+                                 lineage=lineage, inference=inference or InferenceConfig())  # fmt: skip
+        except Exception:
+            if candidate not in log.stack(lineage):
+                unpin(candidate["path"], lineage)
+            raise
+        row = log.record(lineage, "promoted", candidate=candidate, incumbent=incumbent, serving=candidate,
+                         reason=reason, server=server_url, flow_run_id=flow_run_id, **(scores or {}))  # fmt: skip
+    _announce(row)
+    return row
+
+
+def reject(
+    root: str | Path,
+    lineage: str,
+    candidate: dict[str, Any],
+    *,
+    incumbent: dict[str, Any],
+    server_url: str | None,
+    reason: str,
+    scores: dict[str, Any],
+    flow_run_id: str | None = None,
+) -> dict[str, Any]:
+    """Record a rejected candidate; the server keeps serving the incumbent (nothing is loaded)."""
+    log = PromotionLog(root)
+    with log.locked(lineage):
+        row = log.record(lineage, "rejected", candidate=candidate, incumbent=incumbent, serving=incumbent,
+                         reason=reason, server=server_url, flow_run_id=flow_run_id, **scores)  # fmt: skip
+    _announce(row)
+    return row
+
+
+def rollback(
+    root: str | Path,
+    lineage: str,
+    *,
+    server_url: str | None,
+    inference: InferenceConfig | None = None,
+    flow_run_id: str | None = None,
+) -> dict[str, Any]:
+    """Serve the version promoted before the current one (the base model below the first), load it
+    into `server_url` (if given) and record it; the version rolled back from is unpinned."""
+    log = PromotionLog(root)
+    with log.locked(lineage):
+        stack = log.stack(lineage)
+        if not stack:
+            raise PromotionError(f"lineage {lineage!r} has no promoted version to roll back from")
+        current = stack.pop()
+        if stack:
+            target = stack[-1]
+        else:
+            first = next(r for r in log.history(lineage) if r["decision"] == "promoted")
+            if first["incumbent_path"] is None or first["incumbent_run"] is not None:
+                raise PromotionError(
+                    f"lineage {lineage!r}: nothing below its first promotion to roll back to"
+                )
+            target = version(None, None, first["incumbent_path"])
+        if server_url:
+            load_into_server(target["path"], target["step"], server_url=server_url, root=root, lineage=lineage,
+                             inference=inference or InferenceConfig())  # fmt: skip
+        name = "the base model" if target["run"] is None else f"{target['run']} step {target['step']}"
+        row = log.record(lineage, "rolled_back", candidate=current, incumbent=target, serving=target,
+                         reason=f"rolled back to {name}", server=server_url, flow_run_id=flow_run_id)  # fmt: skip
+        if current not in stack:
+            unpin(current["path"], lineage)
+    _announce(row)
+    return row

@@ -1,0 +1,141 @@
+"""The promotion log: decisions, the served stack, pins that retention respects, the SQL view, the gate.
+
+Recording only: nothing here loads weights into a server (no `server_url`); the integration test
+tests/integration/test_promotion.py does, on real vLLM servers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.promote import base_version, checkpoint_version, promote, reject, rollback, serving_version
+from flows.retrain import gate
+from storage.checkpoints import CheckpointStore
+from storage.promotions import PromotionError, PromotionLog
+from storage.rollouts import RolloutStore
+from storage.sql import query, run_canned
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    # Prefect events and artifacts outside a flow run: no API is needed (they are dropped).
+    monkeypatch.setattr("flows.promote._announce", lambda row: None)
+    store = CheckpointStore(tmp_path)
+    for step in range(4):
+
+        def write(d):
+            (d / "model").mkdir()
+            (d / "model" / "config.json").write_text("{}")
+
+        store.save("lin", step, write, {"step": step})
+    (tmp_path / "base").mkdir()
+    RolloutStore(tmp_path).write_run_meta("lin", {"run_id": "lin", "base_model": str(tmp_path / "base")})
+    return tmp_path
+
+
+def test_promote_reject_rollback_keep_the_served_version_and_history(root):
+    base = base_version(root, "lin")
+    v1, v3 = checkpoint_version(root, "lin", 1), checkpoint_version(root, "lin")
+    assert v3["step"] == 3 and v3["path"].endswith("step-000003/model") and base["run"] is None
+    assert serving_version(root, "lin") is None
+    promote(root, "lin", v1, incumbent=base, server_url=None, reason="first")
+    reject(root, "lin", v3, incumbent=v1, server_url=None, reason="worse",
+           scores={"metric": "reward_mean", "margin": 0.0, "candidate_score": 0.1, "incumbent_score": 0.2})  # fmt: skip
+    assert serving_version(root, "lin") == v1
+    promote(root, "lin", v3, incumbent=v1, server_url=None, reason="better")
+    assert serving_version(root, "lin") == v3
+    assert rollback(root, "lin", server_url=None)["reason"] == "rolled back to lin step 1"
+    assert serving_version(root, "lin") == v1
+    assert rollback(root, "lin", server_url=None)["reason"] == "rolled back to the base model"
+    assert serving_version(root, "lin") == base
+    with pytest.raises(PromotionError, match="no promoted version to roll back from"):
+        rollback(root, "lin", server_url=None)
+    history = PromotionLog(root).history("lin")
+    assert [r["decision"] for r in history] == [
+        "promoted",
+        "rejected",
+        "promoted",
+        "rolled_back",
+        "rolled_back",
+    ]
+    assert [r["decision_id"] for r in history] == [0, 1, 2, 3, 4]
+    assert history[1]["candidate_score"] == 0.1 and history[1]["serving_step"] == 1
+
+
+def test_retention_never_prunes_a_served_version_or_its_rollback_target(root):
+    store = CheckpointStore(root)
+    v0, v1 = checkpoint_version(root, "lin", 0), checkpoint_version(root, "lin", 1)
+    promote(root, "lin", v0, incumbent=base_version(root, "lin"), server_url=None, reason="a")
+    promote(root, "lin", v1, incumbent=v0, server_url=None, reason="b")
+    store.dirs.prune("lin", 1)
+    assert store.list("lin") == [0, 1, 3]  # step 2 was neither served nor a rollback target
+    rollback(root, "lin", server_url=None)  # v1 is off the stack: unpinned
+    store.dirs.prune("lin", 1)
+    assert store.list("lin") == [0, 3]
+
+
+def test_a_failed_load_leaves_nothing_recorded_or_pinned(root, monkeypatch):
+    def dead(*a, **k):
+        raise ConnectionError("server down")
+
+    monkeypatch.setattr("flows.promote.load_into_server", dead)
+    v2 = checkpoint_version(root, "lin", 2)
+    with pytest.raises(ConnectionError):
+        promote(
+            root, "lin", v2, incumbent=base_version(root, "lin"), server_url="http://127.0.0.1:9", reason="x"
+        )
+    assert PromotionLog(root).history("lin") == []
+    assert not list((root / "checkpoints" / "lin" / "step-000002").glob("PINNED*"))
+
+
+def test_bad_versions_are_named(root):
+    with pytest.raises(PromotionError, match="no checkpoint at step 9"):
+        checkpoint_version(root, "lin", 9)
+    with pytest.raises(PromotionError, match="run 'other' has no checkpoint"):
+        checkpoint_version(root, "other")
+
+
+def test_promotions_view_and_canned_history(root):
+    promote(root, "lin", checkpoint_version(root, "lin", 1), incumbent=base_version(root, "lin"),
+            server_url=None, reason="first")  # fmt: skip
+    cols, rows = run_canned(root, "promotions", "lin")
+    assert rows[0][cols.index("decision")] == "promoted" and rows[0][cols.index("candidate_step")] == 1
+    _, n = query(root, "SELECT count(*) FROM promotions WHERE lineage = 'other'")
+    assert n == [(0,)]
+
+
+def test_empty_store_has_an_empty_promotions_view(tmp_path):
+    cols, rows = query(tmp_path, "SELECT * FROM promotions")
+    assert rows == [] and "serving_path" in cols
+
+
+@pytest.mark.parametrize(
+    ("cand", "inc", "margin", "promoted"),
+    [(0.5, 0.4, 0.0, True), (0.4, 0.4, 0.0, False), (0.45, 0.4, 0.1, False), (None, 0.1, 0.0, False),
+     (0.1, None, 0.0, True)],
+)  # fmt: skip
+def test_the_gate(cand, inc, margin, promoted):
+    ok, why = gate(cand, inc, "reward_mean", margin)
+    assert ok is promoted and "reward_mean" in why
+
+
+def test_a_lineages_server_starts_from_what_it_serves(root):
+    from flows.serve import served_model_dir
+
+    assert served_model_dir(root, "lin", "base-dir") == "base-dir"  # nothing decided yet
+    with pytest.raises(ValueError, match="lineage 'lin' has no promotion"):
+        served_model_dir(root, "lin", None)
+    v2 = checkpoint_version(root, "lin", 2)
+    promote(root, "lin", v2, incumbent=base_version(root, "lin"), server_url=None, reason="x")
+    assert served_model_dir(root, "lin", "base-dir") == v2["path"]
+    rollback(root, "lin", server_url=None)
+    assert served_model_dir(root, "lin", "base-dir") == str(root / "base")
+
+
+def test_run_meta_without_a_base_model(tmp_path):
+    RolloutStore(tmp_path).write_run_meta("x", {"run_id": "x"})
+    assert base_version(tmp_path, "x") is None
+    assert json.loads((tmp_path / "runs" / "x.json").read_text())["run_id"] == "x"
