@@ -109,11 +109,12 @@ def cmd_runs(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def check_serve(args) -> None:
+    """`serve`'s bad input, refused before the Prefect API starts (one line, no traceback)."""
     from flows.config import ConfigError
-    from flows.serve import _is_loopback, policy_server
+    from flows.serve import _is_loopback
 
-    if not args.api_key and not _is_loopback(args.host):  # before the flow run: one line, no traceback
+    if not args.api_key and not _is_loopback(args.host):
         raise ConfigError(
             f"--host {args.host}: refusing to serve off loopback without an API key; give --api-key "
             "or set GRPOFLOW_API_KEY (the default 127.0.0.1 needs none)"
@@ -128,6 +129,11 @@ def cmd_serve(args) -> int:
             raise ConfigError(
                 f"--lineage {args.lineage}: no promotion recorded under {_root(args)}; give --model"
             )
+
+
+def cmd_serve(args) -> int:
+    from flows.serve import policy_server
+
     policy_server(
         model_dir=args.model,
         lineage=args.lineage,
@@ -297,7 +303,7 @@ def _flow_commands(sub) -> None:
     v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
     v.add_argument("--root", help="store root; the server's pid file goes to <root>/pids/")
     v.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    v.set_defaults(fn=cmd_serve, runs_flows=True)
+    v.set_defaults(fn=cmd_serve, runs_flows=True, precheck=check_serve)
 
     e = sub.add_parser(
         "evaluate", help="run grpo-evaluate: score a run's latest checkpoint (or the base model)"
@@ -407,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not getattr(args, "runs_flows", False):
             return args.fn(args)
+        if getattr(args, "precheck", None):
+            args.precheck(args)
         from flows.prefect_api import owned_prefect_api
 
         quiet_prefect_task_logs(not args.verbose)

@@ -300,3 +300,33 @@ def test_a_closed_pipe_is_not_an_error():
     cmd = f"{sys.executable} -m flows.cli config schema | true"  # the reader is gone before any write
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+
+
+@pytest.mark.unit
+def test_retrain_passes_the_gate_to_the_flow(monkeypatch, tmp_path, capsys):
+    # The flow itself runs in tests/integration/test_promotion.py; here, what the command hands it.
+    import flows.retrain
+
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        decision = {"decision": "rejected", "reason": "r"}
+        return {"decision": decision, "eval": {"reward_mean": 0.1}, "incumbent_eval": {"reward_mean": 0.2}}
+
+    monkeypatch.setattr(flows.retrain, "grpo_retrain", fake)
+    args = cli.build_parser().parse_args(["retrain", "--lineage", "prod", "--steps", "3", "--server", "http://h:1",
+                                          "--metric", "pass_rate", "--margin", "0.05", "--root", str(tmp_path)])  # fmt: skip
+    assert args.fn(args) == 0
+    assert seen["lineage"] == "prod" and seen["extra_steps"] == 3 and seen["server_url"] == "http://h:1"
+    assert seen["gate_metric"] == "pass_rate" and seen["gate_margin"] == 0.05
+    assert seen["config"].storage.root == str(tmp_path)
+    assert json.loads(capsys.readouterr().out)["decision"] == "rejected"
+
+
+@pytest.mark.unit
+def test_serve_needs_a_model_or_a_lineage_with_a_promotion(tmp_path, capsys):
+    assert cli.main(["serve", "--root", str(tmp_path)]) == 2
+    assert "give --model DIR or --lineage L" in capsys.readouterr().err
+    assert cli.main(["serve", "--lineage", "prod", "--root", str(tmp_path)]) == 2
+    assert "--lineage prod: no promotion recorded" in capsys.readouterr().err
