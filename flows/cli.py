@@ -282,6 +282,14 @@ def _config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
 
 
+def _live_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", help="live policy server to load the version into (default: record only)")
+    p.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"),
+                   help="bearer key of --server (default: $GRPOFLOW_API_KEY)")  # fmt: skip
+    p.add_argument("--root", help=ROOT_HELP)
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+
+
 def _flow_commands(sub) -> None:
     """The commands that run a Prefect flow: train, serve, evaluate, report."""
     t = sub.add_parser("train", help="run grpo-train (no arguments: the tiny demo)")
@@ -322,7 +330,6 @@ def _flow_commands(sub) -> None:
     e.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     e.set_defaults(fn=cmd_evaluate, runs_flows=True)
 
-    key_help = "bearer key of --server (default: $GRPOFLOW_API_KEY)"
     rt = sub.add_parser(
         "retrain", help="run grpo-retrain: train a lineage N more steps, promote it only if better"
     )
@@ -343,19 +350,13 @@ def _flow_commands(sub) -> None:
     pr.add_argument("run", help="run id")
     pr.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     pr.add_argument("--lineage", help="lineage recorded (default: the run id)")
-    pr.add_argument("--server", help="live policy server to load it into")
-    pr.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
     pr.add_argument("--reason", default="manual promotion", help="recorded with the decision")
-    pr.add_argument("--root", help=ROOT_HELP)
-    pr.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    _live_server_options(pr)
     pr.set_defaults(fn=cmd_promote, runs_flows=True)
 
     rb = sub.add_parser("rollback", help="serve a lineage's previous promoted version again")
     rb.add_argument("lineage", help="lineage (run id)")
-    rb.add_argument("--server", help="live policy server to load it into")
-    rb.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
-    rb.add_argument("--root", help=ROOT_HELP)
-    rb.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    _live_server_options(rb)
     rb.set_defaults(fn=cmd_rollback, runs_flows=True)
 
     rp = sub.add_parser("report", help="PNG plots + markdown summary of a run (also a Prefect artifact)")

@@ -164,6 +164,16 @@ def test_logits_only_where_completions_are_predicted(model_dir):
     assert tail.shape == (2, 3) and torch.allclose(tail, full[:, 3:], atol=1e-5)
 
 
+def assert_shared_logprobs_match_full_forwards(learner: Learner, batch: list[TrainSample]) -> None:
+    """The shared-prompt micro-batch's completion logprobs equal one plain forward per sequence."""
+    with torch.no_grad():
+        shared = learner._shared_prompt_logprobs(learner.model, batch)[0]
+        for i, s in enumerate(batch):
+            ids = torch.tensor([s.input_ids])
+            full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
+            assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
+
+
 def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
     # Two completions share the prompt [5, 6, 7]: with sharing it runs once and its KV cache is
     # repeated; logprobs, loss and gradients match the full-sequence forward.
@@ -176,13 +186,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(samples()), grads_of(learner))
     assert [len(mb) for mb in learner._micro_batches(samples())] == [3]  # both prompts, one batch
-    group = samples()[:2]
-    with torch.no_grad():
-        shared = learner._shared_prompt_logprobs(learner.model, group)[0]
-        for i, s in enumerate(group):
-            ids = torch.tensor([s.input_ids])
-            full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
-            assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
+    assert_shared_logprobs_match_full_forwards(learner, samples()[:2])
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
 
@@ -202,12 +206,7 @@ def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(batch), grads_of(learner))
     assert [len(mb) for mb in learner._micro_batches(batch)] == [5]
-    with torch.no_grad():
-        shared = learner._shared_prompt_logprobs(learner.model, batch)[0]
-        for i, s in enumerate(batch):
-            ids = torch.tensor([s.input_ids])
-            full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
-            assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
+    assert_shared_logprobs_match_full_forwards(learner, batch)
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
     assert torch.isfinite(runs[True][1]).all()
