@@ -122,13 +122,16 @@ def check_serve(args) -> None:
     if not args.model and not args.lineage:
         raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
     if args.lineage:
-        from storage.promotions import PromotionLog
+        from flows.serve import served_model_dir
         from storage.records import validate_run_id
 
-        if PromotionLog(_root(args)).serving(validate_run_id(args.lineage)) is None and not args.model:
+        validate_run_id(args.lineage)  # a bad id is its own one-line error
+        try:
+            served_model_dir(_root(args), args.lineage, args.model)
+        except ValueError:
             raise ConfigError(
                 f"--lineage {args.lineage}: no promotion recorded under {_root(args)}; give --model"
-            )
+            ) from None
 
 
 def cmd_serve(args) -> int:

@@ -58,11 +58,13 @@ def eval_rows(cfg: GRPOConfig, prompts: int | None) -> tuple[list[dict[str, Any]
     return rows[-n:], "train"
 
 
-def evaluation_config(cfg: GRPOConfig, greedy: bool) -> GRPOConfig:
-    if not greedy:
-        return cfg
-    greedy_gen = {"temperature": 0.0, "group_size": 1}
-    return cfg.model_copy(update={"generation": cfg.generation.model_copy(update=greedy_gen)})
+def evaluation_config(cfg: GRPOConfig, greedy: bool, server_url: str | None) -> GRPOConfig:
+    """`cfg` as evaluation runs it: on `server_url` or an embedded server of its own (never the
+    training config's `inference.url`), and with `greedy`, one completion per row at temperature 0."""
+    update: dict[str, Any] = {"inference": cfg.inference.model_copy(update={"url": server_url})}
+    if greedy:
+        update["generation"] = cfg.generation.model_copy(update={"temperature": 0.0, "group_size": 1})
+    return cfg.model_copy(update=update)
 
 
 def evaluate_model(
@@ -111,15 +113,14 @@ def grpo_evaluate(
     `greedy`: one completion per prompt at temperature 0. `server_url`: evaluate on this server
     (its weights are replaced) instead of an embedded one."""
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
-    cfg = evaluation_config(cfg, greedy)
     confine(cfg, server_url=server_url)
+    cfg = evaluation_config(cfg, greedy, server_url)
     check_imports(cfg)
     rows, source = eval_rows(cfg, prompts)
     model, step = model_for(cfg, run_id, checkpoint)
     eval_run = validate_run_id(eval_run or f"{run_id or cfg.run.run_id or 'base'}-eval")
-    own = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"url": server_url})})
-    with inference_server(own.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
-        groups = evaluate_model(own, model, step, eval_run, rows, server.url, load=server_url is not None)
+    with inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
+        groups = evaluate_model(cfg, model, step, eval_run, rows, server.url, load=server_url is not None)
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from flows.config import ConfigError, GRPOConfig, load_config
 from flows.evaluate import eval_rows, evaluate_model, evaluation_config, scores
 from flows.promote import base_version, checkpoint_version, promote, reject, serving_version
 from flows.runs import confine
@@ -76,7 +76,6 @@ def grpo_retrain(
     cfg = config or load_config(config_file)
     # before the store is read: a worker-started run stays inside its allowed roots and servers
     confine(cfg, server_url=server_url, eval_server_url=eval_server_url)
-    check_imports(cfg)
     run_id = validate_run_id(lineage)
     if extra_steps < 1:
         raise ConfigError(f"extra_steps: must be at least 1, got {extra_steps}")
@@ -94,16 +93,15 @@ def grpo_retrain(
     incumbent = serving_version(root, lineage) or base_version(root, run_id)
     if incumbent is None:
         raise ConfigError(f"lineage {lineage!r}: its run records no base model to compare against")
-    ecfg = evaluation_config(cfg, eval_greedy)
+    ecfg = evaluation_config(cfg, eval_greedy, eval_server_url)
     rows, source = eval_rows(ecfg, eval_prompts)
     if source != "eval":
         print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")
     step = candidate["step"]
-    own = ecfg.model_copy(update={"inference": ecfg.inference.model_copy(update={"url": eval_server_url})})
-    with inference_server(own.inference, candidate["path"], root, f"vllm-{lineage}-gate") as server:
-        cand_groups = evaluate_model(own, candidate["path"], step, f"{lineage}-eval", rows, server.url,
+    with inference_server(ecfg.inference, candidate["path"], root, f"vllm-{lineage}-gate") as server:
+        cand_groups = evaluate_model(ecfg, candidate["path"], step, f"{lineage}-eval", rows, server.url,
                                      load=eval_server_url is not None)  # fmt: skip
-        inc_groups = evaluate_model(own, incumbent["path"], step, f"{lineage}-eval-incumbent", rows, server.url,
+        inc_groups = evaluate_model(ecfg, incumbent["path"], step, f"{lineage}-eval-incumbent", rows, server.url,
                                     load=True)  # fmt: skip
     cand_eval = {"rows": source, **scores(cand_groups, pass_threshold)}
     inc_eval = {"rows": source, **scores(inc_groups, pass_threshold)}

@@ -218,7 +218,7 @@ class Learner:
         for j, p in enumerate(prompts):
             head_ids[j, P - len(p) :] = torch.tensor(p)
             head_attn[j, P - len(p) :] = 1
-        index = torch.tensor(which, device=dev)
+        comp, index = comp.to(dev), torch.tensor(which, device=dev)
         ragged = any(len(p) != P for p in prompts)
         head_kw, tail_kw = {}, {}
         if ragged:  # equal lengths need no mask and count positions from 0 already
@@ -232,10 +232,10 @@ class Learner:
         head = model(input_ids=head_ids.to(dev), use_cache=True, logits_to_keep=1, **head_kw)
         cache = head.past_key_values
         cache.batch_select_indices(index)  # prompt row -> one row per completion
-        tail = model(input_ids=comp.to(dev), past_key_values=cache, use_cache=True, **tail_kw).logits
+        tail = model(input_ids=comp, past_key_values=cache, use_cache=True, **tail_kw).logits
         logits = torch.cat([head.logits[index, -1:], tail[:, :-1]], dim=1)
         adv = torch.tensor([s.advantage for s in mb], dtype=torch.float, device=dev)
-        return _picked_logprobs(logits, comp.to(dev), self.temperature), mask.to(dev), behav.to(dev), adv
+        return _picked_logprobs(logits, comp, self.temperature), mask.to(dev), behav.to(dev), adv
 
     def _micro_batches(self, work: list[TrainSample]) -> list[list[TrainSample]]:
         n = self.micro_batch_size

@@ -37,13 +37,10 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
-    from transformers import AutoModelForCausalLM
+    from tasks.push import load_weights_sync
 
-    from tasks.push import push_weights_sync
-
-    base = AutoModelForCausalLM.from_pretrained(server.model_dir)
     root = tmp_path_factory.mktemp("restore")
-    push_weights_sync(base, 0, url=server.url, root=root, run_id="restore")
+    load_weights_sync(server.model_dir, 0, url=server.url, root=root, run_id="restore")
 
 
 @pytest.fixture(autouse=True)
