@@ -81,6 +81,16 @@ class GRPOConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _mini_batches_fit_the_batch(self) -> GRPOConfig:
+        n = self.data.prompts_per_step * self.generation.group_size
+        if self.learner.mini_batches > n:
+            raise ValueError(
+                f"learner.mini_batches {self.learner.mini_batches} is more than a step's {n} completions "
+                f"(data.prompts_per_step x generation.group_size)"
+            )
+        return self
+
     @field_validator("generation")
     @classmethod
     def _groups_to_compare(cls, v: GenerationConfig) -> GenerationConfig:

@@ -96,7 +96,18 @@ def render_markdown() -> str:
                 desc = f"{desc} See [`{anchor}{'[]' if many else ''}`](#{_anchor(anchor, many)})."
             lines.append(f"| `{name}` | {_cell(type_name(f))} | {_cell(default_text(f))} | {desc} |")
         lines.append("")
+        for name, f in model.model_fields.items():
+            lines += _choice_lines(name, f)
     return "\n".join(lines)
+
+
+def _choice_lines(name: str, field: FieldInfo) -> list[str]:
+    """A field's choices, a line each, where the field documents them (`json_schema_extra` choices)."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    choices = extra.get("choices") or {}
+    if not choices:
+        return []
+    return [f"`{name}`:", ""] + [f"- `{k}`: {_cell(v, table=False)}" for k, v in choices.items()] + [""]
 
 
 def _own_doc(model: type[BaseModel]) -> str | None:

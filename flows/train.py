@@ -104,7 +104,7 @@ class StepTimer:
 
 class PolicySync:
     """The learner's weights and their way into the server: `trained` is the version the learner
-    holds (optimizer updates so far), `push(version)` makes the server serve it."""
+    holds (training steps so far), `push(version)` makes the server serve it."""
 
     def __init__(self, learner: Learner, job: PushJob, trained: int):
         self.learner, self.job, self.trained = learner, job, trained

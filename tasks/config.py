@@ -172,16 +172,96 @@ class WarmupConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="Loss variant.")
-    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the ratio.")
-    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range (None: epsilon).")
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (k3); 0 = none.")
-    scale: Literal["group", "batch", "none"] = Field("group", description="Advantage std scaling.")
-    filter_zero_std: bool = Field(False, description="Drop groups whose valid rewards are all equal.")
-    correction: Literal["none", "tis", "icepop", "seq_mask"] = Field(
-        "tis", description="Off-policy correction against vLLM's behaviour logprobs."
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
+        "grpo",
+        description="Loss variant.",
+        json_schema_extra={
+            "choices": {
+                "grpo": "PPO-clipped token ratio; each sequence's token mean, then the mean over "
+                "sequences (GRPO, DeepSeekMath, arXiv 2402.03300).",
+                "dr_grpo": "Token sum / (sequences x max completion length): no length bias (Dr. GRPO, "
+                "arXiv 2503.20783; pair with scale: none).",
+                "dapo": "Token sum / tokens in the batch (DAPO, arXiv 2503.14476, which clips at epsilon "
+                "0.2, epsilon_high 0.28).",
+                "gspo": "One ratio per sequence, the geometric mean of its token ratios, clipped per "
+                "sequence (GSPO, arXiv 2507.18071: epsilon 3e-4, epsilon_high 4e-4); differs from grpo "
+                "only when the ratio is not 1 (num_iterations or mini_batches > 1).",
+                "cispo": "The ratio, clipped to [1 - epsilon, 1 + epsilon_high] and detached, weights "
+                "every token's log-probability: no token loses its gradient; token sum / tokens "
+                "(CISPO, MiniMax-M1, arXiv 2506.13585, which sets no lower bound (epsilon >= 1) and "
+                "tunes only the upper one; Tinker ships a cap of 4, epsilon_high 3.0).",
+            }
+        },
     )
-    correction_cap: float = Field(2.0, gt=1, description="Cap / band of the importance weights.")
+    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the ratio: clipped below 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="Upper clip range: clipped above 1 + epsilon_high (None: epsilon)."
+    )
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (k3); 0 = none.")
+    baseline: Literal["group_mean", "leave_one_out"] = Field(
+        "group_mean",
+        description="What a sample's reward is compared with. Invalid samples never enter a baseline; a "
+        "group with fewer than 2 valid samples trains nothing.",
+        json_schema_extra={
+            "choices": {
+                "group_mean": "The mean of the group's valid rewards (GRPO).",
+                "leave_one_out": "The mean of the other valid rewards of the group: G/(G-1) x (r - mean) "
+                "(RLOO, arXiv 2402.14740, as TRL's RLOOTrainer). An optional reward's imputed value never "
+                "enters another sample's baseline: each reward is left out per function. `scale` then "
+                "divides as it does for group_mean; scale: none is the paper's RLOO.",
+            }
+        },
+    )
+    scale: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantage std scaling.",
+        json_schema_extra={
+            "choices": {
+                "group": "Divide by the group's reward std (+1e-4) (GRPO).",
+                "batch": "Divide by the std of every valid reward of the batch (TRL's scale_rewards batch).",
+                "none": "No division (Dr. GRPO; RLOO).",
+            }
+        },
+    )
+    filter_zero_std: bool = Field(False, description="Drop groups whose valid rewards are all equal.")
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Passes over each generation batch (PPO epochs; TRL's num_iterations). Old "
+        "log-probabilities are taken once per batch, before its first update, so the ratio, the clip and "
+        "GSPO's sequence ratio act from the second update on. Optimizer steps per batch = num_iterations "
+        "x learner.mini_batches; with 1 no extra forward pass runs.",
+    )
+    correction: Literal["none", "tis", "icepop", "seq_mask", "seq_tis"] = Field(
+        "tis",
+        description="Off-policy correction of the learner's old policy against vLLM's behaviour "
+        "logprobs (sampler mismatch and staleness).",
+        json_schema_extra={
+            "choices": {
+                "none": "No correction.",
+                "tis": "Each token weighted by its ratio, truncated at correction_cap (truncated "
+                "importance sampling, Yao et al. 2025; TRL's token_truncate).",
+                "icepop": "Tokens whose ratio lies outside [correction_low, correction_high] are dropped, "
+                "the others weighted by it (IcePop, Ling team 2025).",
+                "seq_mask": "A sequence is dropped when the geometric mean of its token ratios lies "
+                "outside [correction_low, correction_high] (TRL's sequence_mask; SkyRL's geometric "
+                "mask).",
+                "seq_tis": "Every token of a sequence is weighted by the geometric mean of its token "
+                "ratios, truncated at correction_cap (sequence-level truncation as TRL and SkyRL ship it, "
+                "on the geometric mean so that length does not decide).",
+            }
+        },
+    )
+    correction_cap: float = Field(2.0, gt=1, description="Truncation cap of the tis and seq_tis weights.")
+    correction_low: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Lower bound of the band icepop and seq_mask keep (None: 1 / correction_cap; 0: none).",
+    )
+    correction_high: float | None = Field(
+        None, gt=1, description="Upper bound of the band icepop and seq_mask keep (None: correction_cap)."
+    )
     max_staleness: int = Field(
         1,
         ge=0,
@@ -192,13 +272,26 @@ class AlgorithmConfig(_Section):
         "dropped, stored with its reason.",
     )
 
+    def band(self) -> tuple[float, float]:
+        """[low, high] of the ratios icepop and seq_mask keep."""
+        low = 1.0 / self.correction_cap if self.correction_low is None else self.correction_low
+        high = self.correction_cap if self.correction_high is None else self.correction_high
+        return low, high
+
 
 class LearnerConfig(_Section):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward (grad accum).")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass over a generation batch: its trained samples are split, in "
+        "batch order, into this many near-equal parts (TRL's steps_per_generation). Each part's loss is "
+        "normalised over that part. The LR schedule and warmup_steps count optimizer steps.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")

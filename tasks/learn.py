@@ -85,6 +85,73 @@ def _takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+@dataclass
+class _Part:
+    """The samples of one optimizer step: micro-batches of the ones that run, and the normalisers."""
+
+    micro: list[list[TrainSample]]
+    sequences: int  # every sample of the part, zero-advantage ones included
+    tokens: int
+    skipped: int  # zero-advantage samples left out of the forward
+
+    @property
+    def work_samples(self) -> int:
+        return sum(len(mb) for mb in self.micro)
+
+
+def _split(samples: list[TrainSample], k: int) -> list[list[TrainSample]]:
+    """`samples` in order, cut into min(k, len) near-equal parts."""
+    n = len(samples)
+    k = min(k, n)
+    return [samples[i * n // k : (i + 1) * n // k] for i in range(k)]
+
+
+# Per-iteration metrics in the steps table (train/iter<i>/<name>) when algorithm.num_iterations > 1.
+ITERATION_METRICS = (
+    "loss",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "clip_frac_low",
+    "clip_frac_high",
+    "policy_kl",
+)
+
+
+def _merge(into: dict[str, float], m: dict[str, float], weight: float) -> None:
+    """Fold one micro-batch's loss metrics into its update's: the loss (normalised over the whole
+    update already) sums, minima and maxima stay minima and maxima, the rest average by samples."""
+    for k, v in m.items():
+        if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if k == "loss":
+            into[k] = into.get(k, 0.0) + v
+        elif k.endswith("_min"):
+            into[k] = min(into.get(k, v), v)
+        elif k.endswith("_max"):
+            into[k] = max(into.get(k, v), v)
+        else:
+            into[k] = into.get(k, 0.0) + v * weight
+
+
+def _combine(updates: list[tuple[int, int, dict[str, float]]]) -> dict[str, float]:
+    """Several updates' metrics as one: the mean over updates (statistics weighted by their samples,
+    the loss and grad norm per update), minima and maxima over all."""
+    out: dict[str, float] = {}
+    total = sum(n for _, n, _ in updates)
+    for _, n, m in updates:
+        for k, v in m.items():
+            if k.endswith("_min"):
+                out[k] = min(out.get(k, v), v)
+            elif k.endswith("_max"):
+                out[k] = max(out.get(k, v), v)
+            elif k in ("loss", "grad_norm") or total == 0:
+                out[k] = out.get(k, 0.0) + v / len(updates)
+            else:
+                out[k] = out.get(k, 0.0) + v * n / total
+    return out
+
+
 class Learner:
     """Holds the policy (and optional frozen reference), optimizer and schedule.
 
@@ -116,7 +183,8 @@ class Learner:
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
         self._load_models(learner.device, dtype, ref_model_path or model_path)
-        self._make_optimizer(total_steps)
+        # The schedule counts optimizer steps: every training step takes num_iterations x mini_batches.
+        self._make_optimizer(total_steps * algorithm.num_iterations * learner.mini_batches)
         self.micro_batch_size = learner.micro_batch_size
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and self.ref_model is None
@@ -252,29 +320,47 @@ class Learner:
         return [work[i : i + n] for i in range(0, len(work), n)]
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step over all samples, micro-batched with gradient accumulation."""
+        """Update on one generation batch: `algorithm.num_iterations` passes, each split into
+        `learner.mini_batches` optimizer steps, each micro-batched with gradient accumulation.
+
+        With more than one update the policy's logprobs before the first update (pi_old) are kept for
+        the ratio: the first part's come from its own first forward (nothing has moved yet), the other
+        parts' from one no-grad forward before the first step. One update: the ratio is 1 and no extra
+        forward runs."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {"train/samples": float(len(samples))}
         if not samples:
             metrics.update({"train/skipped": 1.0, "train/seconds": time.perf_counter() - t0})
             return metrics
-        total_tokens = int(sum(sum(s.completion_mask) for s in samples))
-        # With no KL term a zero-advantage sample's loss and gradient are exactly 0 (every loss type
-        # multiplies each token by its advantage), so it skips the forward/backward but still counts
-        # in the normalisers: the update is the one the whole batch gives.
-        work = [s for s in samples if s.advantage != 0.0] if self.skip_zero_advantage else samples
-        metrics["train/skipped_zero_advantage"] = float(len(samples) - len(work))
-        sums = self._accumulate(work, len(samples), total_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update runs at
-        self.optimizer.step()
-        self.scheduler.step()
+        parts = [self._plan(part) for part in _split(samples, self.config.mini_batches)]
+        iterations = self.algorithm.num_iterations
+        old = self._old_logprobs(parts) if iterations * len(parts) > 1 else None
+        refs: dict[tuple[int, int], torch.Tensor] = {}
+        updates: list[tuple[int, int, dict[str, float]]] = []  # (iteration, work samples, metrics)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate the step's first update runs at
+        for it in range(iterations):
+            for j, part in enumerate(parts):
+                self.optimizer.zero_grad(set_to_none=True)
+                m = self._accumulate(part, j, old, refs)
+                m["grad_norm"] = float(
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                )
+                self.optimizer.step()
+                self.scheduler.step()
+                updates.append((it, part.work_samples, m))
         dt = time.perf_counter() - t0
-        metrics.update({f"train/{k}": v for k, v in sums.items()})
+        total_tokens = sum(p.tokens for p in parts)
+        metrics.update({f"train/{k}": v for k, v in _combine(updates).items()})
+        if iterations > 1:
+            for it in range(iterations):
+                per = _combine([u for u in updates if u[0] == it])
+                metrics.update({f"train/iter{it}/{k}": per[k] for k in ITERATION_METRICS if k in per})
         metrics.update(
             {
-                "train/grad_norm": float(grad_norm),
+                "train/skipped_zero_advantage": float(sum(p.skipped for p in parts)),
+                "train/optimizer_steps": float(len(updates)),
+                "train/grad_norm_max": max(m["grad_norm"] for _, _, m in updates),
                 "train/lr": lr,
                 "train/tokens": float(total_tokens),
                 "train/tokens_per_s": total_tokens / dt if dt > 0 else 0.0,
@@ -283,39 +369,62 @@ class Learner:
         )
         return metrics
 
-    def _accumulate(self, work: list[TrainSample], total_sequences: int, total_tokens: int) -> dict:
-        """Forward + backward of every micro-batch (gradients add up); the loss metrics, combined."""
-        sums: dict[str, float] = {}
-        for mb in self._micro_batches(work):
+    def _plan(self, samples: list[TrainSample]) -> _Part:
+        """One optimizer step's samples, micro-batched, with the normalisers of all of them.
+
+        With no KL term a zero-advantage sample's loss and gradient are exactly 0 (every loss type
+        multiplies each token by its advantage), so it skips the forward/backward but still counts in
+        the normalisers: the update is the one all the samples give."""
+        work = [s for s in samples if s.advantage != 0.0] if self.skip_zero_advantage else samples
+        tokens = int(sum(sum(s.completion_mask) for s in samples))
+        return _Part(self._micro_batches(work), len(samples), tokens, len(samples) - len(work))
+
+    @torch.no_grad()
+    def _old_logprobs(self, parts: list[_Part]) -> dict[tuple[int, int], torch.Tensor]:
+        """pi_old of every micro-batch but the first part's (their own first forward gives those),
+        keyed (part, micro-batch); the same micro-batches as the updates, so the values match."""
+        return {
+            (j, k): self._micro_batch(self.model, mb)[0]
+            for j, part in enumerate(parts[1:], start=1)
+            for k, mb in enumerate(part.micro)
+        }
+
+    def _accumulate(self, part: _Part, j: int, old: dict | None, refs: dict) -> dict[str, float]:
+        """Forward + backward of one part's micro-batches (gradients add up); its loss metrics."""
+        out: dict[str, float] = {}
+        for k, mb in enumerate(part.micro):
             logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
+            old_lp = None
+            if old is not None:  # several updates: pi_old is kept; the first forward of all provides it
+                old_lp = old.setdefault((j, k), logprobs.detach())
             ref = None
             if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = self._micro_batch(self.ref_model, mb)[0]
+                if (j, k) not in refs:
+                    with torch.no_grad():
+                        refs[(j, k)] = self._micro_batch(self.ref_model, mb)[0]
+                ref = refs[(j, k)]
             loss, m = compute_loss(
                 logprobs,
                 behav,
                 adv,
                 mask,
                 self.algorithm,
+                old_logprobs=old_lp,
                 ref_logprobs=ref,
                 max_completion_length=self.max_completion_length,
-                total_sequences=total_sequences,
-                total_tokens=total_tokens,
+                total_sequences=part.sequences,
+                total_tokens=part.tokens,
             )
             loss.backward()
-            weight = len(mb) / len(work)
-            for k, v in m.items():
-                if v is None or isinstance(v, bool) or not isinstance(v, int | float):
-                    continue
-                # The loss is already normalised globally, so it sums; statistics average.
-                sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * weight)
-        if not work:  # all advantages 0: the loss and gradient are 0, and Adam still steps on its moments
-            sums["loss"] = 0.0
+            _merge(out, m, len(mb) / part.work_samples)
+        if (
+            not part.micro
+        ):  # all advantages 0: the loss and gradient are 0, and Adam still steps on its moments
+            out["loss"] = 0.0
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        return sums
+        return out
 
     # -- checkpoints --------------------------------------------------------------------------
 

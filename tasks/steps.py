@@ -125,6 +125,17 @@ def max_lag(max_staleness: int, sync_every: int) -> int:
     return max_staleness + sync_every - 1
 
 
+def _reward_parts(g: RolloutGroup) -> list[list[tuple[float, float | None]]] | None:
+    """Each completion's reward cells as (weight, own valid value or None), for the leave-one-out
+    baseline to leave each function out separately; None when a completion's reward is not the sum of
+    its cells (no cells recorded), and the totals serve."""
+    if any(not c.reward_cells for c in g.completions):
+        return None
+    return [
+        [(x.weight, x.value if x.status == "valid" else None) for x in c.reward_cells] for c in g.completions
+    ]
+
+
 def assign_advantages(
     groups: list[RolloutGroup],
     *,
@@ -135,7 +146,7 @@ def assign_advantages(
     """Drop stale groups, compute masked advantages, and mark which completions are trained on.
 
     Staleness, here, in the `rollouts` table and in the metrics, is one number: training steps between
-    the policy that generated a sample (its version = optimizer updates in those weights) and the
+    the policy that generated a sample (its version = training steps in those weights) and the
     policy being trained at `step`. Only what exceeds `max_lag` (a server restart, a late batch) drops."""
     fresh, stale, limit = [], 0, max_lag(algorithm.max_staleness, sync_every)
     for g in groups:
@@ -152,8 +163,14 @@ def assign_advantages(
             fresh.append(g)
     rewards = [[c.reward if c.reward_valid else None for c in g.completions] for g in fresh]
     valid = [[c.reward_valid for c in g.completions] for g in fresh]
+    parts = [_reward_parts(g) for g in fresh]
     adv, mask, metrics = group_advantages(
-        rewards, valid, scale=algorithm.scale, filter_zero_std=algorithm.filter_zero_std
+        rewards,
+        valid,
+        scale=algorithm.scale,
+        baseline=algorithm.baseline,
+        parts=parts,
+        filter_zero_std=algorithm.filter_zero_std,
     )
     for g, a_row, m_row in zip(fresh, adv, mask, strict=True):
         n_valid = sum(c.reward_valid for c in g.completions)

@@ -44,6 +44,10 @@ def test_every_field_is_documented():
         ("run.run_id=../escape", "run.run_id"),
         ("rewards=[{name: a, fn: nocolon}]", "rewards.0.fn"),
         ("generation.temprature=0.5", "generation.temprature"),
+        ("learner.mini_batches=65", "learner.mini_batches"),  # 8 prompts x 8 completions = 64
+        ("algorithm.num_iterations=0", "algorithm.num_iterations"),
+        ("algorithm.correction_low=1.5", "algorithm.correction_low"),
+        ("algorithm.baseline=loo", "algorithm.baseline"),
     ],
 )
 def test_bad_values_name_the_field(override, field):

@@ -22,7 +22,7 @@ def loss_of(*tensors, **kw):
     return compute_loss(*tensors, algorithm, **kw)
 
 
-LOSSES = ["grpo", "dr_grpo", "dapo", "gspo"]
+LOSSES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
 
 def test_group_scale_leaves_invalid_out_of_mean_and_std():
@@ -185,7 +185,7 @@ def _logp(logits, tokens):
 
 
 @pytest.mark.parametrize("loss_type", LOSSES)
-@pytest.mark.parametrize("correction", ["none", "tis", "icepop"])
+@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "seq_mask", "seq_tis"])
 def test_invalid_half_equals_batch_without_them(loss_type, correction):
     logits, tokens, behav, adv, mask = _batch(0)
     keep = torch.tensor([True, False, True, False, True, False])
@@ -223,7 +223,7 @@ GAPS = [-math.inf, -1e4, 1e4, math.nan, -1.5]
 
 
 @pytest.mark.parametrize("loss_type", LOSSES)
-@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "seq_mask"])
+@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "seq_mask", "seq_tis"])
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("behaviour_value", GAPS)
 @pytest.mark.parametrize("stale", [False, True])
@@ -282,3 +282,152 @@ def test_an_impossible_sampler_token_is_dropped_not_diluted(behaviour_value):
     assert float(loss) == pytest.approx(-100 / 101) and m["is_masked_frac"] == pytest.approx(1 / 101)
     loss, m = loss_of(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 101), correction="seq_mask", **kw)
     assert float(loss) == 0.0 and m["is_masked_frac"] == 1.0
+
+
+# --- leave-one-out baseline (RLOO) ------------------------------------------------------------------
+
+
+def test_leave_one_out_baseline_hand_derived():
+    # valid [1, 0, 1] (the 4th is invalid): baselines (0+1)/2, (1+1)/2, (1+0)/2 -> advantages .5, -1, .5
+    rewards, valid = [[1.0, 0.0, 1.0, None]], [[True, True, True, False]]
+    adv, mask, _ = group_advantages(rewards, valid, baseline="leave_one_out", scale="none")
+    assert adv == [[0.5, -1.0, 0.5, 0.0]] and mask == [[True, True, True, False]]
+    # = G/(G-1) x the group-mean advantage, so `group` scaling divides the same std (sqrt(1/3))
+    adv_g, _, _ = group_advantages(rewards, valid, baseline="leave_one_out", eps=0.0)
+    adv_m, _, _ = group_advantages(rewards, valid, eps=0.0)
+    assert adv_g[0][:3] == pytest.approx(
+        [0.5 / math.sqrt(1 / 3), -1 / math.sqrt(1 / 3), 0.5 / math.sqrt(1 / 3)]
+    )
+    assert adv_g[0][:3] == pytest.approx([1.5 * a for a in adv_m[0][:3]])
+    # fewer than 2 valid: nothing trains; equal rewards: advantages exactly 0
+    adv, mask, _ = group_advantages([[1.0, None]], [[True, False]], baseline="leave_one_out")
+    assert adv == [[0.0, 0.0]] and mask == [[False, False]]
+    adv, _, _ = group_advantages([[0.1 + 0.2, 0.3]], [[True, True]], baseline="leave_one_out", scale="none")
+    assert adv == [[0.0, 0.0]]
+
+
+def test_leave_one_out_keeps_imputed_values_out_of_other_baselines():
+    # Required R and optional O (weight 1 each). B's O failed and was imputed with the mean of A's and
+    # C's O values (0.5). Totals: A 1+1 = 2, B 0+0.5 = 0.5, C 1+0 = 1.
+    parts = [[[(1.0, 1.0), (1.0, 1.0)], [(1.0, 0.0), (1.0, None)], [(1.0, 1.0), (1.0, 0.0)]]]
+    rewards, valid = [[2.0, 0.5, 1.0]], [[True] * 3]
+    adv, _, _ = group_advantages(rewards, valid, baseline="leave_one_out", scale="none", parts=parts)
+    # A: R baseline (0+1)/2, O baseline C's own 0 (B has none of its own)   -> 2 - 0.5 = 1.5
+    # B: R baseline (1+1)/2, O baseline (1+0)/2                              -> 0.5 - 1.5 = -1.0
+    # C: R baseline (1+0)/2, O baseline A's own 1                            -> 1 - 1.5 = -0.5
+    assert adv == [pytest.approx([1.5, -1.0, -0.5])]
+    # On the totals, B's 0.5 (made from A's and C's own O) would enter A's and C's baselines:
+    totals, _, _ = group_advantages(rewards, valid, baseline="leave_one_out", scale="none")
+    assert totals == [pytest.approx([1.25, -1.0, -0.25])]
+
+
+# --- several updates per batch: the ratio, the clip, GSPO and CISPO ---------------------------------
+
+
+def test_gspo_and_grpo_differ_once_the_ratio_is_not_1():
+    # One sequence, adv +1, token ratios 1.5 and 0.9 against pi_old (epsilon 0.2).
+    # grpo: token 1 is clipped (1.5 > 1.2, adv > 0: no gradient), token 2 is not: loss -(1.2 + 0.9)/2,
+    #   gradient [0, -0.9/2].
+    # gspo: sequence ratio sqrt(1.5 * 0.9) = 1.161895 < 1.2, not clipped: loss -1.161895, each token's
+    #   gradient -1.161895/2 (d s / d logp_t = s / T, summed over T tokens' -s / T each).
+    old = torch.tensor([[-1.0, -2.0]])
+    s = math.sqrt(1.5 * 0.9)
+    out = {}
+    for loss_type in ("grpo", "gspo"):
+        logp = (old + torch.log(torch.tensor([[1.5, 0.9]]))).requires_grad_(True)
+        loss, m = loss_of(
+            logp, old, torch.tensor([1.0]), torch.ones(1, 2), loss_type=loss_type, old_logprobs=old
+        )
+        loss.backward()
+        out[loss_type] = (float(loss), logp.grad[0].tolist(), m)
+    assert out["grpo"][0] == pytest.approx(-(1.2 + 0.9) / 2)
+    assert out["grpo"][1] == pytest.approx([0.0, -0.9 / 2])
+    assert out["grpo"][2]["clip_frac_high"] == 0.5
+    assert out["gspo"][0] == pytest.approx(-s)
+    assert out["gspo"][1] == pytest.approx([-s / 2, -s / 2])
+    assert out["gspo"][2]["clip_frac_high"] == 0.0 and out["gspo"][2]["ratio_mean"] == pytest.approx(s)
+    # policy_kl: the k3 estimate of KL(pi_old || pi), mean over tokens of r - log r - 1
+    k3 = [r - math.log(r) - 1 for r in (1.5, 0.9)]
+    assert out["grpo"][2]["policy_kl"] == pytest.approx(sum(k3) / 2)
+
+
+def test_cispo_clips_the_weight_but_keeps_every_gradient():
+    # Two tokens, ratio 1.5 each against pi_old; adv +1 and -1; epsilon 0.2: weight min(1.5, 1.2) = 1.2,
+    # detached. loss = token sum of -1.2 * adv * logp / 2 tokens = (-1.2*(a) + 1.2*(a - 1)) / 2 = -0.6
+    # with logp = (a, a - 1). Gradient -1.2 * adv / 2 per token: the adv +1 token, which the PPO clip
+    # silences, still moves (by -0.6).
+    old = torch.tensor([[-1.0], [-2.0]])
+    logp = (old + math.log(1.5)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = loss_of(logp, old, adv, torch.ones(2, 1), loss_type="cispo", old_logprobs=old)
+    assert float(loss) == pytest.approx(-0.6)
+    loss.backward()
+    assert logp.grad[:, 0].tolist() == pytest.approx([-0.6, 0.6])
+    assert m["clip_frac_high"] == 1.0 and m["clip_frac_low"] == 0.0  # the weight is bounded at either sign
+    ppo = logp.detach().clone().requires_grad_(True)
+    loss_of(ppo, old, adv, torch.ones(2, 1), loss_type="dapo", old_logprobs=old)[0].backward()
+    assert ppo.grad[0, 0] == 0.0
+    # MiniMax-M1's setting: no lower bound (epsilon 1: floor 0): a ratio of 0.1 weighs 0.1, not 0.8
+    low = (old + math.log(0.1)).requires_grad_(True)
+    loss_of(low, old, torch.tensor([1.0, 1.0]), torch.ones(2, 1), loss_type="cispo", old_logprobs=old,
+            epsilon=1.0, epsilon_high=3.0)[0].backward()  # fmt: skip
+    assert low.grad[:, 0].tolist() == pytest.approx([-0.1 / 2, -0.1 / 2])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "gspo", "dr_grpo"])
+def test_cispo_at_ratio_1_is_the_plain_policy_gradient(loss_type):
+    # With one update per batch (ratio 1, no clip) every loss's gradient is -adv * grad log p over its
+    # normaliser; cispo normalises like dapo.
+    logits, tokens, behav, adv, mask = _batch(2)
+    grads = {}
+    for lt in (loss_type, "cispo"):
+        lp = _logp(logits, tokens)
+        loss, _ = loss_of(lp, behav, adv, mask, loss_type=lt, max_completion_length=5)
+        (grads[lt],) = torch.autograd.grad(loss, logits)
+    if loss_type == "dapo":
+        assert torch.allclose(grads["dapo"], grads["cispo"], atol=1e-7)
+    else:
+        assert not torch.allclose(grads[loss_type], grads["cispo"], atol=1e-7)  # the normalisers differ
+
+
+# --- sequence-level corrections -------------------------------------------------------------------
+
+
+def test_seq_tis_truncates_a_sequence_weight():
+    # Sequence 1: token weights pi_old/mu 4 and 1 -> geometric mean 2, capped at 1.5 for both tokens.
+    # Sequence 2: weights 1.2 and 1.2 -> 1.2, under the cap. dapo, adv 1, ratio 1:
+    # loss = -(1.5 * 2 + 1.2 * 2) / 4 = -1.35.
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
+    behaviour = logp.detach() - torch.log(torch.tensor([[4.0, 1.0], [1.2, 1.2]]))
+    loss, m = loss_of(logp, behaviour, torch.tensor([1.0, 1.0]), torch.ones(2, 2), loss_type="dapo",
+                      correction="seq_tis", correction_cap=1.5)  # fmt: skip
+    assert float(loss) == pytest.approx(-1.35)
+    assert m["is_capped_frac"] == 0.5 and m["is_weight_mean"] == pytest.approx((1.5 * 2 + 1.2 * 2) / 4)
+    assert m["is_masked_frac"] == 0.0 and m["is_masked_seq_frac"] == 0.0
+    # token-level tis on the same gaps caps only the weight-4 token: -(1.5 + 1 + 1.2 + 1.2) / 4
+    loss, m = loss_of(logp, behaviour, torch.tensor([1.0, 1.0]), torch.ones(2, 2), loss_type="dapo",
+                      correction="tis", correction_cap=1.5)  # fmt: skip
+    assert float(loss) == pytest.approx(-(1.5 + 1 + 1.2 + 1.2) / 4) and m["is_capped_frac"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "weights, low, high, kept",
+    [
+        ([2.5, 0.6], None, None, [False, True]),  # symmetric band [1/2, 2] from correction_cap 2
+        ([2.5, 0.6], 0.7, 3.0, [True, False]),  # the band [0.7, 3]: 2.5 stays, 0.6 goes
+        ([2.5, 1e-3], 0.0, 3.0, [True, True]),  # no lower bound
+    ],
+)
+def test_seq_mask_keeps_the_band_between_its_own_bounds(weights, low, high, kept):
+    # Two 2-token sequences whose token weights pi_old/mu are both `weights[i]`: the geometric mean is
+    # weights[i]. Kept sequences train (loss -adv per token, dapo); dropped ones contribute 0.
+    logp = torch.full((2, 2), -1.0, requires_grad=True)
+    behaviour = logp.detach() - torch.log(torch.tensor(weights)).unsqueeze(-1)
+    loss, m = loss_of(logp, behaviour, torch.tensor([1.0, 1.0]), torch.ones(2, 2), loss_type="dapo",
+                      correction="seq_mask", correction_low=low, correction_high=high)  # fmt: skip
+    assert float(loss) == pytest.approx(-sum(kept) * 2 / 4)
+    assert m["is_masked_seq_frac"] == (2 - sum(kept)) / 2
+    # icepop applies the same band per token
+    loss, _ = loss_of(logp, behaviour, torch.tensor([1.0, 1.0]), torch.ones(2, 2), loss_type="dapo",
+                      correction="icepop", correction_low=low, correction_high=high)  # fmt: skip
+    assert float(loss) == pytest.approx(-sum(w * 2 for w, k in zip(weights, kept, strict=True) if k) / 4)

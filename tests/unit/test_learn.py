@@ -210,3 +210,92 @@ def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
     assert torch.isfinite(runs[True][1]).all()
+
+
+# --- several updates per batch --------------------------------------------------------------------
+
+
+def weights_of(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+
+
+def count_forwards(learner: Learner) -> list[int]:
+    calls = [0]
+    learner.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "iterations, minis, forwards, steps",
+    [
+        (1, 1, 1, 1),  # today's path: one forward, ratio 1 by construction, no pi_old pass
+        (2, 1, 2, 2),  # the first pass's forward gives pi_old: no extra forward
+        (1, 3, 3 + 2, 3),  # parts 2 and 3 need pi_old before the first update: one extra forward each
+    ],
+)
+def test_forwards_and_optimizer_steps_per_batch(model_dir, iterations, minis, forwards, steps):
+    learner = make_learner(model_dir, lr=1e-3, total_steps=10, num_iterations=iterations, mini_batches=minis)
+    calls = count_forwards(learner)
+    m = learner.train_step(samples())  # 3 samples in one micro-batch, or one per part
+    assert calls[0] == forwards and m["train/optimizer_steps"] == steps
+    assert learner.scheduler.last_epoch == steps
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_pi_old_is_the_policy_before_the_first_update(model_dir, share):
+    # With the optimizer switched off the policy never moves: every ratio of every update must be
+    # exactly 1, so pi_old taken by the no-grad pass equals what the update's own forward computes.
+    learner = make_learner(model_dir, lr=1e-3, total_steps=10, num_iterations=2, mini_batches=2,
+                           share_prompt=share, micro_batch_size=1)  # fmt: skip
+    learner.optimizer.step = lambda: None
+    m = learner.train_step(samples())
+    assert m["train/optimizer_steps"] == 4
+    assert m["train/ratio_min"] == m["train/ratio_max"] == 1.0 and m["train/policy_kl"] == 0.0
+    assert m["train/iter1/ratio_min"] == m["train/iter1/ratio_max"] == 1.0
+
+
+def test_the_second_pass_clips_against_the_first_pass_policy(model_dir):
+    # A large step moves the policy: the first pass sees ratio exactly 1 and clips nothing; the
+    # second sees the moved policy against pi_old, so its ratios spread and the clip acts.
+    learner = make_learner(model_dir, lr=5e-2, total_steps=10, num_iterations=2, loss_type="dapo")
+    m = learner.train_step(samples())
+    assert m["train/iter0/ratio_min"] == m["train/iter0/ratio_max"] == 1.0
+    assert m["train/iter0/clip_frac_low"] == m["train/iter0/clip_frac_high"] == 0.0
+    assert m["train/iter0/policy_kl"] == 0.0 < m["train/iter1/policy_kl"]
+    assert m["train/iter1/ratio_max"] > 1.2 or m["train/iter1/ratio_min"] < 0.8, m
+    assert m["train/iter1/clip_frac_high"] + m["train/iter1/clip_frac_low"] > 0, m
+    assert m["train/clip_frac_high"] + m["train/clip_frac_low"] > 0  # the step's figure averages the passes
+
+
+def test_gspo_equals_grpo_at_one_update_and_differs_after(model_dir):
+    after = {}
+    for iterations in (1, 2):
+        for loss_type in ("grpo", "gspo"):
+            learner = make_learner(model_dir, lr=5e-2, total_steps=10, num_iterations=iterations,
+                                   loss_type=loss_type)  # fmt: skip
+            learner.train_step(samples())
+            after[iterations, loss_type] = weights_of(learner)
+    assert torch.allclose(after[1, "grpo"], after[1, "gspo"], atol=1e-6)
+    assert not torch.allclose(after[2, "grpo"], after[2, "gspo"], atol=1e-4)
+
+
+def test_lr_schedule_counts_optimizer_steps(model_dir):
+    # 10 training steps x 2 passes x 2 parts = 40 optimizer steps of a linear decay from 1e-3; one
+    # training step takes 4 of them: the next step starts at 1e-3 x 36/40.
+    learner = make_learner(model_dir, lr=1e-3, total_steps=10, lr_schedule="linear", num_iterations=2,
+                           mini_batches=2)  # fmt: skip
+    assert learner.train_step(samples())["train/lr"] == pytest.approx(1e-3)
+    assert learner.train_step(samples())["train/lr"] == pytest.approx(1e-3 * 36 / 40)
+
+
+def test_mini_batches_normalise_each_part_over_itself(model_dir):
+    # dapo with 3 parts of one sample each, optimizer off: each part's loss is its own token mean, so
+    # the step's loss (the mean over updates) is the mean of the per-sample token means.
+    learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="dapo", mini_batches=3)
+    learner.optimizer.step = lambda: None
+    m = learner.train_step(samples())
+    singles = []
+    for s in samples():
+        one = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="dapo")
+        singles.append(one.train_step([s])["train/loss"])
+    assert m["train/loss"] == pytest.approx(sum(singles) / 3, rel=1e-5)

@@ -284,6 +284,34 @@ def test_a_failed_optional_reward_counts_as_its_group_mean(tmp_path):
     assert query(tmp_path, "SELECT count(*) FROM rewards WHERE imputed")[1] == [(3,)]
 
 
+def required_by_len(completions, **_):
+    return [{1: 1.0, 2: 0.0, 3: 1.0}[len(c)] for c in completions]
+
+
+def optional_fails_on_2(completions, **_):
+    return [{1: 1.0, 2: "oops", 3: 0.0}[len(c)] for c in completions]
+
+
+def test_leave_one_out_advantages_leave_imputed_values_out_of_other_baselines():
+    # Scored for real: A (len 1) R 1, O 1; B (len 2) R 0, O failed -> imputed (1 + 0) / 2; C R 1, O 0.
+    # Totals 2, 0.5, 1. Leave-one-out per function (hand numbers in test_grpo): 1.5, -1.0, -0.5; on the
+    # totals B's imputed 0.5 would enter A's and C's baselines: 1.25, -1.0, -0.25.
+    from tasks.config import AlgorithmConfig
+    from tasks.steps import assign_advantages
+
+    groups = make_groups(1, 3)
+    specs = [
+        RewardConfig(name="R", fn=required_by_len),
+        RewardConfig(name="O", fn=optional_fails_on_2, required=False),
+    ]
+    score_groups(groups, specs)
+    assert [c.reward for c in groups[0].completions] == pytest.approx([2.0, 0.5, 1.0])
+    algorithm = AlgorithmConfig(baseline="leave_one_out", scale="none")
+    assign_advantages(groups, step=0, algorithm=algorithm)
+    assert [c.advantage for c in groups[0].completions] == pytest.approx([1.5, -1.0, -0.5])
+    assert all(c.trained for c in groups[0].completions)
+
+
 # --- process executor: hung workers are killed, the pool recovers -------------------------------
 
 
