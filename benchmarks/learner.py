@@ -6,10 +6,12 @@ x `--group` completions of 8-32 random tokens; advantages +-1 (every sample trai
 prompt once, its KV cache row reused by its completions), zero-advantage skipping off/on, and one
 shared-prompt variant per further `--micro-batch` size (a micro-batch larger than a group packs
 several prompts, left-padded, into one forward). The LM head runs only on positions that predict
-completion tokens in every variant. Prints one JSON line per variant.
+completion tokens in every variant. `--updates 2x1 1x2` adds shared-prompt variants with several
+updates per batch (algorithm.num_iterations x learner.mini_batches): what the extra passes and the
+pi_old forward cost against one update. Prints one JSON line per variant.
 
     .venv/bin/python benchmarks/learner.py --model models/smollm2-135m [--repeats 3] [--zero-groups 2]
-        [--prompts 8 --micro-batch 8 16 32]
+        [--prompts 8 --micro-batch 8 16 32] [--updates 2x1 1x2]
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[8], help="sizes (the first for all)")
     ap.add_argument("--zero-groups", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per variant (+1 warm-up)")
+    ap.add_argument("--updates", nargs="*", default=[], help="extra ITERATIONSxMINI_BATCHES variants")
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
@@ -65,15 +68,21 @@ def main() -> None:
     variants = [(False, False, first), (True, False, first)] + (
         [(True, True, first)] if args.zero_groups else []
     )
-    variants += [(True, bool(args.zero_groups), n) for n in more]
-    for share, skip, micro_batch in variants:
+    variants = [(*v, 1, 1) for v in variants + [(True, bool(args.zero_groups), n) for n in more]]
+    for spec in args.updates:
+        iterations, minis = (int(x) for x in spec.split("x"))
+        variants.append((True, bool(args.zero_groups), first, iterations, minis))
+    for share, skip, micro_batch, iterations, minis in variants:
         learner = Learner(
-            args.model, LearnerConfig(lr=5e-6, micro_batch_size=micro_batch, share_prompt=share),
-            AlgorithmConfig(loss_type="dapo", correction="tis"), total_steps=100, skip_zero_advantage=skip,
+            args.model,
+            LearnerConfig(lr=5e-6, micro_batch_size=micro_batch, share_prompt=share, mini_batches=minis),
+            AlgorithmConfig(loss_type="dapo", correction="tis", num_iterations=iterations),
+            total_steps=100, skip_zero_advantage=skip,
         )  # fmt: skip
         secs = [learner.train_step(samples)["train/seconds"] for _ in range(args.repeats + 1)]
         print(json.dumps({
             "share_prompt": share, "skip_zero_advantage": skip, "micro_batch_size": micro_batch,
+            "num_iterations": iterations, "mini_batches": minis,
             "micro_batches": len(learner._micro_batches([s for s in samples if s.advantage or not skip])), "samples": len(samples),
             "zero_advantage_samples": args.zero_groups * args.group,
             "prompt_tokens": sorted({s.prompt_len for s in samples}),
