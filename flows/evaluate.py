@@ -61,7 +61,9 @@ def eval_rows(cfg: GRPOConfig, prompts: int | None) -> tuple[list[dict[str, Any]
 def evaluation_config(cfg: GRPOConfig, greedy: bool, server_url: str | None) -> GRPOConfig:
     """`cfg` as evaluation runs it: on `server_url` or an embedded server of its own (never the
     training config's `inference.url`), and with `greedy`, one completion per row at temperature 0."""
-    update: dict[str, Any] = {"inference": cfg.inference.model_copy(update={"url": server_url})}
+    # One server: evaluation never runs on the training servers (url, urls) nor starts replicas.
+    server = {"url": server_url, "urls": [], "replicas": 1}
+    update: dict[str, Any] = {"inference": cfg.inference.model_copy(update=server)}
     if greedy:
         update["generation"] = cfg.generation.model_copy(update={"temperature": 0.0, "group_size": 1})
     return cfg.model_copy(update=update)

@@ -22,6 +22,7 @@ from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
 
 if TYPE_CHECKING:
+    from tasks.replicas import ReplicaSet
     from tasks.steps import RolloutJob, VersionBox
 
 
@@ -84,6 +85,8 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
         check_path(cfg.storage.root, "storage.root")
         if cfg.inference.url:
             check_server(cfg.inference.url, "inference.url")
+        for i, url in enumerate(cfg.inference.urls):
+            check_server(url, f"inference.urls[{i}]")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None
 
@@ -289,8 +292,11 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
     store.write_run_meta(run.run_id, meta)
 
 
-def rollout_job(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox) -> RolloutJob:
-    """What each step's rollout task needs, from the config's own sections."""
+def rollout_job(
+    cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox, replicas: ReplicaSet | None = None
+) -> RolloutJob:
+    """What each step's rollout task needs, from the config's own sections; with `replicas` it
+    generates on the run's servers (routing, per-server versions) instead of `url`."""
     from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
 
     return RolloutJob(
@@ -302,6 +308,7 @@ def rollout_job(cfg: GRPOConfig, url: str, tokenizer_path: str, versions: Versio
         inference=cfg.inference,
         seed=cfg.run.seed,
         versions=versions,
+        replicas=replicas,
     )
 
 

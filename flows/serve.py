@@ -14,9 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,17 +109,24 @@ class ServerHandle:
         self.pid_file = pid_file  # (store root, name): <root>/pids/<name>.json while it runs
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        # close() and a restart on another thread (a replica's reviver) must not race: once closed,
+        # no new process starts.
+        self._lock = threading.Lock()
+        self.closed = False
 
     def start(self) -> ServerHandle:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # A new session: stop() can signal the server and its engine/worker children together, and
         # the guard's watchdog (guarded_command) kills that whole group if this process dies.
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        if self.pid_file is not None:
-            record_process(*self.pid_file, self.proc.pid, url=self.url)
+        with self._lock:
+            if self.closed:
+                raise ServerStartError(f"vLLM server at {self.url} was closed; not starting it again")
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            if self.pid_file is not None:
+                record_process(*self.pid_file, self.proc.pid, url=self.url)
         self.wait_healthy()
         return self
 
@@ -163,6 +172,12 @@ class ServerHandle:
             os.killpg(group, signal.SIGKILL)
         self.proc.wait(10)
 
+    def close(self) -> None:
+        """Stop the server for good: a restart under way on another thread starts nothing more."""
+        with self._lock:
+            self.closed = True
+        self.stop()
+
     def kill(self) -> None:
         """SIGKILL the whole server (fault-injection tests)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -193,8 +208,10 @@ def server_command(
     api_key: str | None = None,
     extra_args: tuple[str, ...] = (),
     python: str | None = None,
+    cores: frozenset[int] | None = None,
 ) -> tuple[list[str], dict[str, str], str]:
-    """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`."""
+    """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
+    cores its engine binds to on a CPU-only machine (default: all this process may use)."""
     if not _is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
@@ -212,7 +229,7 @@ def server_command(
         # last, it is the outermost: the lease endpoint is guarded too.
         cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return cmd, _server_env(api_key, kv_cache_gb), f"http://{connect_host}:{port}"
+    return cmd, _server_env(api_key, kv_cache_gb, cores), f"http://{connect_host}:{port}"
 
 
 def _vllm_args(
@@ -255,7 +272,9 @@ def _vllm_args(
     return args
 
 
-def _server_env(api_key: str | None, kv_cache_gb: float) -> dict[str, str]:
+def _server_env(
+    api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None
+) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     env.pop("VLLM_API_KEY", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
@@ -270,7 +289,7 @@ def _server_env(api_key: str | None, kv_cache_gb: float) -> dict[str, str]:
         # 2 cores that is one core, and SmolLM2 generation ran 1.6x slower (BENCHMARKS.md). Bind it to
         # every core this process may use; the OS shares them with the learner. A value in the
         # environment wins.
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores or os.sched_getaffinity(0)))
     return env
 
 
@@ -283,6 +302,15 @@ async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
             return await release_abandoned_pause(client)
     except InferenceError:  # a server mid-restart: the health check deals with it
         return None
+
+
+def core_shares(n: int, cores=None) -> list[frozenset[int]]:
+    """This process's cores cut into `n` contiguous shares, one per embedded replica; with fewer cores
+    than replicas, replicas share cores round-robin."""
+    ids = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if n <= len(ids):
+        return [frozenset(ids[i * len(ids) // n : (i + 1) * len(ids) // n]) for i in range(n)]
+    return [frozenset({ids[i % len(ids)]}) for i in range(n)]
 
 
 def cpu_list(cores) -> str:
@@ -339,31 +367,52 @@ class Server:
     handle: ServerHandle | None = None
 
 
+def replica_names(name: str, inference: InferenceConfig) -> list[str]:
+    """The pid-file names of a run's embedded servers: `name`, then `name-r1`, `name-r2`, ..."""
+    return [name] + [f"{name}-r{i}" for i in range(1, inference.replicas)]
+
+
+@contextlib.contextmanager
+def inference_servers(inference: InferenceConfig, model_dir: str | Path, root: str | Path, name: str):
+    """The run's generation servers: `inference.urls` / `inference.url` as they are, or
+    `inference.replicas` embedded servers (each on its own share of the cores, started together,
+    always stopped). Servers a dead attempt of the same names left behind are stopped first."""
+    root, names = Path(root), replica_names(name, inference)
+    for n in names:
+        stop_stale(root, n)
+    if inference.external():
+        yield [Server(url) for url in inference.external()]
+        return
+    i = inference
+    shares = core_shares(len(names)) if len(names) > 1 and _cpu_only() else [None] * len(names)
+    handles: list[ServerHandle] = []
+
+    def start(n: str, cores) -> ServerHandle:
+        log = root / "logs" / f"{n}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd, env, url = server_command(model_dir, host=i.host, port=i.port if len(names) == 1 else None,
+                                       max_model_len=i.max_model_len, kv_cache_gb=i.kv_cache_gb,
+                                       api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores)  # fmt: skip
+        handle = ServerHandle(cmd, env, url, log, i.startup_timeout_s, (root, n))
+        handles.append(handle)
+        return handle.start()
+
+    try:
+        with ThreadPoolExecutor(len(names)) as pool:  # start-ups overlap (each is mostly waiting)
+            started = list(pool.map(start, names, shares))
+        yield [Server(h.url, h) for h in started]
+    finally:
+        for h in handles:
+            h.close()
+
+
 @contextlib.contextmanager
 def inference_server(inference: InferenceConfig, model_dir: str | Path, root: str | Path, name: str):
     """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped); a
     server a dead attempt of the same name left behind is stopped first."""
-    root = Path(root)
-    stop_stale(root, name)
-    if inference.url:
-        yield Server(inference.url)
-        return
-    log = root / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    i = inference
-    with embedded_server(
-        model_dir,
-        host=i.host,
-        port=i.port,
-        max_model_len=i.max_model_len,
-        kv_cache_gb=i.kv_cache_gb,
-        api_key=i.api_key,
-        extra_args=tuple(i.extra_args),
-        log_path=log,
-        startup_timeout_s=i.startup_timeout_s,
-        pid_file=(root, name),
-    ) as handle:
-        yield Server(handle.url, handle)
+    one = inference.model_copy(update={"urls": [], "replicas": 1})
+    with inference_servers(one, model_dir, root, name) as (server,):
+        yield server
 
 
 def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | None) -> str:

@@ -7,6 +7,7 @@ Parquet every step; checkpoints make the run resumable.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,10 +30,12 @@ from flows.runs import (
     rows_for_step,
     write_meta,
 )
-from flows.serve import Server, inference_server
+from flows.serve import Server, inference_servers, replica_names
 from storage.processes import identity
 from storage.rollouts import RolloutStore
+from tasks.config import InferenceConfig
 from tasks.learn import Learner
+from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tasks.steps import (
     PushJob,
     RolloutBatch,
@@ -103,45 +106,43 @@ class StepTimer:
 
 
 class PolicySync:
-    """The learner's weights and their way into the server: `trained` is the version the learner
-    holds (training steps so far), `push(version)` makes the server serve it."""
+    """The learner's weights and their way into the servers: `trained` is the version the learner
+    holds (training steps so far), `push(version)` makes the servers serve it."""
 
     def __init__(self, learner: Learner, job: PushJob, trained: int):
         self.learner, self.job, self.trained = learner, job, trained
-        self.recover: Callable[[Exception], None] | None = None  # brings a dead server back
+        self.recover: Callable[[Exception], None] | None = None  # brings dead servers back
 
     def push(self, version: int) -> dict:
         from tasks.inference import InferenceUnavailableError
 
         try:
             return push_weights(quote(self.learner), version, quote(self.job))
-        except InferenceUnavailableError as e:  # the server died: bring it back, then push again
+        except InferenceUnavailableError as e:  # no server took it: bring them back, then push again
             if self.recover is None:
                 raise
             self.recover(e)
             return push_weights(quote(self.learner), version, quote(self.job))
 
-    def restore(self) -> None:
-        """A restarted server gets the learner's weights as they are now."""
-        push_weights(quote(self.learner), self.trained, quote(self.job))
-
 
 class RolloutPipeline:
     """Generation + scoring of future steps, submitted up to `max_staleness` ahead of training.
 
-    If the embedded vLLM server dies, its batches fail with InferenceUnavailableError once the client's
-    retries run out: the server is restarted (bounded), brought back to the learner's current weights,
-    and the lost batches are generated again. An external server is someone else's to restart.
+    A server that fails leaves the rotation and its groups are generated on the others, while its
+    reviver restarts it (embedded) or waits for it (external) and loads the current weights
+    (tasks/replicas.py). When no server is left the step's batch fails with InferenceUnavailableError:
+    the pipeline waits for an embedded server to come back and generates the lost batches again; with
+    external servers only, the run stops, resumable.
     """
 
-    def __init__(
-        self, cfg: GRPOConfig, rows, server: Server, job: RolloutJob, restore_weights, first_step: int
-    ):
-        self.cfg, self.rows, self.server, self.job = cfg, rows, server, job
-        self.restore_weights = restore_weights
+    def __init__(self, cfg: GRPOConfig, rows, servers: ReplicaSet, job: RolloutJob, first_step: int):
+        self.cfg, self.rows, self.servers, self.job = cfg, rows, servers, job
         self.ahead: deque = deque()
         self.next_step = first_step
-        self.restarts = 0
+
+    @property
+    def restarts(self) -> int:
+        return sum(r.restarts for r in self.servers.replicas)
 
     def _submit(self, step: int) -> tuple[float, Any, int]:
         d = self.cfg.data
@@ -157,7 +158,7 @@ class RolloutPipeline:
             self.next_step += 1
 
     def next_batch(self, timer: StepTimer) -> RolloutBatch:
-        """The oldest step's batch (the wait goes to `timer`); recovers from a dead embedded server."""
+        """The oldest step's batch (the wait goes to `timer`); recovers from dead embedded servers."""
         from tasks.inference import InferenceUnavailableError
 
         t_wait = time.perf_counter()
@@ -173,17 +174,45 @@ class RolloutPipeline:
             return batch
 
     def recover(self, error: Exception) -> None:
-        handle, limit = self.server.handle, 3
-        if handle is None or self.restarts >= limit:
-            why = "external server" if handle is None else f"restarted {self.restarts} times already"
-            raise RuntimeError(f"vLLM server unavailable ({why}); the run is resumable: {error}") from error
-        if not (handle.alive() and handle.healthy()):
-            get_run_logger().warning("vLLM server down (%s); restarting it", error)
-            handle.restart()
-        self.restarts += 1
-        self.restore_weights()
-        # Every in-flight batch may have died with the server: generate them again under new futures.
+        """No server answered: wait until a restarted embedded one serves the current weights, then
+        generate the in-flight batches again; raise (resumable) when that cannot happen."""
+        servers = self.servers
+        if all(r.restart is None for r in servers.replicas):
+            kind = "external server" if len(servers) == 1 else f"all {len(servers)} external servers"
+            raise RuntimeError(f"vLLM server unavailable ({kind}); the run is resumable: {error}") from error
+        for r in servers.replicas:
+            if r.healthy and r.alive is not None and not r.alive():  # died without a failed request yet
+                servers.down(r, error)
+        if servers.serving():
+            pass  # a transient failure: the servers answer, generate again
+        else:
+            get_run_logger().warning("no vLLM server answers (%s); waiting for a restart", error)
+            timeout = (MAX_RESTARTS + 1) * (self.cfg.inference.startup_timeout_s + 60)
+            if not servers.wait_any_up(timeout):
+                raise RuntimeError(
+                    f"vLLM server unavailable ({servers.all_down()}); the run is resumable: {error}"
+                ) from error
+        # Every in-flight batch may have died with the servers: generate them again under new futures.
         self.ahead = deque(self._submit(step) for _, _, step in self.ahead)
+
+
+def replica_set(cfg: GRPOConfig, servers: list[Server], run: RunState, root: str) -> ReplicaSet:
+    """The run's servers as a ReplicaSet: embedded ones restart through their handles; a revived
+    server loads the weights the others serve (tasks.push.load_into)."""
+    from flows.serve import is_healthy
+    from tasks.push import load_into
+
+    reps = [Replica(i, s.url) for i, s in enumerate(servers)]
+    for rep, s in zip(reps, servers, strict=True):
+        if s.handle is not None:
+            rep.restart, rep.alive = s.handle.restart, (lambda h=s.handle: h.alive() and h.healthy())
+    out = ReplicaSet(reps, version=run.policy_version)
+    out.is_healthy = is_healthy
+    out.load = lambda rep, path, version: load_into(
+        rep, path, version, root=root, run_id=run.run_id, inference=cfg.inference,
+        reload_timeout_s=cfg.sync.reload_timeout_s,
+    )  # fmt: skip
+    return out
 
 
 def mark_cancelled(flow, flow_run, state) -> None:
@@ -202,7 +231,9 @@ def mark_cancelled(flow, flow_run, state) -> None:
         meta = store.read_run_meta(run_id) or {}
         if str(flow_run.id) in meta.get("flow_runs", []) and meta.get("status") == "running":
             store.write_run_meta(run_id, {**meta, "status": "cancelled", "error": f"cancelled: {state.name}"})
-            stop_stale(root, f"vllm-{run_id}")
+            inference = InferenceConfig.model_validate(((cfg or {}).get("inference")) or {})
+            for name in replica_names(f"vllm-{run_id}", inference):
+                stop_stale(root, name)
 
 
 @flow(name="grpo-train", log_prints=True, on_cancellation=[mark_cancelled])
@@ -243,14 +274,17 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         StepReporter(cfg, run),
         VersionBox(run.policy_version),
     )
-    with inference_server(cfg.inference, run.model_path, root, f"vllm-{run_id}") as server:
+    with (
+        inference_servers(cfg.inference, run.model_path, root, f"vllm-{run_id}") as started,
+        contextlib.closing(replica_set(cfg, started, run, root)) as servers,
+    ):
         learner = build_learner(cfg, run)
-        push_job = PushJob(server.url, root, run_id, cfg.sync, cfg.inference, versions)
+        push_job = PushJob(servers.urls[0], root, run_id, cfg.sync, cfg.inference, versions, servers)
         weights = PolicySync(learner, push_job, trained=run.policy_version)
-        if run.resumed or cfg.inference.url:  # the server must serve exactly the learner's weights
+        if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights
             weights.push(run.policy_version)
-        job = rollout_job(cfg, server.url, run.base_model, versions)
-        pipeline = RolloutPipeline(cfg, rows, server, job, weights.restore, run.start_step)
+        job = rollout_job(cfg, servers.urls[0], run.base_model, versions, servers)
+        pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step)
         weights.recover = pipeline.recover
         for step in range(run.start_step, steps):
             timer = StepTimer()
@@ -266,7 +300,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             if _due(step, cfg.sync.sync_every, steps):
                 pushed, _ = timer.call(weights.push, step + 1, body="sync/total_seconds")
                 m |= pushed | {"sync_seconds": pushed["sync/total_seconds"]}  # Prefect's part: separate
-            m |= {"write_seconds": writer.result(), "policy_version": versions.get()}
+            m |= {"write_seconds": writer.result(), "policy_version": servers.version}
             m |= {"server_restarts": pipeline.restarts} | timer.metrics()
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.

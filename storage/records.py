@@ -132,6 +132,7 @@ class RolloutCompletion:
     policy_version: int = 0  # version when the first request started
     policy_version_end: int = 0  # version seen when the last request finished
     gen_seconds: float = 0.0
+    server: str | None = None  # the vLLM server that generated it (its URL)
     # Filled in by scoring and advantage computation:
     reward: float | None = None
     reward_valid: bool = False
@@ -209,6 +210,7 @@ ROLLOUTS_SCHEMA = pa.schema(
         ("step", pa.int64()),
         ("policy_version", pa.int64()),
         ("policy_version_end", pa.int64()),
+        ("server", pa.string()),
         ("staleness", pa.int64()),
         ("group_id", pa.string()),
         ("sample_index", pa.int32()),
@@ -292,6 +294,7 @@ def rollout_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[
                     "step": step,
                     "policy_version": c.policy_version,
                     "policy_version_end": c.policy_version_end,
+                    "server": c.server,
                     # training steps between the generating policy and the one trained at `step`
                     "staleness": max(0, step - c.policy_version),
                     "group_id": g.group_id,
@@ -415,6 +418,7 @@ def _completion_from_row(r: dict[str, Any], g: RolloutGroup, cells: list[RewardC
         finish_reason=r["finish_reason"],
         policy_version=r["policy_version"],
         policy_version_end=r["policy_version_end"],
+        server=r.get("server"),
         gen_seconds=r["gen_seconds"],
         reward=r["reward"],
         reward_valid=r["reward_valid"],

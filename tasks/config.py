@@ -307,6 +307,19 @@ class LearnerConfig(_Section):
 
 class InferenceConfig(_Section):
     url: str | None = Field(None, description="vLLM server URL; None starts an embedded server.")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Several external vLLM servers serving the same model (not with url). Each group goes "
+        "to the one with the fewest outstanding groups; a weight push goes to all of them at once; one "
+        "that fails leaves the rotation until it is healthy again and serves the current weights.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Embedded servers to start when neither url nor urls is set; each gets its own share "
+        "of this machine's cores and kv_cache_gb of KV cache, and is restarted and brought to the "
+        "current weights if it dies.",
+    )
     api_key: str | None = Field(None, description="Bearer key for the server (required off loopback).")
     host: str = Field("127.0.0.1", description="Embedded server bind address.")
     port: int | None = Field(None, ge=1, le=65535, description="Embedded server port (None: free port).")
@@ -316,6 +329,21 @@ class InferenceConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request.")
     retries: int = Field(4, ge=0, description="Retries on connection errors, timeouts and 5xx.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_servers(self) -> InferenceConfig:
+        if self.url and self.urls:
+            raise ValueError("inference.urls: set inference.url (one server) or inference.urls, not both")
+        if self.replicas > 1 and (self.url or self.urls):
+            raise ValueError("inference.replicas: embedded replicas are started only when no url/urls is set")
+        dupes = sorted({u for u in self.urls if self.urls.count(u) > 1})
+        if dupes:
+            raise ValueError(f"inference.urls: duplicate servers {dupes}")
+        return self
+
+    def external(self) -> list[str]:
+        """The external servers to generate on: urls, or [url], or none (embedded)."""
+        return list(self.urls) or ([self.url] if self.url else [])
 
 
 class SyncConfig(_Section):

@@ -18,7 +18,8 @@ from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
 from tasks.config import GenerationConfig, ToolsConfig
 from tasks.imports import import_object
-from tasks.inference import cache_salt_for
+from tasks.inference import InferenceUnavailableError, cache_salt_for
+from tasks.replicas import Servers
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
 
@@ -138,6 +139,7 @@ class RolloutSettings:
         self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
+        self.servers: Servers | None = None  # several servers: each group picks its own backend
 
     def tools_in_system_turn(self, schemas: list[dict]) -> bool:
         """`tools_in_system_turn` for this run's template, decided once (the tools do not change)."""
@@ -347,7 +349,8 @@ async def generate_groups(
     rows: list[dict[str, Any]],
     prompt_indices: list[int],
     *,
-    backend: CompletionBackend,
+    backend: CompletionBackend | None = None,
+    servers: Servers | None = None,
     tokenizer,
     generation: GenerationConfig,
     tools: ToolsConfig | None = None,
@@ -357,7 +360,10 @@ async def generate_groups(
     split: str = "train",
 ) -> list[RolloutGroup]:
     """`generation.group_size` completions for each row, all groups concurrently under
-    `generation.max_in_flight` requests; `tools` (functions and/or an environment) make them multi-turn."""
+    `generation.max_in_flight` requests; `tools` (functions and/or an environment) make them multi-turn.
+    `servers` (several vLLM servers) replaces `backend`: each group is routed to one of them."""
+    if (backend is None) == (servers is None):
+        raise ValueError("generate_groups needs a backend or servers (one of them)")
     if len(rows) != len(prompt_indices):
         raise ValueError(f"{len(rows)} rows but {len(prompt_indices)} prompt indices")
     messages = [prompt_messages(row, i) for row, i in zip(rows, prompt_indices, strict=True)]
@@ -370,7 +376,8 @@ async def generate_groups(
         parser=tool_parser or HermesToolParser(),
         version_fn=version_fn,
     )
-    r.max_len = await backend.max_model_len()
+    r.servers = servers
+    r.max_len = await (servers or backend).max_model_len()
     gate = asyncio.Semaphore(generation.max_in_flight)
 
     async def bounded(coro):
@@ -384,12 +391,14 @@ async def generate_groups(
 
 
 async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split: str) -> RolloutGroup:
-    """One row's group: one n=G request when single-turn, else G concurrent multi-turn rollouts."""
-    G = r.gen.group_size
-    if r.single_turn:
-        comps = await _one_prompt_group(r, row, index, msgs, G, bounded)
+    """One row's group: one n=G request when single-turn, else G concurrent multi-turn rollouts. With
+    several servers the group runs on the least busy one, and again on another if that one fails."""
+    if r.servers is None:
+        comps = await _completions(r, row, index, msgs, bounded)
+        for c in comps:
+            c.server = getattr(r.backend, "base_url", None)
     else:
-        comps = await asyncio.gather(*(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(G)))
+        comps = await _on_a_server(r, row, index, msgs, bounded)
     failpoint("generate")
     first = comps[0]  # each completion carries its own prompt; the group shows sample 0's
     return RolloutGroup(
@@ -403,6 +412,37 @@ async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split
         policy_version=min(c.policy_version for c in comps),
         row_id=row_id_of(row),
     )
+
+
+async def _completions(r: RolloutSettings, row: dict, index: int, msgs, bounded) -> list[RolloutCompletion]:
+    G = r.gen.group_size
+    if r.single_turn:
+        return await _one_prompt_group(r, row, index, msgs, G, bounded)
+    return list(await asyncio.gather(*(bounded(_multi_turn(r, row, index, i, msgs)) for i in range(G))))
+
+
+async def _on_a_server(r: RolloutSettings, row: dict, index: int, msgs, bounded) -> list[RolloutCompletion]:
+    """The group's completions from the least busy healthy server; a server that is unreachable for
+    good is taken out of the rotation and the whole group is generated again elsewhere (its partial
+    completions are dropped). No server left: InferenceUnavailableError."""
+    replicas = r.servers.replicas
+    while True:
+        rep = replicas.pick()
+        on = copy.copy(r)
+        on.backend, on.version_fn, on.servers = r.servers.clients[rep.index], rep.versions.get, None
+        try:
+            comps = await _completions(on, row, index, msgs, bounded)
+        except InferenceUnavailableError as e:
+            replicas.done(rep, ok=False)
+            replicas.down(rep, e)
+            continue
+        except BaseException:
+            replicas.done(rep, ok=False)
+            raise
+        replicas.done(rep, ok=True)
+        for c in comps:
+            c.server = rep.url
+        return comps
 
 
 def resolve_callable(obj: str | Callable[..., Any]) -> Callable[..., Any]:

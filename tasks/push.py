@@ -37,6 +37,7 @@ from tasks.inference import (
     client_for,
     renew_cache_salt,
 )
+from tasks.replicas import Replica, ReplicaSet
 
 DEFAULT_RELOAD_TIMEOUT_S = SyncConfig.model_fields["reload_timeout_s"].default
 
@@ -206,6 +207,77 @@ def push_weights_sync(
             return await pusher.push(model, version)
 
     return asyncio.run(go())
+
+
+def push_to_servers(
+    model: Any,
+    version: int,
+    *,
+    replicas: ReplicaSet,
+    root: str | Path,
+    run_id: str,
+    sync: SyncConfig | None = None,
+    inference: InferenceConfig | None = None,
+) -> dict[str, float]:
+    """Push to every serving server of `replicas` at once: the weights are saved once, then each
+    server pauses, reloads and resumes on its own (its version flips as its reload ends). A server
+    whose load fails leaves the rotation (its reviver brings it back to these weights) while the others
+    serve them; when every server fails, the first error is raised, as for a single server."""
+    sync = sync or SyncConfig()
+    targets = replicas.begin_push()
+    done, path, failed = False, None, []
+    try:
+        if not targets:
+            raise InferenceUnavailableError(replicas.all_down())
+        store = weights_store(root)
+        t0 = time.perf_counter()
+        path = store.save(run_id, version, lambda d: save_weights(model, d), {"version": version})
+        t1 = time.perf_counter()
+
+        async def one(rep: Replica) -> float:
+            async with client_for(rep.url, inference or InferenceConfig()) as client:
+                pusher = CheckpointWeightPush(client, root, run_id, sync.keep_last, rep.versions.set,
+                                              sync.reload_timeout_s)  # fmt: skip
+                t = time.perf_counter()
+                await pusher.load(path, version)
+                return time.perf_counter() - t
+
+        async def all_of() -> list[Any]:
+            return await asyncio.gather(*(one(r) for r in targets), return_exceptions=True)
+
+        results = asyncio.run(all_of())
+        failed = [(r, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
+        if len(failed) == len(targets):
+            raise failed[0][1]
+        store.prune(run_id, sync.keep_last)
+        done = True
+    finally:
+        replicas.end_push(version if done else None, str(path) if done else None)
+    for rep, error in failed:
+        replicas.down(rep, error)
+    reloads = [x for x in results if not isinstance(x, BaseException)]
+    return {
+        "sync/save_seconds": t1 - t0,
+        "sync/reload_seconds": max(reloads),
+        "sync/total_seconds": time.perf_counter() - t0,
+        "sync/version": float(version),
+        "sync/servers": float(len(reloads)),
+        "sync/failed_servers": float(len(failed)),
+    }
+
+
+def load_into(rep: Replica, path: str, version: int, *, root: str | Path, run_id: str,
+              inference: InferenceConfig | None = None, reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S) -> None:  # fmt: skip
+    """Load weights already on disk into one server of a set; its version flips as the reload ends
+    (a revived server rejoining at the version the others serve)."""
+
+    async def go() -> None:
+        async with client_for(rep.url, inference or InferenceConfig()) as client:
+            pusher = CheckpointWeightPush(client, root, run_id, on_reloaded=rep.versions.set,
+                                          reload_timeout_s=reload_timeout_s)  # fmt: skip
+            await pusher.load(path, version)
+
+    asyncio.run(go())
 
 
 def load_weights_sync(

@@ -8,7 +8,7 @@ reach these tasks wrapped in `quote(...)` so Prefect's argument walker never tra
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,22 +29,7 @@ from tasks.config import (
     ToolsConfig,
 )
 from tasks.grpo import group_advantages
-
-
-class VersionBox:
-    """The policy version currently served by vLLM, shared between the pusher and generators."""
-
-    def __init__(self, version: int = 0):
-        self._v = version
-        self._lock = threading.Lock()
-
-    def get(self) -> int:
-        with self._lock:
-            return self._v
-
-    def set(self, v: int) -> None:
-        with self._lock:
-            self._v = v
+from tasks.replicas import ReplicaSet, VersionBox
 
 
 @dataclass
@@ -71,29 +56,40 @@ class RolloutJob:
     inference: InferenceConfig
     seed: int | None
     versions: VersionBox
+    replicas: ReplicaSet | None = None  # the run's servers (routing, per-server versions); else `url`
+
+
+async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
+    from tasks.generate import generate_groups, load_tokenizer
+    from tasks.inference import client_for
+    from tasks.replicas import Servers
+
+    kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
+              seed=job.seed)  # fmt: skip
+    if job.replicas is None:
+        async with client_for(job.url, job.inference, job.generation.max_in_flight) as client:
+            return await generate_groups(
+                rows, prompt_indices, backend=client, version_fn=job.versions.get, **kw
+            )
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(client_for(url, job.inference, job.generation.max_in_flight))
+            for url in job.replicas.urls
+        ]
+        return await generate_groups(rows, prompt_indices, servers=Servers(job.replicas, clients), **kw)
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from tasks.generate import generate_groups, load_tokenizer
-    from tasks.inference import client_for
     from tasks.score import score_groups_async
 
     t0 = time.perf_counter()
-    async with client_for(job.url, job.inference, job.generation.max_in_flight) as client:
-        groups = await generate_groups(
-            rows,
-            prompt_indices,
-            backend=client,
-            tokenizer=load_tokenizer(job.tokenizer_path),
-            generation=job.generation,
-            tools=job.tools,
-            seed=job.seed,
-            version_fn=job.versions.get,
-        )
+    groups = await _generate(rows, prompt_indices, job)
     t1 = time.perf_counter()
     metrics = await score_groups_async(groups, job.rewards)
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
+    if job.replicas is not None:
+        metrics.update(_server_metrics(groups, job.replicas, t1 - t0))
     metrics["score_seconds"] = t2 - t1
     return RolloutBatch(step, groups, metrics, t0, t2)
 
@@ -111,6 +107,18 @@ def _generation_metrics(groups: list[RolloutGroup], seconds: float) -> dict[str,
         "gen/tool_calls": float(len(calls)),
         "gen/tool_failures": float(sum(tc.failed for tc in calls)),
     }
+
+
+def _server_metrics(groups: list[RolloutGroup], replicas: ReplicaSet, seconds: float) -> dict[str, float]:
+    """Per-server share of the batch (several servers only) and every server's health."""
+    out = replicas.metrics()
+    if len(replicas) > 1:
+        for rep in replicas.replicas:
+            mine = [c for g in groups for c in g.completions if c.server == rep.url]
+            tokens = sum(sum(c.completion_mask) for c in mine)
+            out[f"gen/server{rep.index}/completions"] = float(len(mine))
+            out[f"gen/server{rep.index}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+    return out
 
 
 @task(name="rollout-batch", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
@@ -223,13 +231,17 @@ class PushJob:
     sync: SyncConfig
     inference: InferenceConfig
     versions: VersionBox | None = None  # flips to a pushed version between reload and resume
+    replicas: ReplicaSet | None = None  # several servers: the push goes to each serving one
 
 
 @task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def push_weights(learner, version: int, job: PushJob) -> dict:
-    """Push the learner's weights into the server as `version`."""
-    from tasks.push import push_weights_sync
+    """Push the learner's weights into the server(s) as `version`."""
+    from tasks.push import push_to_servers, push_weights_sync
 
+    if job.replicas is not None:
+        return push_to_servers(learner.model, version, replicas=job.replicas, root=job.root, run_id=job.run_id,
+                               sync=job.sync, inference=job.inference)  # fmt: skip
     versions = job.versions
     return push_weights_sync(
         learner.model,
