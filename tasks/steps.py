@@ -85,11 +85,12 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     t0 = time.perf_counter()
     groups = await _generate(rows, prompt_indices, job)
     t1 = time.perf_counter()
+    # The servers' health as generation ended (scoring may take long; a revival may end meanwhile).
+    servers = _server_metrics(groups, job.replicas, t1 - t0) if job.replicas is not None else {}
     metrics = await score_groups_async(groups, job.rewards)
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
-    if job.replicas is not None:
-        metrics.update(_server_metrics(groups, job.replicas, t1 - t0))
+    metrics.update(servers)
     metrics["score_seconds"] = t2 - t1
     return RolloutBatch(step, groups, metrics, t0, t2)
 
