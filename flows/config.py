@@ -22,6 +22,7 @@ from tasks.config import (
     ModelConfig,
     RewardConfig,
     RunConfig,
+    ScaleConfig,
     StorageConfig,
     SyncConfig,
     ToolsConfig,
@@ -41,6 +42,7 @@ __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from the
     "ModelConfig",
     "RewardConfig",
     "RunConfig",
+    "ScaleConfig",
     "StorageConfig",
     "SyncConfig",
     "ToolsConfig",
@@ -69,6 +71,7 @@ class GRPOConfig(_Section):
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="vLLM server.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight push to vLLM.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where data lands.")
+    scale: ScaleConfig = Field(default_factory=ScaleConfig, description="Ray for rewards and tools.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
 
     @model_validator(mode="after")
@@ -105,6 +108,18 @@ class GRPOConfig(_Section):
                 "decoding is for evaluation: grpoflow evaluate --greedy)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _ray_needs_a_cluster(self) -> GRPOConfig:
+        if self.scale.ray_address is None:
+            asks = [f"rewards[{i}].executor" for i, r in enumerate(self.rewards) if r.executor == "ray"]
+            asks += ["tools.executor"] if self.tools.executor == "ray" else []
+            if asks:
+                raise ValueError(
+                    f"{asks[0]} is 'ray' but scale.ray_address is not set: set it to 'local' (a Ray "
+                    "started for the run on this machine) or to a cluster's address"
+                )
+        return self
 
     @model_validator(mode="after")
     def _unique_rewards(self) -> GRPOConfig:

@@ -21,6 +21,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
+from flows.cluster import ray_cluster
 from flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from flows.progress import artifact_key
 from flows.runs import confine, load_rows, prepare_model, rollout_job, split_rows
@@ -121,7 +122,11 @@ def grpo_evaluate(
     rows, source = eval_rows(cfg, prompts)
     model, step = model_for(cfg, run_id, checkpoint)
     eval_run = validate_run_id(eval_run or f"{run_id or cfg.run.run_id or 'base'}-eval")
-    with inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server:
+    ray_log = Path(cfg.storage.root) / "logs" / f"ray-{eval_run}.log"
+    with (
+        ray_cluster(cfg.scale, cfg._config_dir, ray_log),
+        inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server,
+    ):
         groups = evaluate_model(cfg, model, step, eval_run, rows, server.url, load=server_url is not None)
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 

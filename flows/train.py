@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
+from flows.cluster import ray_cluster
 from flows.config import GRPOConfig, load_config
 from flows.progress import StepReporter
 from flows.runs import (
@@ -258,7 +259,10 @@ def grpo_train(
         owner=identity(),  # host + pid + start time: `grpoflow runs` tells a dead owner from a live one
     )
     try:
-        summary = _train(cfg, run, rows)
+        with ray_cluster(
+            cfg.scale, cfg._config_dir, Path(cfg.storage.root) / "logs" / f"ray-{run.run_id}.log"
+        ):
+            summary = _train(cfg, run, rows)  # Ray only with scale.ray_address (else not imported)
     except BaseException as e:
         write_meta(cfg, run, "failed" if isinstance(e, Exception) else "cancelled", error=repr(e)[:500])
         raise

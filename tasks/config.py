@@ -91,9 +91,13 @@ class RewardConfig(_Section):
     )
     weight: float = Field(1.0, description="Weight in the total reward.")
     timeout_s: float = Field(30.0, gt=0, description="Per-batch timeout; over it the cells are 'timeout'.")
-    executor: Literal["thread", "process"] = Field(
-        "thread", description="Where sync functions run: thread pool or process pool (CPU-bound)."
+    executor: Literal["thread", "process", "ray"] = Field(
+        "thread",
+        description="Where sync functions run: thread pool, process pool (CPU-bound), or Ray tasks on the "
+        "cluster of scale.ray_address (`environments` arrive as None in a process or on Ray; async "
+        "functions always run locally).",
     )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs one call reserves on Ray (executor: ray).")
     required: bool = Field(
         True,
         description="If not valid, the completion is masked out of the loss. An optional reward "
@@ -124,6 +128,12 @@ class ToolsConfig(_Section):
     )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
+    executor: Literal["thread", "ray"] = Field(
+        "thread",
+        description="Where sync tool functions run: a thread, or a Ray task on the cluster of "
+        "scale.ray_address. Environment methods and async tools always run locally.",
+    )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs one tool call reserves on Ray (executor: ray).")
     describe_tools: Literal["auto", "system", "template"] = Field(
         "auto",
         description="Where the model is told its tools and the call format: 'template' = the chat "
@@ -365,6 +375,22 @@ class SyncConfig(_Section):
         description="Seconds one weight reload into vLLM may take before the push fails (the server is "
         "resumed either way). Generous: a large model from a slow disk takes minutes.",
     )
+
+
+class ScaleConfig(_Section):
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster for `executor: ray` rewards and tools: None = no Ray; 'local' = start "
+        "one on this machine for the run (it dies with the run); else an existing cluster's address "
+        "('host:6379', or 'ray://host:10001' for Ray Client).",
+    )
+    object_store_mb: int = Field(
+        256, ge=80, description="Object store cap of a local Ray, in MiB (Ray's minimum is about 76)."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs a local Ray offers to tasks (None: this machine's CPU count)."
+    )
+    startup_timeout_s: float = Field(120.0, gt=0, description="Wait this long for a local Ray to start.")
 
 
 class StorageConfig(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -133,6 +134,13 @@ class RolloutSettings:
         self.backend, self.tok, self.gen, self.seed = backend, tokenizer, gen, seed
         self.budget = gen.max_rollout_tokens or gen.max_tokens * gen.max_turns
         self.tools = [resolve_callable(t) for t in tools.tools]
+        # tools.executor ray: plain sync tools run as Ray tasks, called by what the config names
+        self.remote_tools = {
+            fn.__name__: spec
+            for fn, spec in zip(self.tools, tools.tools, strict=True)
+            if tools.executor == "ray" and not inspect.iscoroutinefunction(fn)
+        }
+        self.tool_cpus = tools.num_cpus
         factory = resolve_callable(tools.environment) if tools.environment is not None else None
         self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
         self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
@@ -249,13 +257,16 @@ async def _multi_turn(r: RolloutSettings, row: dict, index: int, sample: int, me
     env = None
     tools = {f.__name__: f for f in r.tools}
     history = [dict(m) for m in messages]
+    remote = dict(r.remote_tools)
     if r.env_pool is not None:
         env = await r.env_pool.acquire()
         history = with_reset_note(history, env.reset(**row))
-        tools.update(environment_tools(env))
+        methods = environment_tools(env)  # stateful: they always run here, never on Ray
+        tools.update(methods)
+        remote = {k: v for k, v in remote.items() if k not in methods}
     # Rewards see the prompt in the row's own form, with this sample's reset note in it.
     prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]
-    box = ToolBox(tools, r.tool_timeout_s)
+    box = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus)
     try:
         c = await _run_turns(r, index, sample, history, box)
         c.prompt_input = prompt_input

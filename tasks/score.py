@@ -1,7 +1,8 @@
 """Concurrent reward scoring with a status for every (completion, reward function) cell.
 
 All reward functions of a batch run at once: `async def` ones each on their own event loop, sync ones
-on daemon threads (or a process pool for CPU-bound functions), each under its own timeout. A result
+on daemon threads (or a process pool for CPU-bound functions, or Ray tasks on a cluster), each under
+its own timeout. A result
 is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong length, non-numeric) or `timeout`;
 nothing is silently turned into 0. An optional reward's missing value is imputed with its group's
 mean (neutral for the advantage), the cell keeping its status.
@@ -28,6 +29,7 @@ from storage.faults import failpoint
 from storage.records import RewardCell, RewardStatus, RolloutGroup
 from tasks.config import RewardConfig
 from tasks.imports import import_object
+from tasks.remote import call_on_ray
 from tasks.threads import in_daemon_thread
 
 
@@ -141,6 +143,10 @@ async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> Any:
             raise TypeError("executor='process' needs an import path 'module:function'")
         no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
         return await _in_process_pool(spec.fn, no_env)
+    if spec.executor == "ray":
+        # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
+        no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
+        return await call_on_ray(spec.fn, no_env, spec.num_cpus)
     if _is_module(fn):
         return await in_daemon_thread(_call_module, fn, kwargs)
     # a daemon thread: a hung function is abandoned at its timeout, never joined

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from storage.records import ToolCallRecord
+from tasks.remote import call_on_ray
 from tasks.threads import in_daemon_thread
 
 
@@ -99,10 +100,19 @@ def environment_tools(env: Any) -> dict[str, Callable[..., Any]]:
 
 
 class ToolBox:
-    """Executes parsed calls against named tools, each under a timeout."""
+    """Executes parsed calls against named tools, each under a timeout. Tools named in `remote` run as
+    Ray tasks reserving `num_cpus` (`tools.executor: ray`); `remote` maps a name to what the worker
+    calls: the import path, or the function itself."""
 
-    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float = 10.0):
+    def __init__(
+        self,
+        tools: dict[str, Callable[..., Any]],
+        timeout_s: float = 10.0,
+        remote: dict[str, str | Callable[..., Any]] | None = None,
+        num_cpus: float = 1.0,
+    ):
         self.tools, self.timeout_s = tools, timeout_s
+        self.remote, self.num_cpus = remote or {}, num_cpus
         # A timed-out sync call keeps running on its thread: whatever state it touches (an
         # environment) must not be handed to anyone else.
         self.timed_out = False
@@ -137,9 +147,13 @@ class ToolBox:
             err = f"wrong arguments for {call.name}: {e}"
             return record(f"Error: {err}", err)
         deadline = asyncio.timeout(self.timeout_s)
+        remote = self.remote.get(call.name)
         try:
             async with deadline:
-                if inspect.iscoroutinefunction(fn):
+                if remote is not None:
+                    # cut off at the timeout with its worker killed: nothing of it runs on
+                    out = await call_on_ray(remote, call.arguments, self.num_cpus)
+                elif inspect.iscoroutinefunction(fn):
                     out = await fn(**call.arguments)
                 else:
                     # A thread, so a slow sync tool never blocks other rollouts on the event loop; a
@@ -149,7 +163,7 @@ class ToolBox:
             # Only our own deadline is a timeout; a TimeoutError the tool raised itself is a failure
             # with its own message (the same rule as reward functions, tasks/score.py).
             if isinstance(e, TimeoutError) and deadline.expired():
-                self.timed_out = True
+                self.timed_out = self.timed_out or remote is None  # a killed Ray task left nothing behind
                 err = f"tool {call.name} timed out after {self.timeout_s}s"
             else:
                 err = f"{type(e).__name__}: {e}"

@@ -14,6 +14,7 @@ Standard library only: it runs in the vLLM environment as well as grpoflow's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import signal
@@ -22,13 +23,34 @@ import threading
 import time
 
 
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (Linux /proc), zombies left out."""
+    out = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(name))
+    return out
+
+
 def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     """Start a daemon thread that kills this process (and its group, if it leads one) once
-    `parent_pid` is no longer its parent."""
+    `parent_pid` is no longer its parent. With GRPOFLOW_GUARD_SESSION=1 it kills its whole session
+    first: Ray's raylet puts each worker in a process group of its own, inside this session."""
 
     def loop() -> None:
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
+        if os.environ.get("GRPOFLOW_GUARD_SESSION") == "1" and os.getsid(0) == os.getpid():
+            for pid in session_pids(os.getpid()):
+                if pid != os.getpid():
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
         if os.getpgrp() == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

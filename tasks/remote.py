@@ -1,0 +1,67 @@
+"""Sync reward and tool functions as Ray tasks (`executor: ray`), cut off at their caller's timeout.
+
+The process joins a cluster first (`flows.cluster.ray_cluster`); Ray is imported only here, inside
+the functions, so a run that sets no Ray field never imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tasks.imports import import_object
+
+_REMOTE: Any = None  # the Ray remote function, made on first use (ray.remote needs ray imported)
+_LOCK = threading.Lock()
+
+
+def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Worker side. An import path is resolved on the worker, as the process pool does: the module
+    comes from the job's runtime environment (flows/cluster.py), and nothing of the user's module
+    state has to pickle. A callable given from Python travels by cloudpickle (by reference when its
+    module is importable on the worker, by value otherwise, e.g. a closure)."""
+    fn = import_object(target) if isinstance(target, str) else target
+    out = fn(**kwargs)
+    return out.tolist() if hasattr(out, "tolist") else out  # numpy arrays and tensors travel as lists
+
+
+def _remote() -> Any:
+    global _REMOTE
+    import ray
+
+    with _LOCK:
+        if _REMOTE is None:
+            # No retries: a reward or tool that crashed its worker failed; running it again would
+            # double its cost and side effects, and the thread executor does not retry either.
+            _REMOTE = ray.remote(max_retries=0, retry_exceptions=False)(_run)
+        return _REMOTE
+
+
+async def call_on_ray(target: str | Callable[..., Any], kwargs: dict[str, Any], num_cpus: float) -> Any:
+    """`target(**kwargs)` as a Ray task reserving `num_cpus`; the user's exception is raised as itself.
+
+    Cancelling the awaiting coroutine (its caller's timeout) cancels the task with force=True: Ray
+    kills the worker running it, so a hung function holds neither a CPU nor a worker, and Ray starts
+    a fresh worker for the next task."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "executor 'ray' needs a Ray cluster, and this process has joined none: set scale.ray_address "
+            "(grpo-train and grpo-evaluate connect to it)"
+        )
+    ref = _remote().options(num_cpus=num_cpus).remote(target, kwargs)
+    try:
+        return await asyncio.wrap_future(ref.future())
+    except asyncio.CancelledError:
+        ray.cancel(ref, force=True)
+        raise
+    except ray.exceptions.RayTaskError as e:
+        # Ray wraps the function's exception (its class is a subclass of both); the cell's reason must
+        # read `ZeroDivisionError: boom` as with threads, and a TimeoutError the function raised
+        # must stay distinguishable from our deadline.
+        if isinstance(e.cause, Exception):
+            raise e.cause from None
+        raise
