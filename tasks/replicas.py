@@ -78,7 +78,9 @@ class ReplicaSet:
         self.is_healthy: Callable[[str], bool] = lambda url: False
         self.poll_s = 2.0
         self._stop = threading.Event()
-        self._revivers: dict[int, threading.Thread] = {}
+        # Replicas a reviver is bringing back; under the lock, and cleared in the same critical section
+        # that ends the revival, so a replica that fails again right after rejoining gets a new one.
+        self._reviving: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -118,7 +120,12 @@ class ReplicaSet:
                 return
             rep.healthy, rep.failures, rep.down_reason = False, rep.failures + 1, str(error)[:300]
             self._lock.notify_all()
-        self._revive(rep)
+            revive = not self._stop.is_set() and self.load is not None and rep.index not in self._reviving
+            if revive:
+                self._reviving.add(rep.index)
+        if revive:
+            name = f"grpoflow-revive-{rep.index}"
+            threading.Thread(target=self._reviver, args=(rep,), name=name, daemon=True).start()
 
     def serving(self) -> list[Replica]:
         with self._lock:
@@ -137,18 +144,6 @@ class ReplicaSet:
                 self._lock.wait(min(left, 1.0))
             return True
 
-    def _revive(self, rep: Replica) -> None:
-        if self._stop.is_set() or self.load is None:
-            return
-        t = self._revivers.get(rep.index)
-        if t is not None and t.is_alive():
-            return
-        t = threading.Thread(
-            target=self._reviver, args=(rep,), name=f"grpoflow-revive-{rep.index}", daemon=True
-        )
-        self._revivers[rep.index] = t
-        t.start()
-
     def _reviver(self, rep: Replica) -> None:
         """Bring `rep` back: restart it (embedded) or wait until it answers (external), then load the
         weights the others serve; it rejoins only at the current version, with no push under way."""
@@ -159,6 +154,7 @@ class ReplicaSet:
                         with self._lock:
                             rep.gave_up = True
                             rep.down_reason = f"{rep.down_reason}; gave up after {rep.restarts} restarts"
+                            self._reviving.discard(rep.index)
                             self._lock.notify_all()
                         return
                     rep.restarts += 1
@@ -171,6 +167,8 @@ class ReplicaSet:
             except Exception as e:  # a failed restart or load: try again (restarts are bounded)
                 rep.down_reason = f"{type(e).__name__}: {e}"[:300]
                 self._stop.wait(self.poll_s)
+        with self._lock:  # the run is over: no new reviver starts after close()
+            self._reviving.discard(rep.index)
 
     def _rejoin(self, rep: Replica) -> bool:
         """Load the current weights into `rep` until it holds them with no push under way; then it
@@ -187,6 +185,7 @@ class ReplicaSet:
             with self._lock:
                 if not self._pushing and rep.versions.get() == self.version:
                     rep.healthy, rep.down_reason = True, None
+                    self._reviving.discard(rep.index)
                     self._lock.notify_all()
                     return True
         return False

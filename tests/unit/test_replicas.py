@@ -152,3 +152,18 @@ def test_external_servers_are_url_or_urls():
     cfg = load_config(None, ["inference.urls=[http://127.0.0.1:8000, http://127.0.0.1:8001]"])
     assert cfg.inference.external() == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert load_config(None, []).inference.external() == []
+
+
+def test_a_server_that_fails_again_after_rejoining_is_revived_again():
+    s = servers(2, version=1, weights_path="/w/v1")
+    s.is_healthy = lambda url: True
+    loads = []
+    s.load = lambda rep, path, version: (loads.append(version), rep.versions.set(version))
+    s.poll_s = 0.01
+    rep = s.replicas[0]
+    for _ in range(2):
+        rep.versions.set(0)  # it lost its weights (a restart of the server behind the URL)
+        s.down(rep, InferenceUnavailableError("gone"))
+        wait_until(lambda: rep.healthy)
+    assert loads == [1, 1] and rep.failures == 2
+    s.close()
