@@ -118,38 +118,32 @@ ITERATION_METRICS = (
 )
 
 
-def _merge(into: dict[str, float], m: dict[str, float], weight: float) -> None:
-    """Fold one micro-batch's loss metrics into its update's: the loss (normalised over the whole
-    update already) sums, minima and maxima stay minima and maxima, the rest average by samples."""
-    for k, v in m.items():
-        if v is None or isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        if k == "loss":
-            into[k] = into.get(k, 0.0) + v
-        elif k.endswith("_min"):
-            into[k] = min(into.get(k, v), v)
-        elif k.endswith("_max"):
-            into[k] = max(into.get(k, v), v)
-        else:
-            into[k] = into.get(k, 0.0) + v * weight
-
-
-def _combine(updates: list[tuple[int, int, dict[str, float]]]) -> dict[str, float]:
-    """Several updates' metrics as one: the mean over updates (statistics weighted by their samples,
-    the loss and grad norm per update), minima and maxima over all."""
+def _fold(pieces: list[tuple[float, float, dict[str, float]]], plain: tuple[str, ...]) -> dict[str, float]:
+    """Several pieces' metrics as one: minima and maxima over all pieces; every other metric a sum
+    weighted per piece, by its `plain` weight for the keys in `plain`, else by its sample weight.
+    Micro-batches of one update: the loss (normalised over the whole update already) sums (plain 1),
+    statistics average by samples. Updates of one step: the loss and grad norm average per update,
+    statistics by samples."""
     out: dict[str, float] = {}
-    total = sum(n for _, n, _ in updates)
-    for _, n, m in updates:
+    for weight, plain_weight, m in pieces:
         for k, v in m.items():
+            if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+                continue
             if k.endswith("_min"):
                 out[k] = min(out.get(k, v), v)
             elif k.endswith("_max"):
                 out[k] = max(out.get(k, v), v)
-            elif k in ("loss", "grad_norm") or total == 0:
-                out[k] = out.get(k, 0.0) + v / len(updates)
             else:
-                out[k] = out.get(k, 0.0) + v * n / total
+                out[k] = out.get(k, 0.0) + v * (plain_weight if k in plain else weight)
     return out
+
+
+def _combine(updates: list[tuple[int, int, dict[str, float]]]) -> dict[str, float]:
+    """The step's metrics from its updates' (iteration, samples run, metrics); an update that ran no
+    sample (all advantages 0) weighs as much as any when none ran."""
+    total = sum(n for _, n, _ in updates)
+    per = 1 / len(updates)
+    return _fold([(n / total if total else per, per, m) for _, n, m in updates], ("loss", "grad_norm"))
 
 
 class Learner:
@@ -391,7 +385,7 @@ class Learner:
 
     def _accumulate(self, part: _Part, j: int, old: dict | None, refs: dict) -> dict[str, float]:
         """Forward + backward of one part's micro-batches (gradients add up); its loss metrics."""
-        out: dict[str, float] = {}
+        pieces = []
         for k, mb in enumerate(part.micro):
             logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
             old_lp = None
@@ -416,15 +410,14 @@ class Learner:
                 total_tokens=part.tokens,
             )
             loss.backward()
-            _merge(out, m, len(mb) / part.work_samples)
-        if (
-            not part.micro
-        ):  # all advantages 0: the loss and gradient are 0, and Adam still steps on its moments
-            out["loss"] = 0.0
+            pieces.append((len(mb) / part.work_samples, 1.0, m))
+        if not part.micro:
+            # All advantages 0: the loss and gradient are 0, and Adam still steps on its moments.
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        return out
+            return {"loss": 0.0}
+        return _fold(pieces, ("loss",))
 
     # -- checkpoints --------------------------------------------------------------------------
 
