@@ -41,7 +41,7 @@ def main() -> None:
     from examples.envs import arith_rows
     from flows.serve import inference_servers
     from tasks.config import GenerationConfig, InferenceConfig, ToolsConfig
-    from tasks.replicas import Replica, ReplicaSet, VersionBox
+    from tasks.replicas import Replica, ReplicaSet
     from tasks.steps import RolloutJob, rollout_batch
 
     rows = arith_rows(args.prompts * (args.batches + 1), 0)
@@ -53,9 +53,7 @@ def main() -> None:
             inference_servers(inference, args.model, root, "bench") as started,
         ):
             servers = ReplicaSet([Replica(i, s.url) for i, s in enumerate(started)])
-            job = RolloutJob(
-                started[0].url, args.model, gen, ToolsConfig(), [], inference, 0, VersionBox(0), servers
-            )
+            job = RolloutJob(args.model, gen, ToolsConfig(), [], inference, 0, servers)
             rates, spread = [], Counter()
             for b in range(args.batches + 1):
                 batch_rows = rows[b * args.prompts : (b + 1) * args.prompts]

@@ -28,7 +28,8 @@ from flows.runs import confine, load_rows, prepare_model, rollout_job, split_row
 from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
-from tasks.steps import VersionBox, persist_step, rollout_batch
+from tasks.replicas import Replica, ReplicaSet
+from tasks.steps import persist_step, rollout_batch
 
 
 def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
@@ -88,7 +89,7 @@ def evaluate_model(
         load_weights_sync(model, step, url=url, root=cfg.storage.root, run_id=eval_run,
                           inference=cfg.inference, reload_timeout_s=cfg.sync.reload_timeout_s)  # fmt: skip
     cursor = list(range(len(rows)))
-    job = rollout_job(cfg, url, model, VersionBox(step))
+    job = rollout_job(cfg, ReplicaSet([Replica(0, url)], version=step), model)
     batch = rollout_batch(step, rows, cursor, quote(job))
     for g in batch.groups:
         g.split = "eval"

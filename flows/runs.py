@@ -23,7 +23,7 @@ from tasks.allowlist import NotAllowedError, check_path, check_server, check_ser
 
 if TYPE_CHECKING:
     from tasks.replicas import ReplicaSet
-    from tasks.steps import RolloutJob, VersionBox
+    from tasks.steps import RolloutJob
 
 
 @dataclass
@@ -292,23 +292,18 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
     store.write_run_meta(run.run_id, meta)
 
 
-def rollout_job(
-    cfg: GRPOConfig, url: str, tokenizer_path: str, versions: VersionBox, replicas: ReplicaSet | None = None
-) -> RolloutJob:
-    """What each step's rollout task needs, from the config's own sections; with `replicas` it
-    generates on the run's servers (routing, per-server versions) instead of `url`."""
+def rollout_job(cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str) -> RolloutJob:
+    """What each step's rollout task needs: the servers it generates on, and the config's sections."""
     from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
 
     return RolloutJob(
-        url=url,
         tokenizer_path=tokenizer_path,
         generation=cfg.generation,
         tools=cfg.tools,
         rewards=cfg.rewards,
         inference=cfg.inference,
         seed=cfg.run.seed,
-        versions=versions,
-        replicas=replicas,
+        servers=servers,
     )
 
 

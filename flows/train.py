@@ -41,7 +41,6 @@ from tasks.steps import (
     PushJob,
     RolloutBatch,
     RolloutJob,
-    VersionBox,
     assign_advantages,
     persist_step,
     push_weights,
@@ -184,9 +183,7 @@ class RolloutPipeline:
         for r in servers.replicas:
             if r.healthy and r.alive is not None and not r.alive():  # died without a failed request yet
                 servers.down(r, error)
-        if servers.serving():
-            pass  # a transient failure: the servers answer, generate again
-        else:
+        if not servers.serving():  # else a transient failure: the servers answer, generate again
             get_run_logger().warning("no vLLM server answers (%s); waiting for a restart", error)
             timeout = (MAX_RESTARTS + 1) * (self.cfg.inference.startup_timeout_s + 60)
             if not servers.wait_any_up(timeout):
@@ -273,21 +270,17 @@ def grpo_train(
 def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     """The loop of docs/architecture.md, section 2."""
     root, steps, run_id = cfg.storage.root, cfg.run.steps, run.run_id
-    store, reporter, versions = (
-        RolloutStore(Path(root)),
-        StepReporter(cfg, run),
-        VersionBox(run.policy_version),
-    )
+    store, reporter = RolloutStore(Path(root)), StepReporter(cfg, run)
     with (
         inference_servers(cfg.inference, run.model_path, root, f"vllm-{run_id}") as started,
         contextlib.closing(replica_set(cfg, started, run, root)) as servers,
     ):
         learner = build_learner(cfg, run)
-        push_job = PushJob(servers.urls[0], root, run_id, cfg.sync, cfg.inference, versions, servers)
+        push_job = PushJob(root, run_id, cfg.sync, cfg.inference, servers)
         weights = PolicySync(learner, push_job, trained=run.policy_version)
         if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights
             weights.push(run.policy_version)
-        job = rollout_job(cfg, servers.urls[0], run.base_model, versions, servers)
+        job = rollout_job(cfg, servers, run.base_model)
         pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step)
         weights.recover = pipeline.recover
         for step in range(run.start_step, steps):

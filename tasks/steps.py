@@ -29,7 +29,7 @@ from tasks.config import (
     ToolsConfig,
 )
 from tasks.grpo import group_advantages
-from tasks.replicas import ReplicaSet, VersionBox
+from tasks.replicas import ReplicaSet
 
 
 @dataclass
@@ -45,18 +45,16 @@ class RolloutBatch:
 
 @dataclass
 class RolloutJob:
-    """What every step's generate -> score needs: the server, the tokenizer and the config sections of
-    generation, tools, rewards and the client; `versions` says which weights the server serves."""
+    """What every step's generate -> score needs: the servers (routing, the version each serves), the
+    tokenizer and the config sections of generation, tools, rewards and the client."""
 
-    url: str
     tokenizer_path: str
     generation: GenerationConfig
     tools: ToolsConfig
     rewards: list[RewardConfig]
     inference: InferenceConfig
     seed: int | None
-    versions: VersionBox
-    replicas: ReplicaSet | None = None  # the run's servers (routing, per-server versions); else `url`
+    servers: ReplicaSet
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
@@ -66,17 +64,12 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
     kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
               seed=job.seed)  # fmt: skip
-    if job.replicas is None:
-        async with client_for(job.url, job.inference, job.generation.max_in_flight) as client:
-            return await generate_groups(
-                rows, prompt_indices, backend=client, version_fn=job.versions.get, **kw
-            )
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(client_for(url, job.inference, job.generation.max_in_flight))
-            for url in job.replicas.urls
+            for url in job.servers.urls
         ]
-        return await generate_groups(rows, prompt_indices, servers=Servers(job.replicas, clients), **kw)
+        return await generate_groups(rows, prompt_indices, servers=Servers(job.servers, clients), **kw)
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
@@ -86,7 +79,7 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     groups = await _generate(rows, prompt_indices, job)
     t1 = time.perf_counter()
     # The servers' health as generation ended (scoring may take long; a revival may end meanwhile).
-    servers = _server_metrics(groups, job.replicas, t1 - t0) if job.replicas is not None else {}
+    servers = _server_metrics(groups, job.servers, t1 - t0)
     metrics = await score_groups_async(groups, job.rewards)
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
@@ -224,36 +217,23 @@ def train_on_batch(learner, groups: list[RolloutGroup]) -> dict[str, float]:
 
 @dataclass
 class PushJob:
-    """Where and how a run pushes weights: its server, its store, the sync and client sections."""
+    """Where and how a run pushes weights: its servers (each serving one gets the push), its store,
+    the sync and client sections."""
 
-    url: str
     root: str
     run_id: str
     sync: SyncConfig
     inference: InferenceConfig
-    versions: VersionBox | None = None  # flips to a pushed version between reload and resume
-    replicas: ReplicaSet | None = None  # several servers: the push goes to each serving one
+    servers: ReplicaSet
 
 
 @task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def push_weights(learner, version: int, job: PushJob) -> dict:
-    """Push the learner's weights into the server(s) as `version`."""
-    from tasks.push import push_to_servers, push_weights_sync
+    """Push the learner's weights into the servers as `version`."""
+    from tasks.push import push_to_servers
 
-    if job.replicas is not None:
-        return push_to_servers(learner.model, version, replicas=job.replicas, root=job.root, run_id=job.run_id,
-                               sync=job.sync, inference=job.inference)  # fmt: skip
-    versions = job.versions
-    return push_weights_sync(
-        learner.model,
-        version,
-        url=job.url,
-        root=job.root,
-        run_id=job.run_id,
-        sync=job.sync,
-        inference=job.inference,
-        on_reloaded=versions.set if versions is not None else None,
-    )
+    return push_to_servers(learner.model, version, replicas=job.servers, root=job.root, run_id=job.run_id,
+                           sync=job.sync, inference=job.inference)  # fmt: skip
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)

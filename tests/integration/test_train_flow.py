@@ -102,9 +102,9 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
     from flows.runs import RunState, load_rows, rollout_job, rows_for_step
     from flows.train import build_learner, grpo_train
+    from tasks.replicas import Replica, ReplicaSet
     from tasks.steps import (
         PushJob,
-        VersionBox,
         assign_advantages,
         push_weights,
         rollout_batch,
@@ -120,10 +120,10 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     # The plain loop, no Prefect futures and no lookahead: each task's own function (`.fn`).
     run = RunState("plain", 0, 0, str(tiny_model_dir), str(tiny_model_dir), None, False)
     learner = build_learner(cfg, run)
-    versions = VersionBox(0)
-    push = PushJob(vllm_server.url, str(tmp_path / "b"), "plain", cfg.sync, cfg.inference)
+    servers = ReplicaSet([Replica(0, vllm_server.url)])  # the push flips its version
+    push = PushJob(str(tmp_path / "b"), "plain", cfg.sync, cfg.inference, servers)
     push_weights.fn(learner, 0, push)
-    job = rollout_job(cfg, vllm_server.url, str(tiny_model_dir), versions)
+    job = rollout_job(cfg, servers, str(tiny_model_dir))
     rows, plain_losses = load_rows(cfg), []
     for step in range(steps):
         batch_rows, cursor = rows_for_step(
@@ -133,7 +133,6 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
         assign_advantages(batch.groups, step=step, algorithm=cfg.algorithm)
         plain_losses.append(train_on_batch.fn(learner, batch.groups)["train/loss"])
         push_weights.fn(learner, step + 1, push)
-        versions.set(step + 1)
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
