@@ -282,12 +282,6 @@ class AlgorithmConfig(_Section):
         "dropped, stored with its reason.",
     )
 
-    def band(self) -> tuple[float, float]:
-        """[low, high] of the ratios icepop and seq_mask keep."""
-        low = 1.0 / self.correction_cap if self.correction_low is None else self.correction_low
-        high = self.correction_cap if self.correction_high is None else self.correction_high
-        return low, high
-
 
 class LearnerConfig(_Section):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from tasks.config import AlgorithmConfig
+if TYPE_CHECKING:
+    from tasks.config import AlgorithmConfig
 
 Scale = Literal["group", "batch", "none"]
 Baseline = Literal["group_mean", "leave_one_out"]
@@ -146,6 +147,14 @@ def _k3(d: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def correction_band(a: AlgorithmConfig) -> tuple[float, float]:
+    """[low, high] of the ratios icepop and seq_mask keep: [1/correction_cap, correction_cap] unless
+    `correction_low` / `correction_high` say otherwise."""
+    low = 1.0 / a.correction_cap if a.correction_low is None else a.correction_low
+    high = a.correction_cap if a.correction_high is None else a.correction_high
+    return low, high
+
+
 def _off_policy_weights(
     gap: torch.Tensor, on: torch.Tensor, seq_tokens: torch.Tensor, a: AlgorithmConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +166,7 @@ def _off_policy_weights(
     log_w = _bounded(gap, on, nan=LOG_RATIO_BOUND)
     w = torch.exp(log_w)
     weight, dropped, capped = torch.ones_like(w), torch.zeros_like(on), torch.zeros_like(on)
-    low, high = a.band()
+    low, high = correction_band(a)
     if a.correction == "tis":
         weight, capped = w.clamp(max=a.correction_cap), (w > a.correction_cap) & on
     elif a.correction == "icepop":

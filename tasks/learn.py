@@ -13,11 +13,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from storage.records import RolloutGroup
-from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.grpo import compute_loss
+
+if TYPE_CHECKING:  # the learner runs with torch and transformers alone (a bare GPU worker)
+    from storage.records import RolloutGroup
+    from tasks.config import AlgorithmConfig, LearnerConfig
 
 
 @dataclass
