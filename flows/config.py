@@ -112,12 +112,16 @@ class GRPOConfig(_Section):
     @model_validator(mode="after")
     def _ray_needs_a_cluster(self) -> GRPOConfig:
         if self.scale.ray_address is None:
-            asks = [f"rewards[{i}].executor" for i, r in enumerate(self.rewards) if r.executor == "ray"]
-            asks += ["tools.executor"] if self.tools.executor == "ray" else []
+            asks = [
+                f"rewards[{i}].executor is 'ray'" for i, r in enumerate(self.rewards) if r.executor == "ray"
+            ]
+            asks += ["tools.executor is 'ray'"] if self.tools.executor == "ray" else []
+            if self.learner.world_size > 1:
+                asks.append(f"learner.world_size is {self.learner.world_size} (its ranks are Ray actors)")
             if asks:
                 raise ValueError(
-                    f"{asks[0]} is 'ray' but scale.ray_address is not set: set it to 'local' (a Ray "
-                    "started for the run on this machine) or to a cluster's address"
+                    f"{asks[0]} but scale.ray_address is not set: set it to 'local' (a Ray started for "
+                    "the run on this machine) or to a cluster's address"
                 )
         return self
 

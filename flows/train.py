@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
@@ -49,11 +49,18 @@ from tasks.steps import (
     train_on_batch,
 )
 
+if TYPE_CHECKING:
+    from tasks.distributed import DistributedLearner
 
-def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
-    """The run's learner: its own sections, plus what it needs from generation and the run."""
+
+def build_learner(cfg: GRPOConfig, run: RunState) -> Learner | DistributedLearner:
+    """The run's learner: its own sections, plus what it needs from generation and the run. With
+    `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
     g = cfg.generation
-    learner = Learner(
+    kind = Learner
+    if cfg.learner.world_size > 1:
+        from tasks.distributed import DistributedLearner as kind
+    learner = kind(
         run.model_path,
         cfg.learner,
         cfg.algorithm,
@@ -66,8 +73,17 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> Learner:
         tokenizer_path=run.base_model,
     )
     if run.checkpoint is not None:
-        learner.load_trainer_state(run.checkpoint)
+        try:
+            learner.load_trainer_state(run.checkpoint)
+        except BaseException:
+            _close(learner)
+            raise
     return learner
+
+
+def _close(learner: Learner | DistributedLearner) -> None:
+    if hasattr(learner, "close"):  # a sharded learner's ranks; an in-process one has nothing to stop
+        learner.close()
 
 
 class StepTimer:
@@ -274,8 +290,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     with (
         inference_servers(cfg.inference, run.model_path, root, f"vllm-{run_id}") as started,
         contextlib.closing(replica_set(cfg, started, run, root)) as servers,
+        contextlib.ExitStack() as stack,
     ):
         learner = build_learner(cfg, run)
+        stack.callback(_close, learner)
         push_job = PushJob(root, run_id, cfg.sync, cfg.inference, servers)
         weights = PolicySync(learner, push_job, trained=run.policy_version)
         if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights

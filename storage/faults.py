@@ -16,6 +16,8 @@ call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the wor
     score             the rewards of a batch are computed, not yet applied
     parquet_write     a Parquet file is written and fsynced under its temp name, not yet renamed
     train             a train step is about to run
+    learner_rank      the last rank of a sharded learner (learner.world_size > 1) starts a train step
+                      (the other ranks wait for it in their first collective)
     weight_push       new weights are saved and the server is paused, the reload not yet requested
     checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
     checkpoint_done   a checkpoint is published; the step's other writes came before it
@@ -30,7 +32,16 @@ import time
 from collections import Counter
 
 ENV = "GRPOFLOW_FAULTS"
-POINTS = ("generate", "score", "parquet_write", "train", "weight_push", "checkpoint_write", "checkpoint_done")
+POINTS = (
+    "generate",
+    "score",
+    "parquet_write",
+    "train",
+    "learner_rank",
+    "weight_push",
+    "checkpoint_write",
+    "checkpoint_done",
+)
 
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()

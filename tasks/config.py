@@ -307,6 +307,20 @@ class LearnerConfig(_Section):
         description="Run each group's prompt once and reuse its KV cache for the group's completions "
         "(same update, fewer FLOPs; None: on for models of 20M+ parameters).",
     )
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="Learner processes (ranks). 1: the learner runs in the flow's process. N > 1: N Ray "
+        "actors (needs scale.ray_address) in one torch.distributed group (NCCL on GPUs, gloo on CPU), "
+        "the model sharded over them with FSDP2; each runs its share of a step's micro-batches and the "
+        "update equals the single-process one. One GPU per rank when the Ray cluster has N GPUs.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="With world_size > 1: a collective (and the ranks' start-up) waiting longer than "
+        "this fails the step instead of hanging it; a rank that dies fails it at once.",
+    )
 
 
 class InferenceConfig(_Section):

@@ -3,6 +3,12 @@
 `Learner.train_step(batch)` recomputes the policy's logprobs on the completion tokens, applies the
 loss from `tasks/grpo.py` with the masks, and steps. Masked samples (invalid reward, dropped group,
 stale) never reach the forward pass: they would contribute nothing but cost compute.
+
+A Learner built inside an initialised `torch.distributed` process group of N > 1 ranks is one rank
+of a sharded learner (tasks/distributed.py starts them): its model is sharded with FSDP2
+(`fully_shard` per decoder layer, then the whole model), every rank plans the step from the whole
+batch (so the loss normalisers are the global ones) and runs its share of the micro-batches, and the
+gradients are summed over ranks, so the update is the one a single process makes.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -150,6 +155,100 @@ def _combine(updates: list[tuple[int, int, dict[str, float]]]) -> dict[str, floa
     return _fold([(n / total if total else per, per, m) for _, n, m in updates], ("loss", "grad_norm"))
 
 
+@dataclass
+class StepRun:
+    """What one train step's updates leave for the metrics (of one rank, or merged over ranks):
+    per update (iteration, samples run, metrics), the step's completion tokens, zero-advantage samples
+    left out, and the learning rate its first update ran at."""
+
+    updates: list[tuple[int, int, dict[str, float]]]
+    tokens: int
+    skipped: int
+    lr: float
+
+
+def merge_ranks(runs: list[StepRun]) -> StepRun:
+    """The ranks' runs of one step as one: each rank's metrics of an update are its share of the
+    weighted sums (its micro-batches weighed against the whole update), so they add up; minima and
+    maxima combine; the gradient norm is global already (every rank holds the same)."""
+    first = runs[0]
+    updates = []
+    for u, (it, n, m) in enumerate(first.updates):
+        merged = _fold([(1.0, 1.0, r.updates[u][2]) for r in runs], ())
+        merged["grad_norm"] = m["grad_norm"]
+        updates.append((it, n, merged))
+    return StepRun(updates, first.tokens, first.skipped, first.lr)
+
+
+def step_metrics(run: StepRun, samples: int, iterations: int, seconds: float) -> dict[str, float]:
+    """The steps table's train/ metrics of one step."""
+    metrics = {"train/samples": float(samples)}
+    metrics.update({f"train/{k}": v for k, v in _combine(run.updates).items()})
+    if iterations > 1:
+        for it in range(iterations):
+            per = _combine([u for u in run.updates if u[0] == it])
+            metrics.update({f"train/iter{it}/{k}": per[k] for k in ITERATION_METRICS if k in per})
+    metrics.update(
+        {
+            "train/skipped_zero_advantage": float(run.skipped),
+            "train/optimizer_steps": float(len(run.updates)),
+            "train/grad_norm_max": max(m["grad_norm"] for _, _, m in run.updates),
+            "train/lr": run.lr,
+            "train/tokens": float(run.tokens),
+            "train/tokens_per_s": run.tokens / seconds if seconds > 0 else 0.0,
+            "train/seconds": seconds,
+        }
+    )
+    return metrics
+
+
+def _process_group() -> tuple[int, int]:
+    """(rank, world size) of this process's torch.distributed group; (0, 1) outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save_weights(model, directory: Path) -> None:
+    """What vLLM's reload needs from an unsharded model: the safetensors weights (+ config.json, so
+    the dir is a model dir)."""
+    from safetensors.torch import save_model
+
+    # save_model (not save_file) de-duplicates tied tensors such as lm_head/embed_tokens.
+    save_model(model, str(Path(directory) / "model.safetensors"))
+    (Path(directory) / "config.json").write_text(model.config.to_json_string())
+
+
+def _aliases(model) -> list[str]:
+    """Names of parameters that are another parameter under a second name (tied embeddings)."""
+    seen, out = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.append(name)
+        seen.add(id(p))
+    return out
+
+
+def _shard(model, device: torch.device, world_size: int) -> None:
+    """FSDP2 over the process group: each decoder layer (transformers' `_no_split_modules`) is a
+    unit of its own, so one layer's full parameters exist at a time, then the rest of the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+# The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
+OPTIMIZER_DIR = "optimizer"
+
+
 class Learner:
     """Holds the policy (and optional frozen reference), optimizer and schedule.
 
@@ -176,6 +275,7 @@ class Learner:
         if learner.torch_threads:
             torch.set_num_threads(learner.torch_threads)
         torch.manual_seed(seed)
+        self.rank, self.world_size = _process_group()
         self.config, self.algorithm = learner, algorithm
         self.temperature, self.max_completion_length = temperature, max_completion_length
         self.model_path = str(model_path)
@@ -189,7 +289,7 @@ class Learner:
         # Completions of one group share their prompt: its forward runs once and its KV cache is
         # repeated for the group (gradients flow through it), instead of once per completion. Pays
         # once the model is big enough for FLOPs, not per-call overhead, to dominate (None: auto).
-        big = sum(p.numel() for p in self.model.parameters()) >= 20_000_000
+        big = self.num_parameters >= 20_000_000
         share = big if learner.share_prompt is None else learner.share_prompt
         self.share_prompt = share and not learner.gradient_checkpointing
 
@@ -198,11 +298,15 @@ class Learner:
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":  # a rank's own GPU (Ray gives each rank one, as device 0)
+            device = f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.aliases = _aliases(self.model)  # left out of gathered full weights
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
@@ -210,6 +314,9 @@ class Learner:
         if self.algorithm.beta > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=self.dtype).to(self.device)
             self.ref_model.eval().requires_grad_(False)
+        if self.world_size > 1:
+            for model in filter(None, (self.model, self.ref_model)):
+                _shard(model, self.device, self.world_size)
 
     def _make_optimizer(self, total_steps: int) -> None:
         """AdamW and transformers' LR schedule (linear warm-up from 0, then constant/linear/cosine)."""
@@ -326,11 +433,14 @@ class Learner:
         parts' from one no-grad forward before the first step. One update: the ratio is 1 and no extra
         forward runs."""
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics: dict[str, float] = {"train/samples": float(len(samples))}
         if not samples:
-            metrics.update({"train/skipped": 1.0, "train/seconds": time.perf_counter() - t0})
-            return metrics
+            return {"train/samples": 0.0, "train/skipped": 1.0, "train/seconds": time.perf_counter() - t0}
+        run = self.run_updates(samples)
+        return step_metrics(run, len(samples), self.algorithm.num_iterations, time.perf_counter() - t0)
+
+    def run_updates(self, samples: list[TrainSample]) -> StepRun:
+        """The updates of `train_step` (on a rank of a sharded learner: this rank's share of them)."""
+        self.optimizer.zero_grad(set_to_none=True)
         parts = [self._plan(part) for part in _split(samples, self.config.mini_batches)]
         iterations = self.algorithm.num_iterations
         old = self._old_logprobs(parts) if iterations * len(parts) > 1 else None
@@ -341,31 +451,26 @@ class Learner:
             for j, part in enumerate(parts):
                 self.optimizer.zero_grad(set_to_none=True)
                 m = self._accumulate(part, j, old, refs)
-                m["grad_norm"] = float(
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-                )
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                m["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 updates.append((it, part.work_samples, m))
-        dt = time.perf_counter() - t0
-        total_tokens = sum(p.tokens for p in parts)
-        metrics.update({f"train/{k}": v for k, v in _combine(updates).items()})
-        if iterations > 1:
-            for it in range(iterations):
-                per = _combine([u for u in updates if u[0] == it])
-                metrics.update({f"train/iter{it}/{k}": per[k] for k in ITERATION_METRICS if k in per})
-        metrics.update(
-            {
-                "train/skipped_zero_advantage": float(sum(p.skipped for p in parts)),
-                "train/optimizer_steps": float(len(updates)),
-                "train/grad_norm_max": max(m["grad_norm"] for _, _, m in updates),
-                "train/lr": lr,
-                "train/tokens": float(total_tokens),
-                "train/tokens_per_s": total_tokens / dt if dt > 0 else 0.0,
-                "train/seconds": dt,
-            }
-        )
-        return metrics
+        return StepRun(updates, sum(p.tokens for p in parts), sum(p.skipped for p in parts), lr)
+
+    def _local(self, part: _Part) -> list[tuple[list[TrainSample], bool]]:
+        """This rank's micro-batches of a part, each with whether it counts: micro-batch i goes to rank
+        i mod N, and a rank with one fewer runs a one-sample copy whose loss is multiplied by 0, because
+        every rank must run as many forwards and backwards as the others (FSDP gathers each layer's
+        parameters from all ranks in each)."""
+        n, w = len(part.micro), self.world_size
+        if w == 1:
+            return [(mb, True) for mb in part.micro]
+        rounds = -(-n // w)
+        return [
+            (part.micro[i], True) if i < n else (part.micro[0][:1], False)
+            for i in (k * w + self.rank for k in range(rounds))
+        ]
 
     def _plan(self, samples: list[TrainSample]) -> _Part:
         """One optimizer step's samples, micro-batched, with the normalisers of all of them.
@@ -384,13 +489,13 @@ class Learner:
         return {
             (j, k): self._micro_batch(self.model, mb)[0]
             for j, part in enumerate(parts[1:], start=1)
-            for k, mb in enumerate(part.micro)
+            for k, (mb, _) in enumerate(self._local(part))
         }
 
     def _accumulate(self, part: _Part, j: int, old: dict | None, refs: dict) -> dict[str, float]:
         """Forward + backward of one part's micro-batches (gradients add up); its loss metrics."""
         pieces = []
-        for k, mb in enumerate(part.micro):
+        for k, (mb, counts) in enumerate(self._local(part)):
             logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
             old_lp = None
             if old is not None:  # several updates: pi_old is kept; the first forward of all provides it
@@ -413,8 +518,10 @@ class Learner:
                 total_sequences=part.sequences,
                 total_tokens=part.tokens,
             )
-            loss.backward()
-            pieces.append((len(mb) / part.work_samples, 1.0, m))
+            # A sharded learner's gradients are averaged over ranks (FSDP's reduce-scatter): x N sums them.
+            (loss * self.world_size if counts else loss * 0.0).backward()
+            if counts:
+                pieces.append((len(mb) / part.work_samples, 1.0, m))
         if not part.micro:
             # All advantages 0: the loss and gradient are 0, and Adam still steps on its moments.
             for p in self.model.parameters():
@@ -426,32 +533,90 @@ class Learner:
     # -- checkpoints --------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
-        """Write model (safetensors), tokenizer, optimizer, scheduler and RNG state into `directory`."""
+        """Write the model (a complete model dir: safetensors, config, tokenizer), the optimizer (in
+        torch.distributed.checkpoint format, which loads at any world size), the schedule and the RNG
+        state into `directory`. Every rank of a sharded learner calls it; rank 0 writes the rest."""
         from transformers import AutoTokenizer
 
         directory = Path(directory)
-        self.model.save_pretrained(directory / "model", safe_serialization=True)
+        if self.world_size == 1:
+            self.model.save_pretrained(directory / "model", safe_serialization=True)
+        else:
+            self.write_weights(directory / "model")
+        self._save_optimizer(directory / OPTIMIZER_DIR)
+        if self.rank != 0:
+            return
         # The checkpoint's model dir is a complete model dir: vLLM and resume can load it alone.
         AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(directory / "model")
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
+                "world_size": self.world_size,
             },
             directory / "trainer_state.pt",
         )
         (directory / "learner.json").write_text(json.dumps({"tokenizer": self.tokenizer_path}))
 
+    def write_weights(self, directory: Path) -> None:
+        """The full weights as a model dir vLLM's reload and `from_pretrained` take (model.safetensors
+        + config.json). A sharded learner gathers them one parameter at a time onto rank 0's CPU (the
+        only full copy) and rank 0 writes; every rank calls it."""
+        directory = Path(directory)
+        if self.world_size == 1:
+            save_weights(self.model, directory)
+            return
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in self.aliases:
+                full.pop(name, None)
+            save_file(full, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            (directory / "config.json").write_text(self.model.config.to_json_string())
+        del full
+        dist.barrier()  # the files exist once every rank returns
+
+    def _save_optimizer(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optimizer": state}, checkpoint_id=str(directory), no_dist=self.world_size == 1)
+
     def load_trainer_state(self, directory: Path) -> None:
-        """Restore optimizer, scheduler and RNG from a checkpoint written by `save`.
+        """Restore optimizer, scheduler and RNG from a checkpoint written by `save`, at this learner's
+        world size whatever the writer's was (every rank calls it).
 
         The weights themselves are loaded by constructing the Learner on `directory / "model"`, so
         tied or renamed parameters go through transformers' own loading logic.
         """
-        trainer = torch.load(Path(directory) / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(trainer["optimizer"])
+        directory = Path(directory)
+        trainer = torch.load(directory / "trainer_state.pt", weights_only=False)
+        if (directory / OPTIMIZER_DIR).is_dir():
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            # The template (each rank's shard of every state tensor) is filled from the saved shards.
+            state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(state, checkpoint_id=str(directory / OPTIMIZER_DIR), no_dist=self.world_size == 1)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        else:  # a checkpoint from before the optimizer went into DCP: one process's state dict
+            if self.world_size > 1:
+                raise ValueError(
+                    f"{directory} holds a single-process optimizer state (trainer_state.pt); resume it "
+                    "with learner.world_size 1 (its next checkpoint loads at any world size)"
+                )
+            self.optimizer.load_state_dict(trainer["optimizer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         # The configured learning rate wins over the checkpoint's (a retrain may change it): the
         # schedule keeps its place, scaled to the configured peak.

@@ -56,12 +56,10 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
 
 
 def save_weights(model: Any, directory: Path) -> None:
-    """What vLLM's reload needs: the safetensors weights (+ config.json, so the dir is a model dir)."""
-    from safetensors.torch import save_model
+    """What vLLM's reload needs from a model in this process (see tasks.learn.save_weights)."""
+    from tasks.learn import save_weights as save
 
-    # save_model (not save_file) de-duplicates tied tensors such as lm_head/embed_tokens.
-    save_model(model, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(model.config.to_json_string())
+    save(model, directory)
 
 
 class CheckpointWeightPush:
@@ -210,7 +208,7 @@ def push_weights_sync(
 
 
 def push_to_servers(
-    model: Any,
+    write_weights: Callable[[Path], None],
     version: int,
     *,
     replicas: ReplicaSet,
@@ -219,7 +217,8 @@ def push_to_servers(
     sync: SyncConfig | None = None,
     inference: InferenceConfig | None = None,
 ) -> dict[str, float]:
-    """Push to every serving server of `replicas` at once: the weights are saved once, then each
+    """Push to every serving server of `replicas` at once: the weights are saved once (`write_weights`
+    fills a directory with a model dir: the learner's `write_weights`), then each
     server pauses, reloads and resumes on its own (its version flips as its reload ends). A server
     whose load fails leaves the rotation (its reviver brings it back to these weights) while the others
     serve them; when every server fails, the first error is raised, as for a single server."""
@@ -231,7 +230,7 @@ def push_to_servers(
             raise InferenceUnavailableError(replicas.all_down())
         store = weights_store(root)
         t0 = time.perf_counter()
-        path = store.save(run_id, version, lambda d: save_weights(model, d), {"version": version})
+        path = store.save(run_id, version, write_weights, {"version": version})
         t1 = time.perf_counter()
 
         async def one(rep: Replica) -> float:

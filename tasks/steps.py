@@ -232,7 +232,7 @@ def push_weights(learner, version: int, job: PushJob) -> dict:
     """Push the learner's weights into the servers as `version`."""
     from tasks.push import push_to_servers
 
-    return push_to_servers(learner.model, version, replicas=job.servers, root=job.root, run_id=job.run_id,
+    return push_to_servers(learner.write_weights, version, replicas=job.servers, root=job.root, run_id=job.run_id,
                            sync=job.sync, inference=job.inference)  # fmt: skip
 
 

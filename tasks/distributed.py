@@ -1,0 +1,230 @@
+"""The learner on several processes: `learner.world_size` ranks as Ray actors, one sharded model.
+
+`DistributedLearner` stands where a `Learner` stands in the flow (`train_step`, `write_weights`,
+`save`, `load_trainer_state`, `close`). It starts N actors on the run's Ray cluster (one GPU each on
+a cluster with N GPUs, else CPU processes), joins them in one `torch.distributed` process group (NCCL
+on GPU, gloo on CPU) whose every collective times out after `learner.collective_timeout_s`, and builds
+a `tasks.learn.Learner` in each, which shards the model with FSDP2. Each call goes to every rank at
+once: a train step sends the whole batch to all of them (each plans it whole, so the loss normalisers
+are global, and runs its share of the micro-batches); the ranks' metrics are merged here.
+
+A rank that fails or dies fails the call: the error names the rank and says what it was doing, the
+other ranks are stopped (they would wait in a collective until its timeout), and this learner refuses
+further calls. The run stops there and resumes from its last checkpoint, whose optimizer state loads at
+any world size. Checkpoint and weight directories must be on a filesystem every rank can write (one
+machine, or a shared mount on a cluster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from storage.faults import ENV as FAULTS_ENV
+from storage.faults import failpoint
+from tasks.learn import Learner, StepRun, TrainSample, merge_ranks, step_metrics
+
+if TYPE_CHECKING:
+    from tasks.config import AlgorithmConfig, LearnerConfig
+
+
+class LearnerRankError(RuntimeError):
+    """A rank of a sharded learner failed; the learner's ranks are stopped and the run must resume."""
+
+
+class LearnerRank:
+    """One rank: a process in the learner's process group holding a `Learner` (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self.learner: Learner | None = None
+        self.rank = 0
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the others: this node's address and a free port on it."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float,
+              model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, options: dict) -> None:  # fmt: skip
+        import torch
+        import torch.distributed as dist
+
+        cuda = learner.device != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
+        host, port = address
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.rank = rank
+        self.learner = Learner(model_path, learner, algorithm, **options)
+
+    def call(self, name: str, *args: Any) -> Any:
+        if name == "run_updates" and self.rank == self.learner.world_size - 1:
+            failpoint("learner_rank")
+        return getattr(self.learner, name)(*args)
+
+    def collective(self) -> None:
+        """One all-reduce on its own (how tests see a collective's timeout)."""
+        import torch
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(1, device=self.learner.device))
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedLearner:
+    """`learner.world_size` ranks of one sharded learner, used like a `Learner` (module doc).
+
+    Needs a connected Ray (the flow's `scale.ray_address`). Keyword arguments are the Learner's."""
+
+    def __init__(self, model_path: str | Path, learner: LearnerConfig, algorithm: AlgorithmConfig,
+                 **options: Any):  # fmt: skip
+        import ray
+
+        self.config, self.algorithm = learner, algorithm
+        self.world_size = learner.world_size
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(options.get("tokenizer_path") or model_path)
+        self.failed: str | None = None
+        gpus = ray.cluster_resources().get("GPU", 0)
+        cuda = learner.device == "cuda" or (learner.device == "auto" and gpus >= self.world_size)
+        if learner.device == "cuda" and gpus < self.world_size:
+            raise ValueError(
+                f"learner.world_size {self.world_size} on cuda needs {self.world_size} GPUs; the Ray "
+                f"cluster has {gpus:g}"
+            )
+        self.device = "cuda" if cuda else "cpu"
+        # Failpoints set for this run reach its ranks too (crash drills kill a rank mid-step).
+        faults = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else None
+        actor = ray.remote(LearnerRank).options(
+            num_cpus=learner.torch_threads or 1,
+            num_gpus=1 if cuda else 0,
+            max_restarts=0,
+            runtime_env={"env_vars": faults} if faults else None,
+        )
+        self.ranks = [actor.remote() for _ in range(self.world_size)]
+        config = learner.model_copy(update={"device": self.device})
+        timeout = learner.collective_timeout_s
+        try:
+            address = self._wait([self.ranks[0].address.remote()], "finding rank 0's address")[0]
+            self._wait(
+                [
+                    r.start.remote(
+                        i, self.world_size, address, timeout, self.model_path, config, algorithm, options
+                    )
+                    for i, r in enumerate(self.ranks)
+                ],
+                "starting",
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the Learner's interface ----------------------------------------------------------------
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One step on all ranks (tasks.learn.Learner.train_step); the ranks' metrics merged."""
+        import ray
+
+        t0 = time.perf_counter()
+        if not samples:
+            return {"train/samples": 0.0, "train/skipped": 1.0, "train/seconds": time.perf_counter() - t0}
+        batch = ray.put(samples)
+        runs: list[StepRun] = self._all("run_updates", batch)
+        run = merge_ranks(runs)
+        return step_metrics(run, len(samples), self.algorithm.num_iterations, time.perf_counter() - t0)
+
+    def write_weights(self, directory: Path) -> None:
+        self._all("write_weights", Path(directory))
+
+    def save(self, directory: Path) -> None:
+        self._all("save", Path(directory))
+
+    def load_trainer_state(self, directory: Path) -> None:
+        self._all("load_trainer_state", Path(directory))
+
+    def close(self) -> None:
+        """Stop the ranks (their process group goes with them)."""
+        import ray
+
+        for r in self.ranks:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(r, no_restart=True)
+        self.ranks = []
+
+    # -- calls on every rank ----------------------------------------------------------------------
+
+    def _all(self, name: str, *args: Any) -> list[Any]:
+        if self.failed is not None:
+            raise LearnerRankError(f"the learner's ranks were stopped after {self.failed}; resume the run")
+        return self._wait([r.call.remote(name, *args) for r in self.ranks], name)
+
+    def _wait(self, refs: list, doing: str) -> list[Any]:
+        """The ranks' results; the first failure stops them all and raises (module doc)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except BaseException as first:
+                # The others fail soon after (a peer is gone); a dead rank is the cause, if one died.
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0) if pending else ([], [])
+                errors = [(refs.index(done[0]), first)] + [(refs.index(r), _error(r)) for r in late]
+                errors = [(i, e) for i, e in errors if e is not None]
+                rank, cause = next(((i, e) for i, e in errors if isinstance(e, RayActorError)), errors[0])
+                self.failed = f"rank {rank} failed while {_gerund(doing)}"
+                self.close()
+                raise LearnerRankError(f"learner {self.failed}: {_short(cause)}") from cause
+        return ray.get(refs)
+
+
+def _error(ref) -> BaseException | None:
+    import ray
+
+    try:
+        ray.get(ref)
+    except BaseException as e:
+        return e
+    return None
+
+
+def _gerund(name: str) -> str:
+    return {
+        "run_updates": "running a train step",
+        "write_weights": "writing the weights for the servers",
+        "save": "writing a checkpoint",
+        "load_trainer_state": "loading a checkpoint",
+    }.get(name, name)
+
+
+def _short(e: BaseException) -> str:
+    """The last line of a rank's error (Ray's carries the remote traceback before it), without the
+    C++ source location gloo and NCCL put first."""
+    text = str(e).strip().splitlines()
+    return re.sub(r"^((?:\w+Error: )?)\[[^\]]*\]\s*", r"\1", text[-1]) if text else type(e).__name__
