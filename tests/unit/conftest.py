@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One local Ray for the session (starting one costs seconds), run with a user project: a config
+    """One local Ray per test module (starting one costs seconds; a session-long one would keep later
+    tests, whose flows start a Ray of their own, from connecting), run with a user project: a config
     file and a module beside it (test_ray.py's; the config's folder is added to this process's import
     path by load_config, as in a run). Yields (the cluster, the project's folder)."""
     pytest.importorskip("ray")
