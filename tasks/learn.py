@@ -245,6 +245,18 @@ def _shard(model, device: torch.device, world_size: int) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def _one_process_dcp(world_size: int):
+    """torch.distributed.checkpoint in one process warns that it assumes one process, which is meant."""
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    if world_size == 1:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+    return stack
+
+
 # The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
 OPTIMIZER_DIR = "optimizer"
 
@@ -588,7 +600,8 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save({"optimizer": state}, checkpoint_id=str(directory), no_dist=self.world_size == 1)
+        with _one_process_dcp(self.world_size):
+            dcp.save({"optimizer": state}, checkpoint_id=str(directory), no_dist=self.world_size == 1)
 
     def load_trainer_state(self, directory: Path) -> None:
         """Restore optimizer, scheduler and RNG from a checkpoint written by `save`, at this learner's
@@ -608,7 +621,8 @@ class Learner:
 
             # The template (each rank's shard of every state tensor) is filled from the saved shards.
             state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(state, checkpoint_id=str(directory / OPTIMIZER_DIR), no_dist=self.world_size == 1)
+            with _one_process_dcp(self.world_size):
+                dcp.load(state, checkpoint_id=str(directory / OPTIMIZER_DIR), no_dist=self.world_size == 1)
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         else:  # a checkpoint from before the optimizer went into DCP: one process's state dict
             if self.world_size > 1:
