@@ -148,6 +148,7 @@ def make_configs(
     device: str = "auto",
     mini_batches: int = 1,
     num_iterations: int = 1,
+    torch_threads: int | None = None,
     prefer_pydantic: bool = True,
 ):
     """(learner config, algorithm config, "pydantic" | "namespace"): tasks.config's classes when they
@@ -159,6 +160,8 @@ def make_configs(
         "gradient_checkpointing": gradient_checkpointing,
         "device": device,
     }
+    if torch_threads is not None:
+        learner["torch_threads"] = torch_threads
     algorithm = ALGORITHM_VALUES | {"num_iterations": num_iterations}
     if prefer_pydantic:
         try:
@@ -391,6 +394,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         device=args.device,
         mini_batches=v["mini_batches"],
         num_iterations=v["num_iterations"],
+        torch_threads=v.get("threads"),
     )
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # as the Learner resolves "auto"
     memory_kind = reset_peak_memory(torch.device(auto if args.device == "auto" else args.device))
@@ -447,8 +451,60 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         "peak_memory_mib": round(peak_memory_mib(learner.device), 1),
         "peak_memory_kind": memory_kind,
     }
+    if "threads" in v:
+        row |= {"world_size": 1, "threads_per_rank": v["threads"]}
     del learner
     return row
+
+
+def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
+    """The baseline variant at `v["world_size"]` N > 1: N ranks (tasks.distributed.DistributedLearner)
+    on a local Ray, each with threads // N torch threads. The model-derived fields (FLOPs, tokens, micro-
+    batches) are the world-size-1 row's `base`: the update is the same; the time and the largest rank's
+    peak memory are this run's. Needs Ray and pydantic (the CPU machine's environment)."""
+    import ray
+
+    from flows.cluster import ray_cluster
+    from tasks.config import ScaleConfig
+    from tasks.distributed import DistributedLearner
+
+    n = v["world_size"]
+    threads = max(1, v["threads"] // n)
+    learner_cfg, algorithm_cfg, _ = make_configs(
+        micro_batch_size=v["micro_batch_size"], share_prompt=v["share_prompt"],
+        gradient_checkpointing=v["gradient_checkpointing"], device=args.device,
+        mini_batches=v["mini_batches"], num_iterations=v["num_iterations"], torch_threads=threads,
+    )  # fmt: skip
+    learner_cfg = learner_cfg.model_copy(update={"world_size": n})
+    with ray_cluster(ScaleConfig(ray_address="local", num_cpus=n * threads)):
+        learner = DistributedLearner(
+            model_path, learner_cfg, algorithm_cfg, total_steps=100, dtype=v["dtype"],
+            skip_zero_advantage=v["skip_zero_advantage"],
+        )  # fmt: skip
+        try:
+            secs = []
+            for _ in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                learner.train_step(samples)
+                secs.append(time.perf_counter() - t0)
+            memory = ray.get([r.peak_memory_mib.remote() for r in learner.ranks])
+        finally:
+            learner.close()
+    seconds = statistics.median(secs[1:])
+    flops = base["achieved_tflops"] * base["seconds_per_step"] * 1e12
+    peak = base["peak_bf16_tflops"]
+    return base | {
+        "device": learner.device,
+        "world_size": n,
+        "threads_per_rank": threads,
+        "seconds_per_step": round(seconds, 4),
+        "completion_tokens_per_s": round(base["completion_tokens"] / seconds, 1),
+        "tokens_per_s": round(base["forwarded_tokens"] / seconds, 1),
+        "achieved_tflops": float(f"{flops / seconds / 1e12:.4g}"),
+        "mfu": float(f"{flops / seconds / (peak * 1e12):.4g}") if peak else None,
+        "peak_memory_mib": round(max(memory), 1),
+        "peak_memory_kind": "largest rank's peak (CUDA allocated, or RSS since the rank started)",
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -470,6 +526,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--share-prompt", nargs="+", choices=["on", "off"], help="random model only (default on)")
     ap.add_argument("--gradient-checkpointing", nargs="*", choices=["on", "off"],
                     help="alone: on; default off")  # fmt: skip
+    ap.add_argument("--world-size", type=int, nargs="+",
+                    help="the baseline at each of these learner world sizes (first: 1), ranks on a local Ray")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="with --world-size: torch threads in all, split evenly over the ranks")  # fmt: skip
     args = ap.parse_args(argv)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = ["off"]
@@ -477,6 +537,14 @@ def main(argv: list[str] | None = None) -> None:
         args.gradient_checkpointing = ["on"]
 
     import torch  # noqa: F401  (after OMP_WAIT_POLICY is set)
+
+    if args.world_size:
+        if args.world_size[0] != 1 or args.updates or len(args.micro_batch) > 1:
+            ap.error(
+                "--world-size starts with 1 (the row the others compare with) and takes no other variants"
+            )
+        world_size_rows(args)
+        return
 
     if args.random_model:
         args.share_prompt = args.share_prompt or ["on"]
@@ -497,6 +565,28 @@ def main(argv: list[str] | None = None) -> None:
     samples = arith_samples(model, args.prompts or 4, args.group, args.zero_groups)
     for v in legacy_variants(args):
         print(json.dumps(run_variant(model, model, samples, v, args)), flush=True)
+
+
+def world_size_rows(args) -> None:
+    """`--world-size 1 N ...`: the baseline variant at each world size, the same samples."""
+    model = args.model or str(REPO / "models" / "smollm2-135m")
+    with tempfile.TemporaryDirectory(prefix="learner-bench-") as tmp:
+        if args.random_model:
+            args.share_prompt = args.share_prompt or ["on"]
+            v = {**one_change_variants(args)[0], "threads": args.threads}
+            vocab = MODEL_SHAPES[args.random_model][1]
+            samples = random_samples(vocab, args.prompts or 8, args.group, tuple(args.prompt_tokens),
+                                     tuple(args.completion_tokens), args.zero_groups)  # fmt: skip
+            save_random_model(args.random_model, Path(tmp))
+            model, label = tmp, f"random:{args.random_model}"
+        else:
+            v = {**legacy_variants(args)[1], "threads": args.threads}  # shared prompt, as the runs train
+            samples = arith_samples(model, args.prompts or 4, args.group, args.zero_groups)
+            label = model
+        base = run_variant(model, label, samples, v, args)
+        print(json.dumps(base), flush=True)
+        for n in args.world_size[1:]:
+            print(json.dumps(run_sharded(model, samples, v | {"world_size": n}, args, base)), flush=True)
 
 
 if __name__ == "__main__":

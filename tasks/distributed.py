@@ -81,12 +81,15 @@ class LearnerRank:
             failpoint("learner_rank")
         return getattr(self.learner, name)(*args)
 
-    def collective(self) -> None:
-        """One all-reduce on its own (how tests see a collective's timeout)."""
-        import torch
-        import torch.distributed as dist
+    def peak_memory_mib(self) -> float:
+        """This rank's peak memory: CUDA bytes allocated on a GPU, else the process's peak RSS."""
+        import resource
 
-        dist.all_reduce(torch.zeros(1, device=self.learner.device))
+        import torch
+
+        if self.learner is not None and self.learner.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.learner.device) / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def close(self) -> None:
         import torch.distributed as dist
