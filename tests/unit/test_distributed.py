@@ -148,18 +148,12 @@ def test_fresh_moments_would_differ(two_steps, model_dir):
     assert max((a[k] - b[k]).abs().max().item() for k in a) > 10 * WEIGHT_ATOL
 
 
-def _dead(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def _wait_dead(pids: list[int], timeout: float = 30.0) -> bool:
+    from benchmarks.drill import alive
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if all(_dead(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.2)
     return False
@@ -189,7 +183,7 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
     assert took < 5.0 + 25.0, took  # the timeout, plus the error's way back; never the 120 s sleep
     assert re.search(says, str(e.value) + repr(e.value.__cause__)), (str(e.value), repr(e.value.__cause__))
     # Every rank is gone (none left waiting in a collective), and the learner refuses further work.
-    assert _wait_dead(pids), [p for p in pids if not _dead(p)]
+    assert _wait_dead(pids), pids
     with pytest.raises(LearnerRankError, match="stopped after rank"):
         d.train_step(batch(1))
 
