@@ -26,6 +26,17 @@ WEIGHT_ATOL = 2e-3 * LR
 
 
 @pytest.fixture(scope="module")
+def cluster():
+    """A local Ray for this module's ranks (2 CPUs: one per rank)."""
+    pytest.importorskip("ray")
+    from flows.cluster import ray_cluster
+    from tasks.config import ScaleConfig
+
+    with ray_cluster(ScaleConfig(ray_address="local", num_cpus=2)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 

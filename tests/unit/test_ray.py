@@ -76,6 +76,24 @@ tools: {tools: ["ray_user_fns:add"], executor: ray}
 """
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local Ray for this module, run with a user project: a config file and a module beside it
+    (the config's folder is added to this process's import path by load_config, as in a run). Module-
+    scoped: a session-long one would keep later tests, whose flows start a Ray of their own, from
+    connecting."""
+    pytest.importorskip("ray")
+    from flows.cluster import ray_cluster
+
+    project = tmp_path_factory.mktemp("project")
+    (project / "config.yaml").write_text(CONFIG)
+    (project / "ray_user_fns.py").write_text(USER_FNS)
+    cfg = load_config(project / "config.yaml")
+    with ray_cluster(cfg.scale, cfg._config_dir) as c:
+        _score([RewardConfig(name="length", fn="ray_user_fns:length", executor="ray")])  # warm workers
+        yield c, project
+
+
 def _score(specs: list[RewardConfig]):
     groups = make_groups(2, 3)
     asyncio.run(score_groups_async(groups, specs))
