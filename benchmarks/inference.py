@@ -50,40 +50,48 @@ async def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    totals, saves = [], []
+    totals, saves, loads = [], [], []
     async with VLLMClient(url) as c:
         pusher = CheckpointWeightPush(c, root, "bench", keep_last=1)
         for v in range(repeats):
             m = await pusher.push(model, v + 1)
             totals.append(m["sync/total_seconds"])
             saves.append(m["sync/save_seconds"])
+            loads.append(m["sync/reload_seconds"])
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "push_seconds_median": round(statistics.median(totals), 3),
-            "save_seconds_median": round(statistics.median(saves), 3)}  # fmt: skip
+            "save_seconds_median": round(statistics.median(saves), 3),
+            "pause_reload_resume_seconds_median": round(statistics.median(loads), 3)}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--push-only", action="store_true", help="only the weight-push figures")
+    ap.add_argument("--repeats", type=int, default=3, help="pushes per model (median)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="grpoflow-inf-"))
     tiny = build_tiny_model(root / "tiny")
     result: dict = {"model": "tiny (2 layers, hidden 128)"}
     with start_server(tiny, max_model_len=1024, log_path=root / "tiny.log") as server:
-        result["throughput"] = [
-            asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
-        ]
-        result["weight_push_tiny"] = asyncio.run(push_seconds(server.url, tiny, root))
+        if not args.push_only:
+            result["throughput"] = [
+                asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
+            ]
+        result["weight_push_tiny"] = asyncio.run(push_seconds(server.url, tiny, root, args.repeats))
     print(json.dumps(result), flush=True)
     if args.smollm2:
         with start_server(
             args.smollm2, max_model_len=1024, kv_cache_gb=2, log_path=root / "smol.log"
         ) as server:
-            smol = {"model": "SmolLM2-135M-Instruct",
-                    "throughput": [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens))
-                                   for c in (1, 8, 32)],
-                    "weight_push": asyncio.run(push_seconds(server.url, Path(args.smollm2), root))}  # fmt: skip
+            smol: dict = {"model": "SmolLM2-135M-Instruct"}
+            if not args.push_only:
+                smol["throughput"] = [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens))
+                                      for c in (1, 8, 32)]  # fmt: skip
+            smol["weight_push"] = asyncio.run(
+                push_seconds(server.url, Path(args.smollm2), root, args.repeats)
+            )
         print(json.dumps(smol), flush=True)
 
 
