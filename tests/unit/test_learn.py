@@ -301,29 +301,18 @@ def test_mini_batches_normalise_each_part_over_itself(model_dir):
     assert m["train/loss"] == pytest.approx(sum(singles) / 3, rel=1e-5)
 
 
-def test_pushed_weights_read_back_exactly_with_tied_tensors_once(tmp_path):
-    """The push's safetensors writer: the library reads every tensor back bit for bit (fp32 and bf16,
-    a 0-dim one), a tied LM head is stored once, and transformers loads the directory as the model."""
+def test_pushed_weights_hold_a_tied_head_once_and_load_as_the_model(tmp_path):
     from safetensors import safe_open
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tasks.learn import save_weights, write_safetensors
-
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.tensor(2.5),
-               "d": torch.arange(6).reshape(2, 3)[:, 1]}  # fmt: skip
-    write_safetensors(tensors, tmp_path / "t.safetensors")
-    back = load_file(str(tmp_path / "t.safetensors"))
-    assert back.keys() == tensors.keys()
-    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+    from tasks.learn import save_weights
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
     save_weights(model, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+        assert len(list(f.keys())) == len(dict(model.named_parameters()))  # the tied head once
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
