@@ -33,7 +33,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="task runs' INFO lines on the terminal, as `grpoflow train --verbose`",
+    )
     args = ap.parse_args()
+    from flows.cli import quiet_prefect_task_logs
+
+    quiet_prefect_task_logs(not args.verbose)  # as `grpoflow train` runs it
 
     from flows.config import load_config
     from flows.runs import prepare_model
