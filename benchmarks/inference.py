@@ -2,8 +2,7 @@
 
 Prints JSON: generation tokens/s at concurrency 1, 8 and 32 for the tiny model (128 new tokens per
 request, ignore nothing: EOS may end requests early, so tokens are counted, not assumed), and
-weight-push seconds (safetensors save + pause/reload/resume), into the store on disk and into the
-RAM-backed directory `sync.weights_dir: auto` picks for local servers, for the tiny model and, when
+weight-push seconds (safetensors save + pause/reload/resume) for the tiny model and, when
 `--smollm2 DIR` is given (see `make models/smollm2-135m`), for SmolLM2-135M.
 
     .venv/bin/python benchmarks/inference.py [--smollm2 models/smollm2-135m]
@@ -20,14 +19,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import tempfile
 import time
 
 from flows.serve import start_server
 from tasks.inference import VLLMClient
-from tasks.push import CheckpointWeightPush, weights_root
+from tasks.push import CheckpointWeightPush
 from tasks.tiny_model import build_tiny_model
 
 
@@ -82,14 +80,6 @@ def main() -> None:
                 asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
             ]
         result["weight_push_tiny"] = asyncio.run(push_seconds(server.url, tiny, root, args.repeats))
-        ram, in_ram = weights_root("auto", root, local_servers=True, model_bytes=1 << 20, keep_last=2)
-        if in_ram:
-            try:
-                result["weight_push_tiny_ram"] = asyncio.run(
-                    push_seconds(server.url, tiny, ram, args.repeats)
-                )
-            finally:
-                shutil.rmtree(ram, ignore_errors=True)
     print(json.dumps(result), flush=True)
     if args.smollm2:
         with start_server(
@@ -102,15 +92,6 @@ def main() -> None:
             smol["weight_push"] = asyncio.run(
                 push_seconds(server.url, Path(args.smollm2), root, args.repeats)
             )
-            # The same pushes into the RAM-backed directory sync.weights_dir 'auto' picks for local servers.
-            ram, in_ram = weights_root("auto", root, local_servers=True, model_bytes=1 << 30, keep_last=2)
-            if in_ram:
-                try:
-                    smol["weight_push_ram"] = asyncio.run(
-                        push_seconds(server.url, Path(args.smollm2), ram, args.repeats)
-                    )
-                finally:
-                    shutil.rmtree(ram, ignore_errors=True)
         print(json.dumps(smol), flush=True)
 
 
