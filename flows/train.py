@@ -81,35 +81,6 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> Learner | DistributedLearne
     return learner
 
 
-def ram_weights(cfg: GRPOConfig, run: RunState, stack: contextlib.ExitStack) -> str:
-    """The root of the run's pushed weights (tasks.push.weights_root). In RAM, the run's versions are
-    removed when the run ends, and versions left there by runs of this store that are no longer
-    running (killed ones) are removed now."""
-    import shutil
-
-    from storage.sql import run_status
-    from tasks.push import is_loopback, weights_root
-
-    external = cfg.inference.external()
-    files = list(Path(run.model_path).glob("*.safetensors")) or list(Path(run.model_path).glob("*.bin"))
-    size = 2 * sum(f.stat().st_size for f in files)  # the learner may hold fp32 of a bf16 file
-    # Rank 0 of a sharded learner writes them: on a cluster it may be another machine.
-    here = all(is_loopback(u) for u in external) and (
-        cfg.learner.world_size == 1 or cfg.scale.ray_address == "local"
-    )
-    path, in_ram = weights_root(cfg.sync.weights_dir, cfg.storage.root, keep_last=cfg.sync.keep_last,
-                                local_servers=here, model_bytes=size)  # fmt: skip
-    if not in_ram:
-        return str(path)
-    store = RolloutStore(Path(cfg.storage.root))
-    for left in (path / "weights").glob("*"):
-        meta = store.read_run_meta(left.name)
-        if left.name != run.run_id and (meta is None or run_status(meta) != "running"):
-            shutil.rmtree(left, ignore_errors=True)
-    stack.callback(shutil.rmtree, path / "weights" / run.run_id, True)
-    return str(path)
-
-
 def _close(learner: Learner | DistributedLearner) -> None:
     if hasattr(learner, "close"):  # a sharded learner's ranks; an in-process one has nothing to stop
         learner.close()
@@ -323,7 +294,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     ):
         learner = build_learner(cfg, run)
         stack.callback(_close, learner)
-        push_job = PushJob(ram_weights(cfg, run, stack), run_id, cfg.sync, cfg.inference, servers)
+        push_job = PushJob(root, run_id, cfg.sync, cfg.inference, servers)
         weights = PolicySync(learner, push_job, trained=run.policy_version)
         if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights
             weights.push(run.policy_version)

@@ -377,13 +377,6 @@ class SyncConfig(_Section):
         "steps staler (see algorithm.max_staleness).",
     )
     keep_last: int = Field(2, ge=1, description="Pushed weight versions kept on disk.")
-    weights_dir: str = Field(
-        "auto",
-        description="Where pushed weights are written. 'auto': a RAM-backed directory (/dev/shm) when "
-        "every server runs on this machine (embedded, or a loopback url) and it has room for keep_last + "
-        "1 versions, else the store; 'store': <storage.root>/weights; or a directory path (servers on "
-        "other machines must be able to read it: a shared filesystem).",
-    )
     reload_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -315,38 +315,6 @@ def load_weights_sync(
     return time.perf_counter() - t0
 
 
-RAM_DIR = Path("/dev/shm")
-
-
-def weights_root(choice: str, store_root: str | Path, *, local_servers: bool, model_bytes: int,
-                 keep_last: int) -> tuple[Path, bool]:  # fmt: skip
-    """(the root whose `weights/<run>/` holds the pushed versions, whether it is RAM-backed), for
-    `sync.weights_dir` (its description says how 'auto' chooses). A RAM-backed root is per user and
-    per store: `/dev/shm/grpoflow-<uid>/<hash of the store's path>`.
-
-    Why RAM: a push writes the whole model, and on a disk the kernel's writeback of the previous
-    versions throttles the next write (a SmolLM2 save took 0.2 s or 0.75 s depending on it), while
-    vLLM reads the file back from memory either way."""
-    import hashlib
-    import shutil
-
-    if choice == "store":
-        return Path(store_root), False
-    if choice != "auto":
-        return Path(choice), False
-    room = (keep_last + 1) * model_bytes + (1 << 30)  # 1 GiB to spare
-    if local_servers and os.access(RAM_DIR, os.W_OK) and shutil.disk_usage(RAM_DIR).free > room:
-        key = hashlib.sha256(str(Path(store_root).resolve()).encode()).hexdigest()[:16]
-        return RAM_DIR / f"grpoflow-{os.getuid()}" / key, True
-    return Path(store_root), False
-
-
-def is_loopback(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
-
-
 def _owner(run_id: str) -> str:
     return f"{run_id}@{socket.gethostname()}:{os.getpid()}"
 

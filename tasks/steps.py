@@ -217,9 +217,8 @@ def train_on_batch(learner, groups: list[RolloutGroup]) -> dict[str, float]:
 
 @dataclass
 class PushJob:
-    """Where and how a run pushes weights: its servers (each serving one gets the push), the root
-    whose weights/<run>/ holds the pushed versions (the store, or RAM: tasks.push.weights_root), the
-    sync and client sections."""
+    """Where and how a run pushes weights: its servers (each serving one gets the push), its store,
+    the sync and client sections."""
 
     root: str
     run_id: str
