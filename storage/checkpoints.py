@@ -70,12 +70,23 @@ class VersionedDirs:
         writer: Callable[[Path], None],
         marker_content: dict[str, Any],
         keep_last: int | None = None,
+        recycle: int | None = None,
     ) -> Path:
+        """Publish version `n` filled by `writer(dir)`, then keep the last `keep_last`. `recycle`: the
+        dir of a version that keeping `recycle` versions would remove (`recyclable`) is handed to the
+        writer with its files in it instead of an empty one."""
         final = self.path(run_id, n)
         final.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_temp(run_id)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir()
+        old = self.recyclable(run_id, recycle) if recycle else None
+        if old is not None:
+            # Its files become the new version's: a writer that overwrites them in place reuses the
+            # pages the filesystem already holds. Renamed first, so a kill leaves a temp dir.
+            os.replace(old, tmp)
+            (tmp / self.marker).unlink(missing_ok=True)
+        else:
+            tmp.mkdir()
         try:
             writer(tmp)
             marker = tmp / self.marker
@@ -100,6 +111,15 @@ class VersionedDirs:
         if keep_last is not None:
             self.prune(run_id, keep_last)
         return final
+
+    def recyclable(self, run_id: str, keep_last: int) -> Path | None:
+        """The oldest unpinned version that keeping `keep_last` after one more save would remove; never
+        the newest (a server may be serving it, and a failed load rolls back to it)."""
+        done = self.list(run_id)
+        for v in done[: max(0, len(done) - max(keep_last - 1, 1))]:
+            if not pinned(self.path(run_id, v)):
+                return self.path(run_id, v)
+        return None
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
         """Remove all but the last `keep_last` versions, except pinned ones; the numbers removed."""

@@ -213,12 +213,54 @@ def _process_group() -> tuple[int, int]:
 
 def save_weights(model, directory: Path) -> None:
     """What vLLM's reload needs from an unsharded model: the safetensors weights (+ config.json, so
-    the dir is a model dir)."""
-    from safetensors.torch import save_model
-
-    # save_model (not save_file) de-duplicates tied tensors such as lm_head/embed_tokens.
-    save_model(model, str(Path(directory) / "model.safetensors"))
+    the dir is a model dir). A tied parameter (lm_head = embed_tokens) is written once."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            tensors[name] = t.detach()
+    write_safetensors(tensors, Path(directory) / "model.safetensors")
     (Path(directory) / "config.json").write_text(model.config.to_json_string())
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header of dtype,
+    shape and byte offsets, then the tensors' bytes in order), written from each tensor's memory (a GPU
+    tensor is copied to the CPU just before its turn). An existing file is overwritten in place, not
+    replaced: a push recycles the oldest version's directory, and rewriting pages the filesystem
+    already holds took a SmolLM2 file 0.07-0.15 s where a new file took 0.16-0.64 s (BENCHMARKS.md),
+    which the library's writer (it always creates the file anew) cannot do."""
+    import struct
+
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}  # transformers checks the format
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(path, "r+b" if Path(path).is_file() else "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for t in tensors.values():
+            t = t.detach().to("cpu").contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+        f.truncate()
 
 
 def _aliases(model) -> list[str]:
@@ -580,7 +622,6 @@ class Learner:
             save_weights(self.model, directory)
             return
         import torch.distributed as dist
-        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(
@@ -590,7 +631,7 @@ class Learner:
             directory.mkdir(parents=True, exist_ok=True)
             for name in self.aliases:
                 full.pop(name, None)
-            save_file(full, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            write_safetensors(full, directory / "model.safetensors")
             (directory / "config.json").write_text(self.model.config.to_json_string())
         del full
         dist.barrier()  # the files exist once every rank returns

@@ -24,11 +24,10 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from storage.checkpoints import VersionedDirs, weights_store
+from storage.checkpoints import weights_store
 from storage.faults import failpoint
 from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import (
@@ -44,17 +43,6 @@ DEFAULT_RELOAD_TIMEOUT_S = SyncConfig.model_fields["reload_timeout_s"].default
 
 # Server URL -> the weights directory this process last loaded into it (the rollback target).
 _loaded: dict[str, str] = {}
-
-
-# Old weight versions are deleted here, after the push returns: freeing a SmolLM2-sized file on disk
-# took ~0.1 s of a ~1 s push. One thread, so deletions never race each other.
-_PRUNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prune")
-
-
-def prune_later(store: VersionedDirs, run_id: str, keep_last: int) -> Future:
-    """Remove all but the last `keep_last` weight versions of the run in the background (pinned ones
-    stay; a kill mid-delete leaves an `.old-` dir the next save sweeps)."""
-    return _PRUNER.submit(store.prune, run_id, keep_last)
 
 
 class WeightPushError(RuntimeError):
@@ -94,12 +82,13 @@ class CheckpointWeightPush:
     async def push(self, model: Any, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         path = await asyncio.to_thread(
-            self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version}
-        )
+            self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version},
+            None, self.keep_last,
+        )  # fmt: skip
         t1 = time.perf_counter()
         await self.load(path, version)
         t2 = time.perf_counter()
-        prune_later(self.weights, self.run_id, self.keep_last)
+        self.weights.prune(self.run_id, self.keep_last)
         return {
             "sync/save_seconds": t1 - t0,
             "sync/reload_seconds": t2 - t1,
@@ -242,7 +231,9 @@ def push_to_servers(
             raise InferenceUnavailableError(replicas.all_down())
         store = weights_store(root)
         t0 = time.perf_counter()
-        path = store.save(run_id, version, write_weights, {"version": version})
+        # keep_last is applied once the servers have loaded it, but a version it will then remove (never
+        # the one they serve) is recycled now: its file is overwritten in place (tasks.learn.save_weights).
+        path = store.save(run_id, version, write_weights, {"version": version}, recycle=sync.keep_last)
         t1 = time.perf_counter()
 
         async def one(rep: Replica) -> float:
@@ -260,7 +251,7 @@ def push_to_servers(
         failed = [(r, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
         if len(failed) == len(targets):
             raise failed[0][1]
-        prune_later(store, run_id, sync.keep_last)
+        store.prune(run_id, sync.keep_last)
         done = True
     finally:
         replicas.end_push(version if done else None, str(path) if done else None)

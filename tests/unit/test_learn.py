@@ -301,11 +301,25 @@ def test_mini_batches_normalise_each_part_over_itself(model_dir):
     assert m["train/loss"] == pytest.approx(sum(singles) / 3, rel=1e-5)
 
 
-def test_pushed_weights_hold_a_tied_head_once_and_load_as_the_model(tmp_path):
+def test_pushed_weights_read_back_exactly_overwritten_in_place_with_tied_tensors_once(tmp_path):
+    """The push's safetensors writer: the library reads every tensor back bit for bit (fp32, bf16, a
+    0-dim and a strided one); rewriting a file in place with less data leaves exactly the new one; a
+    tied LM head is stored once, and transformers loads the directory as the model."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tasks.learn import save_weights
+    from tasks.learn import save_weights, write_safetensors
+
+    path = tmp_path / "t.safetensors"
+    write_safetensors({"big": torch.randn(1000)}, path)
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.tensor(2.5),
+               "d": torch.arange(6).reshape(2, 3)[:, 1]}  # fmt: skip
+    inode = path.stat().st_ino
+    write_safetensors(tensors, path)
+    back = load_file(str(path))
+    assert path.stat().st_ino == inode and back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip

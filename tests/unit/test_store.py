@@ -169,3 +169,28 @@ def test_weight_versions_keep_last(tmp_path):
     for v in range(4):
         w.save("r", v, lambda d: (d / "model.safetensors").write_bytes(b"x"), {"version": v}, keep_last=2)
     assert w.list("r") == [2, 3] and w.latest("r").name == "v000003"
+
+
+def test_a_recycled_version_hands_its_files_to_the_next_and_never_the_served_one(tmp_path):
+    from storage.checkpoints import PIN_FILE
+
+    w = weights_store(tmp_path)
+    seen = []
+
+    def writer(d):
+        seen.append(sorted(p.name for p in d.iterdir()))
+        (d / "model.safetensors").write_bytes(b"x")
+
+    w.save("r", 1, writer, {"version": 1}, recycle=2)
+    w.save("r", 2, writer, {"version": 2}, recycle=2)
+    inode = (w.path("r", 1) / "model.safetensors").stat().st_ino
+    w.save("r", 3, writer, {"version": 3}, recycle=2)  # v1 goes: its dir becomes v3's
+    assert seen == [[], [], ["model.safetensors"]]  # the old marker is gone before the writer runs
+    assert w.list("r") == [2, 3] and (w.path("r", 3) / "model.safetensors").stat().st_ino == inode
+    # keep 1: the newest (what the servers serve, the roll-back target) is never recycled
+    assert w.recyclable("r", 1) == w.path("r", 2) and w.recyclable("r", 2) == w.path("r", 2)
+    w.prune("r", 1)
+    assert w.recyclable("r", 1) is None
+    (w.path("r", 3) / f"{PIN_FILE}-x").touch()  # pinned by a promotion: kept
+    w.save("r", 4, writer, {"version": 4}, recycle=1)
+    assert w.list("r") == [3, 4] and seen[-1] == []
