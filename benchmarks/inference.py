@@ -52,7 +52,7 @@ async def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     totals, saves, loads = [], [], []
     async with VLLMClient(url) as c:
-        pusher = CheckpointWeightPush(c, root, "bench", keep_last=1)
+        pusher = CheckpointWeightPush(c, root, "bench", keep_last=2)  # sync.keep_last's default
         for v in range(repeats):
             m = await pusher.push(model, v + 1)
             totals.append(m["sync/total_seconds"])
