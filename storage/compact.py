@@ -24,6 +24,7 @@ compaction or resume removes the temp file or the hidden sources.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -96,7 +97,8 @@ def write_range(d: Path, lo: int, hi: int, sources: list[Part]) -> Path:
             buf: list[pa.Table] = []
             rows = size = 0
             for p in sorted(sources):
-                for batch in pq.ParquetFile(p.path).iter_batches(batch_size=ROW_GROUP_ROWS):
+                batches = pq.ParquetFile(p.path).iter_batches(batch_size=ROW_GROUP_ROWS, use_threads=False)
+                for batch in batches:
                     buf.append(_conform(pa.Table.from_batches([batch]), schema))
                     rows, size = rows + batch.num_rows, size + batch.nbytes
                     if rows >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
@@ -237,6 +239,10 @@ class BackgroundCompactor:
                 self._thread.start()
 
     def _loop(self) -> None:
+        # The lowest CPU priority for this thread (Linux: niceness is per thread; all the work is done
+        # on it, reads included): on shared cores the learner and the server go first.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cv:
                 if self._pending is None:
