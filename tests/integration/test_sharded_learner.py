@@ -81,5 +81,6 @@ def test_random_moment_kills_of_a_two_rank_run(tmp_path, vllm_server, tiny_model
         "steps_rows": steps,
         "rows_lost": 0,
         "temp_files": [],
+        "superseded_files": [],
         "status": "completed",
     }, fig
