@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -241,8 +242,9 @@ class BackgroundCompactor:
     def _loop(self) -> None:
         # The lowest CPU priority for this thread (Linux: niceness is per thread; all the work is done
         # on it, reads included): on shared cores the learner and the server go first.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        if sys.platform.startswith("linux"):  # elsewhere the id would name a process, not this thread
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cv:
                 if self._pending is None:

@@ -4,9 +4,10 @@ step's rows exactly once.
 A writer process writes steps (real RolloutStore files, synthetic groups) and compacts the steps it
 has written after every second step, as a run compacts its closed steps; it is SIGKILLed again and
 again, at the compaction's failpoints and at seeded random moments, and restarted where its progress
-file says it stopped. Meanwhile a reader thread in this process runs storage.sql.query in a loop.
-Every answer must hold each step it shows exactly rows-per-step times, and every step the writer had
-finished before the query began. No vLLM server, no Prefect.
+file says it stopped (first deleting later steps' files, as a resume does). Meanwhile a reader
+thread in this process runs storage.sql.query in a loop. Every answer must hold each step it shows
+exactly rows-per-step times, and every step the writer had finished before the query began. No vLLM
+server, no Prefect.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def group(step, n):
 root, steps, per_step, every, quota = Path(sys.argv[1]), *map(int, sys.argv[2:6])
 store, progress = RolloutStore(root), Path(sys.argv[1]) / "progress"
 done = int(progress.read_text()) if progress.exists() else -1
+store.delete_steps_after("w", done)  # as a resume does: later steps' files and temp files go
 for s in range(done + 1, min(steps, done + 1 + quota)):
     g = group(s, per_step)
     store.write_rollouts("w", s, [g])
