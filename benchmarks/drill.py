@@ -89,7 +89,10 @@ def kill_tree(pids: list[int]) -> None:
 
 
 def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:
-    """Rows lost and duplicated in each table, temp files left, and the run's recorded status."""
+    """Rows lost and duplicated in each table (as SQL reads them: compacted ranges hide the files they
+    replaced), temp files left, files a compacted range superseded but nothing deleted, and the run's
+    recorded status."""
+    from storage.layout import list_parts, select
     from storage.sql import query, run_status
 
     out: dict = {}
@@ -118,6 +121,11 @@ def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:
     out["temp_files"] = sorted(
         str(p.relative_to(root)) for p in root.rglob(".*") if ".tmp" in p.name or ".old-" in p.name
     )
+    out["superseded_files"] = sorted(
+        p.path.name
+        for t in ("rollouts", "rewards", "steps")
+        for p in select(list_parts(root / t / f"run_id={run_id}"))[1]
+    )
     meta = json.loads((root / "runs" / f"{run_id}.json").read_text())
     out["status"] = run_status(meta)
     return out
@@ -129,7 +137,7 @@ def clean_store(steps: int) -> dict:
         f"{t}_{k}": v for t in ("rollouts", "rewards") for k, v in (("duplicates", 0), ("steps", steps))
     }
     return tables | {"steps_duplicates": 0, "steps_rows": steps, "rows_lost": 0, "temp_files": [],
-                     "status": "completed"}  # fmt: skip
+                     "superseded_files": [], "status": "completed"}  # fmt: skip
 
 
 def random_kill_drill(

@@ -171,7 +171,7 @@ def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed:
     # Long enough that `kills` launches, each killed 5-20 s in (start-up is ~8 s), do not finish it.
     steps, run_id = 120, "random-kills"
     sets = [f"model.path={model}", f"inference.url={url}", f"run.steps={steps}", "run.checkpoint_every=2",
-            "algorithm.max_staleness=1"]  # fmt: skip
+            "algorithm.max_staleness=1", "storage.compact_every=2"]  # fmt: skip
     store = root / "random"
     fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, window_s=(5.0, 20.0), env=env)
     check = store_check(store, run_id, steps, PER_STEP * GROUP)
@@ -184,6 +184,7 @@ def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed:
         "duplicate_rows": dupes,
         "orphans": fig["orphans"],
         "temp_files_left": len(check["temp_files"]),
+        "superseded_files_left": len(check["superseded_files"]),
         "steps_rows": check["steps_rows"],
         "statuses_after_kill": sorted(set(fig["statuses_after_kill"])),
         "kill_moments_s": fig["kill_moments_s"],

@@ -1,5 +1,5 @@
-"""`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, report, config,
-make-tiny-model."""
+"""`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, compact, report,
+config, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -106,6 +106,38 @@ def cmd_runs(args) -> int:
 
     cols, rows = list_runs(_root(args))
     print(format_result(cols, rows, args.format))
+    return 0
+
+
+def cmd_compact(args) -> int:
+    from flows.config import ConfigError
+    from storage.compact import compact_store
+    from storage.layout import StoreLayoutError
+    from storage.records import validate_run_id
+    from storage.rollouts import RolloutStore
+
+    if args.every is not None and args.every < 1:
+        raise ConfigError(f"--every: must be an integer >= 1, got {args.every}")
+    runs = RolloutStore(_root(args)).runs()
+    if args.run and validate_run_id(args.run) not in runs:
+        raise ConfigError(f"RUN: no run {args.run!r} under {_root(args)}")
+    if not runs:
+        print(f"no runs under {_root(args)}")
+        return 0
+    try:
+        results = compact_store(_root(args), args.run, args.every)
+    except StoreLayoutError as e:  # a store changed by hand: say where, without a traceback
+        raise ConfigError(str(e)) from None
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['run_id']}: skipped: {r['skipped']}")
+            continue
+        files = ", ".join(
+            f"{t} {r[t]['files_before']} -> {r[t]['files_after']}"
+            for t in ("rollouts", "rewards", "steps")
+            if t in r
+        )
+        print(f"{r['run_id']}: closed through step {r['upto']}: files {files or 'none'} ({r['seconds']} s)")
     return 0
 
 
@@ -371,7 +403,7 @@ def _flow_commands(sub) -> None:
 
 
 def _store_commands(sub) -> None:
-    """The commands that read the store or the config: sql, runs, config, make-tiny-model."""
+    """The commands that read the store or the config: sql, runs, compact, config, make-tiny-model."""
     s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls, promotions")
     s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
     s.add_argument(
@@ -386,6 +418,13 @@ def _store_commands(sub) -> None:
     r.add_argument("--root", help=ROOT_HELP)
     r.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     r.set_defaults(fn=cmd_runs)
+
+    k = sub.add_parser("compact", help="merge runs' closed steps into few Parquet files (SQL gets faster)")
+    k.add_argument("run", nargs="?", help="run id (default: every run in the store)")
+    k.add_argument("--every", type=int,
+                   help="compaction unit in steps (default: the run's storage.compact_every, else 100)")  # fmt: skip
+    k.add_argument("--root", help=ROOT_HELP)
+    k.set_defaults(fn=cmd_compact)
 
     c = sub.add_parser("config", help="show a resolved config, its JSON schema, or the reference docs")
     csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION", help="one of:")

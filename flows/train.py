@@ -32,6 +32,7 @@ from flows.runs import (
     write_meta,
 )
 from flows.serve import Server, inference_servers, replica_names
+from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
 from tasks.config import InferenceConfig
@@ -287,7 +288,9 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     """The loop of docs/architecture.md, section 2."""
     root, steps, run_id = cfg.storage.root, cfg.run.steps, run.run_id
     store, reporter = RolloutStore(Path(root)), StepReporter(cfg, run)
+    compactor = BackgroundCompactor(root, run_id, cfg.storage.compact_every, log=get_run_logger())
     with (
+        contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
         inference_servers(cfg.inference, run.model_path, root, f"vllm-{run_id}") as started,
         contextlib.closing(replica_set(cfg, started, run, root)) as servers,
         contextlib.ExitStack() as stack,
@@ -301,6 +304,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         job = rollout_job(cfg, servers, run.base_model)
         pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step)
         weights.recover = pipeline.recover
+        if run.checkpoint is not None:  # steps closed before a kill, and a killed compaction's leftovers
+            compactor.submit(run.start_step - 1, final=run.start_step >= steps)
         for step in range(run.start_step, steps):
             timer = StepTimer()
             pipeline.fill(step)  # generate -> score up to max_staleness steps ahead
@@ -331,6 +336,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                     keep=cfg.run.keep_checkpoints,
                 )
                 store.write_step(run_id, step, m | timer.metrics())  # the same row, with the checkpoint
+                compactor.submit(step, final=step == steps - 1)  # now closed; a background thread
             reporter.step(step, m)
         reporter.finish()
     return reporter.summary()

@@ -21,6 +21,9 @@ call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the wor
     weight_push       new weights are saved and the server is paused, the reload not yet requested
     checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
     checkpoint_done   a checkpoint is published; the step's other writes came before it
+    compact_write     a compacted range is written and fsynced under its temp name, not yet renamed
+                      (storage/compact.py; in a background thread, after a checkpoint)
+    compact_publish   a compacted range is published; the files it replaces are not yet deleted
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ POINTS = (
     "weight_push",
     "checkpoint_write",
     "checkpoint_done",
+    "compact_write",
+    "compact_publish",
 )
 
 _hits: Counter[str] = Counter()

@@ -1,8 +1,10 @@
 """RolloutStore: one Parquet file per (table, run, step), written atomically.
 
-Layout (docs/architecture.md, section 5): `<root>/<table>/run_id=<run>/step-<NNNNNN>.parquet`. A file appears
-whole or not at all (temp name starting with '.', fsync, os.replace), so DuckDB globs never see a
-partial file; re-writing a step replaces its file, so a resumed run never duplicates rows.
+Layout (docs/architecture.md, section 5): `<root>/<table>/run_id=<run>/step-<NNNNNN>.parquet`, and
+after compaction `range-<AAAAAA>-<BBBBBB>.parquet` files holding closed steps (storage/compact.py;
+which files readers see: storage/layout.py). A file appears whole or not at all (temp name starting
+with '.', fsync, os.replace), so readers never see a partial file; re-writing a step replaces its
+file, so a resumed run never duplicates rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.faults import failpoint
+from storage.layout import Part, deleting, list_parts, reading, run_lock, select, visible_parts
 from storage.records import (
     REWARDS_SCHEMA,
     ROLLOUTS_SCHEMA,
@@ -139,18 +142,19 @@ class RolloutStore:
     # -- reads --------------------------------------------------------------------------------
 
     def steps_written(self, table: str, run_id: str) -> list[int]:
-        d = self.table_dir(table, run_id)
-        if not d.is_dir():
-            return []
-        return sorted(int(p.stem.split("-")[1]) for p in d.glob("step-*.parquet"))
+        """The steps with rows in `table` (a compacted file's steps are read from its `step` column)."""
+        with reading(self.root):
+            return sorted({s for p in visible_parts(self.table_dir(table, run_id)) for s in _steps_in(p)})
 
     def _read(self, table: str, run_id: str, step: int | None) -> list[dict[str, Any]]:
-        steps = [step] if step is not None else self.steps_written(table, run_id)
         rows: list[dict[str, Any]] = []
-        for s in steps:
-            p = self.step_path(table, run_id, s)
-            if p.is_file():
-                rows.extend(pq.read_table(p).to_pylist())
+        with reading(self.root):
+            for p in visible_parts(self.table_dir(table, run_id)):
+                if step is None:
+                    rows.extend(pq.read_table(p.path).to_pylist())
+                elif p.lo <= step <= p.hi:
+                    filters = [("step", "=", step)] if p.is_range else None
+                    rows.extend(pq.read_table(p.path, filters=filters).to_pylist())
         return rows
 
     def read_groups(
@@ -177,20 +181,33 @@ class RolloutStore:
         return sorted(found)
 
     def delete_steps_after(self, run_id: str, step: int) -> list[Path]:
-        """Remove every table's files with a step > `step` (a resumed run redoes those steps), and the
-        temp files a killed writer left behind (never visible to readers, but they take space)."""
-        removed = []
-        for table in TABLES:
-            d = self.table_dir(table, run_id)
-            if d.is_dir():
-                for tmp in d.glob(".step-*.tmp"):
+        """Remove every table's rows of steps > `step` (a resumed run redoes those steps), the temp
+        files a killed writer or compaction left behind (never visible to readers, but they take
+        space), and files a published compacted range superseded.
+
+        A compacted range reaching past `step` (compaction stops at the latest checkpoint, so only a
+        store changed by other means has one) is rewritten with its steps <= `step` first."""
+        removed: list[Path] = []
+        with run_lock(self.root, run_id):
+            for table in TABLES:
+                d = self.table_dir(table, run_id)
+                if not d.is_dir():
+                    continue
+                for tmp in [*d.glob(".step-*.tmp"), *d.glob(".range-*.tmp")]:
                     tmp.unlink(missing_ok=True)
                     removed.append(tmp)
-            for s in self.steps_written(table, run_id):
-                if s > step:
-                    p = self.step_path(table, run_id, s)
-                    p.unlink(missing_ok=True)
-                    removed.append(p)
+                visible, covered = select(list_parts(d))
+                for p in visible:
+                    if p.is_range and p.lo <= step < p.hi:
+                        kept = pq.read_table(p.path, filters=[("step", "<=", step)])
+                        atomic_write_parquet(d / f"range-{p.lo:06d}-{step:06d}.parquet", kept)
+                gone = covered + [p for p in visible if p.hi > step]
+                with deleting(self.root):  # waits for readers in flight; new ones wait for it
+                    for p in gone:
+                        p.path.unlink(missing_ok=True)
+                        removed.append(p.path)
+                if gone:
+                    fsync_dir(d)
         return removed
 
     # -- run metadata -------------------------------------------------------------------------
@@ -204,3 +221,9 @@ class RolloutStore:
     def read_run_meta(self, run_id: str) -> dict[str, Any] | None:
         p = self.meta_path(run_id)
         return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _steps_in(p: Part) -> set[int]:
+    if not p.is_range:
+        return {p.lo}
+    return set(pq.read_table(p.path, columns=["step"]).column("step").to_pylist())

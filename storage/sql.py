@@ -2,9 +2,11 @@
 
 Views: `rollouts`, `rewards`, `steps` (unioned by name: metric columns differ between runs, columns
 were added between versions), `tool_calls` (one row per tool call) and `promotions` (one row per
-promotion decision of a lineage, storage/promotions.py). Files are globbed as `*/step-*.parquet`, so the hidden temp
-names used by atomic writes are never read. A table with no files yet is still a view with the right
-columns and zero rows.
+promotion decision of a lineage, storage/promotions.py). Each view reads an explicit list of the
+published files that storage/layout.py says are visible (a step file, or a compacted range that
+replaces step files; never both for one step, never the hidden temp names of atomic writes), listed
+and read under the store's read lock so that no compaction deletes a listed file meanwhile. A table
+with no files yet is still a view with the right columns and zero rows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from storage.layout import reading, visible_parts
 from storage.promotions import PROMOTIONS_SCHEMA
 from storage.records import SCHEMAS
 
@@ -32,24 +35,38 @@ class ReadOnlyQueryError(ValueError):
     """A statement that could change state was refused."""
 
 
-def _glob(root: Path, table: str) -> str:
-    return str(root / table / "*" / "step-*.parquet")
+def table_files(root: Path, table: str) -> list[str]:
+    """The visible files of `table`, every run's (call it under `reading(root)`)."""
+    base = root / table
+    if not base.is_dir():
+        return []
+    dirs = sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
+    return [str(p.path) for d in dirs for p in visible_parts(d)]
+
+
+def _sql_list(paths: list[str]) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
 def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory connection with the store's views, confined to the store: DuckDB's own external
     access settings let queries read files under the store root only (its table functions would
     otherwise read any file the process can: `read_text('/etc/passwd')`), extensions never load, and
-    the configuration is locked so no statement can undo it."""
+    the configuration is locked so no statement can undo it.
+
+    The views read the files visible now: hold `storage.layout.reading(root)` from this call until
+    the last query on the connection is answered (`query` does), or a compaction may delete a file
+    they list."""
     root = Path(root).resolve()  # symlinks resolved: the allowed directory is the real store
     con = duckdb.connect(":memory:")
     for table, schema in VIEWS.items():
-        if any((root / table).glob("*/step-*.parquet")):
-            # By name: steps' metric columns differ between runs, and files written before a column
-            # existed (rewards' `imputed`, rollouts' `row_id`) must not hide it (DuckDB takes the
-            # first file's schema otherwise).
+        files = table_files(root, table)
+        if files:
+            # By name: steps' metric columns differ between runs (and within a compacted range), and
+            # files written before a column existed (rewards' `imputed`, rollouts' `row_id`) must not
+            # hide it (DuckDB takes the first file's schema otherwise).
             con.execute(
-                f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_glob(root, table)}', "
+                f"CREATE VIEW {table} AS SELECT * FROM read_parquet({_sql_list(files)}, "
                 f"hive_partitioning = false, union_by_name = true)"
             )
         else:
@@ -95,15 +112,16 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
 
 def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
     """Run one read-only query; returns (column names, rows)."""
-    con = connect(root)
-    try:
-        check_read_only(con, sql)
-        used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
-        rel = con.execute(sql, used) if used else con.execute(sql)
-        cols = [d[0] for d in rel.description] if rel.description else []
-        return cols, rel.fetchall()
-    finally:
-        con.close()
+    with reading(Path(root).resolve()):
+        con = connect(root)
+        try:
+            check_read_only(con, sql)
+            used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
+            rel = con.execute(sql, used) if used else con.execute(sql)
+            cols = [d[0] for d in rel.description] if rel.description else []
+            return cols, rel.fetchall()
+        finally:
+            con.close()
 
 
 _RUN = "($run IS NULL OR run_id = $run)"

@@ -403,6 +403,14 @@ class ScaleConfig(_Section):
 
 class StorageConfig(_Section):
     root: str = Field("runs", description="Store root: rollouts, rewards, steps, checkpoints, weights.")
+    compact_every: int = Field(
+        100,
+        ge=0,
+        description="Compaction unit: after each checkpoint a background thread merges every full "
+        "block of this many closed steps (then 10 such blocks, 100, ...) into one Parquet file per "
+        "table, and the rest at the end of the run; SQL then opens a few files instead of one per "
+        "step. 0: off (`grpoflow compact` still works). Keep it constant within a run.",
+    )
 
 
 class RunConfig(_Section):

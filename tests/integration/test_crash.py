@@ -51,6 +51,7 @@ def test_random_moment_kills_then_resume_leave_every_table_exactly_once(
         f"run.steps={steps}",
         "run.checkpoint_every=2",
         "algorithm.max_staleness=1",
+        "storage.compact_every=2",  # a background compaction after every checkpoint: kills land in them too
     ]
     try:
         fig = random_kill_drill(

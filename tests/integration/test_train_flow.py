@@ -36,8 +36,10 @@ def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
 
 
 def step_files(root: Path, table: str, run_id: str) -> list[int]:
-    d = root / table / f"run_id={run_id}"
-    return sorted(int(p.stem.split("-")[1]) for p in d.glob("step-*.parquet"))
+    """The steps stored in `table` (step files, and compacted ranges' steps)."""
+    from storage.rollouts import RolloutStore
+
+    return RolloutStore(root).steps_written(table, run_id)
 
 
 @pytest.mark.slow
@@ -45,8 +47,10 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     from flows.train import grpo_train
 
     steps = 16
-    cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **{"run.steps": steps, "run.run_id": "up"})
-    # Readers during writes: SQL queries in a loop while the run writes never error or see partial files.
+    sets = {"run.steps": steps, "run.run_id": "up", "storage.compact_every": 2}
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets)
+    # Readers during writes and compactions (after the checkpoints of steps 9 and 15): SQL queries in a
+    # loop while the run writes never error or see partial files or a step twice.
     stop, errors, seen = threading.Event(), [], []
 
     def reader():
@@ -68,6 +72,9 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert summary["steps_trained"] == steps
     for table in ("rollouts", "rewards", "steps"):
         assert step_files(tmp_path, table, "up") == list(range(steps)), table
+        # compacted by the run before it returned: 2-step ranges, no step file, nothing superseded
+        files = sorted(p.name for p in (tmp_path / table / "run_id=up").iterdir())
+        assert files == [f"range-{lo:06d}-{lo + 1:06d}.parquet" for lo in range(0, steps, 2)], files
     _, rows = query(
         tmp_path,
         "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts GROUP BY step ORDER BY step",
