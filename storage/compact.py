@@ -16,7 +16,7 @@ larger block's start, so a later range always contains the earlier ones it repla
 never partial overlap). A block that some present file straddles (a run whose `compact_every`
 changed to a value that does not divide the old one) is left alone.
 
-Crash safety: a range is written under a temp name ('.range-...tmp'), fsynced, renamed, the dir
+Crash safety: a range is published by storage.rollouts.atomic_publish: written under a temp name ('.range-...tmp'), fsynced, renamed, the dir
 fsynced, and only then are its sources deleted. Failpoints `compact_write` (written, not yet
 renamed) and `compact_publish` (renamed, sources not yet deleted) let drills kill it there; the next
 compaction or resume removes the temp file or the hidden sources.
@@ -30,7 +30,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from storage.faults import failpoint
 from storage.layout import Part, deleting, list_parts, range_name, run_lock, select
 from storage.processes import is_alive
 from storage.records import validate_run_id
-from storage.rollouts import TABLES, RolloutStore, fsync_dir
+from storage.rollouts import TABLES, RolloutStore, atomic_publish, fsync_dir
 
 FANOUT = 10
 DEFAULT_EVERY = 100  # `grpoflow compact` on a run whose config turned automatic compaction off
@@ -92,8 +91,8 @@ def write_range(d: Path, lo: int, hi: int, sources: list[Part]) -> Path:
     schema = pa.unify_schemas(
         [pq.read_schema(p.path) for p in sources], promote_options="permissive"
     ).remove_metadata()
-    tmp = d / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
+
+    def write(tmp: Path) -> None:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             buf: list[pa.Table] = []
             rows = size = 0
@@ -107,13 +106,8 @@ def write_range(d: Path, lo: int, hi: int, sources: list[Part]) -> Path:
                         buf, rows, size = [], 0, 0
             if buf:
                 writer.write_table(pa.concat_tables(buf))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        failpoint("compact_write")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(d)
+
+    atomic_publish(path, write, "compact_write")
     failpoint("compact_publish")
     return path
 

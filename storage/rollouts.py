@@ -13,6 +13,7 @@ import json
 import math
 import os
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,19 +45,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+def atomic_publish(path: Path, write: Callable[[Path], None], point: str | None = None) -> None:
+    """Publish the file `write(tmp)` writes as `path`, so that readers see the old file or the new one,
+    never a mix: written under a hidden temp name, fsynced, renamed, the directory fsynced. `point`
+    names the failpoint between writing and renaming."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        if point:
+            failpoint(point)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    atomic_publish(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -64,17 +73,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        failpoint("parquet_write")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    atomic_publish(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), "parquet_write")
 
 
 def _metric_value(v: Any) -> float | None:

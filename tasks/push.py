@@ -55,13 +55,6 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
     retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
 
 
-def save_weights(model: Any, directory: Path) -> None:
-    """What vLLM's reload needs from a model in this process (see tasks.learn.save_weights)."""
-    from tasks.learn import save_weights as save
-
-    save(model, directory)
-
-
 class CheckpointWeightPush:
     def __init__(
         self,
@@ -80,6 +73,9 @@ class CheckpointWeightPush:
         self.on_reloaded = on_reloaded
 
     async def push(self, model: Any, version: int) -> dict[str, float]:
+        """Save `model` (a transformers model in this process) as `version` and load it."""
+        from tasks.learn import save_weights  # torch: imported when a model is pushed, not before
+
         t0 = time.perf_counter()
         path = await asyncio.to_thread(
             self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version},

@@ -295,10 +295,10 @@ async def test_reload_accepts_the_empty_200_vllm_sends_for_no_results(fake_serve
 
 def fake_model(monkeypatch):
     """save_weights writes a placeholder: these tests are about the server calls, not the weights."""
-    import tasks.push
+    import tasks.learn
 
     monkeypatch.setattr(
-        tasks.push, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
+        tasks.learn, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
     )
     return object()
 
