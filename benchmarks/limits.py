@@ -15,6 +15,11 @@ Per workload, with one vLLM CPU server:
    which steps 1..k then find ready); the median over steps 1..N-1 and the whole run's mean are printed
    too.
 
+Each measure also prints where the cores went while it ran (`CpuMeter`, from /proc): core-seconds of
+the whole machine, of the vLLM server's processes, and of this process (the learner, the flow, the
+rollout client), per batch or per step, and the machine's busy share of all its cores. A step that
+keeps every core busy cannot get shorter by overlapping more: only by doing less work.
+
 ratio = pipeline s/step / max(raw gen s, raw train s); target <= 1.25. Also printed: the ratio against
 max(gen, train + push), since the pipeline pushes weights on the learner's critical path every step, and
 the ratio to gen + train + push: on a CPU-only machine both sides compete for the same cores, so the sum,
@@ -36,7 +41,9 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -46,6 +53,85 @@ sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
 from benchmarks.workloads import WORKLOADS, med, prepare, rnd, run_steps, serve
 
 TARGET = 1.25
+
+
+# -- where the cores go ---------------------------------------------------------------------------
+
+
+def _proc_seconds(pid: int | str) -> tuple[float, int]:
+    """(user + system seconds of `pid`'s threads, its parent pid)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK, int(fields[1])
+
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class CpuMeter:
+    """Core-seconds spent while a measure runs: the machine's (every process), the vLLM server's process
+    tree and this process's own threads, sampled on a thread every `period` seconds so that a window
+    of a run (its steady steps) can be cut out afterwards."""
+
+    def __init__(self, server_pid: int, period: float = 0.2):
+        self.server_pid, self.period = server_pid, period
+        self.samples: list[tuple[float, float, float, float]] = []  # (time, machine, server, self)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+
+    def sample(self) -> tuple[float, float, float, float]:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        machine = (sum(cpu) - cpu[3] - cpu[4]) / TICK  # all but idle and iowait
+        parents, seconds = {}, {}
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    seconds[int(proc.name)], parents[int(proc.name)] = _proc_seconds(proc.name)
+                except (OSError, IndexError, ValueError):  # gone meanwhile
+                    continue
+
+        def under(pid: int) -> bool:
+            while pid > 1:
+                if pid == self.server_pid:
+                    return True
+                pid = parents.get(pid, 0)
+            return False
+
+        server = sum(s for pid, s in seconds.items() if under(pid))
+        return time.time(), machine, server, seconds.get(os.getpid(), 0.0)
+
+    def mark(self) -> float:
+        """Sample now (a window's edge); returns the sample's time."""
+        self.samples.append(self.sample())
+        return self.samples[-1][0]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append(self.sample())
+
+    def __enter__(self) -> CpuMeter:
+        self.samples.append(self.sample())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self.sample())
+
+    def window(self, t0: float | None = None, t1: float | None = None, per: int = 1) -> dict[str, float]:
+        """Core-seconds from the sample nearest `t0` to the one nearest `t1` (default: all), divided by
+        `per` (batches or steps), and the machine's busy share of its cores over that window."""
+        near = lambda t: min(self.samples, key=lambda s: abs(s[0] - t))  # noqa: E731
+        a = self.samples[0] if t0 is None else near(t0)
+        b = self.samples[-1] if t1 is None else near(t1)
+        wall = max(b[0] - a[0], 1e-9)
+        return {
+            "machine_core_s": rnd((b[1] - a[1]) / per),
+            "server_core_s": rnd((b[2] - a[2]) / per),
+            "trainer_core_s": rnd((b[3] - a[3]) / per),
+            "other_core_s": rnd(((b[1] - a[1]) - (b[2] - a[2]) - (b[3] - a[3])) / per),
+            "cores_busy": rnd((b[1] - a[1]) / wall / (os.cpu_count() or 1)),
+        }
 
 
 # -- 1. raw generation ----------------------------------------------------------------------------
@@ -135,14 +221,20 @@ def samples_like_a_step(outputs) -> list:
     return out
 
 
-def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path) -> list[dict[str, Any]]:
+def raw_train(
+    cfg, model_dir: Path, samples, repeats: int, url: str, root: Path, meter: CpuMeter
+) -> list[dict[str, Any]]:
     from flows.runs import RunState
     from flows.train import build_learner
     from tasks.push import push_weights_sync
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
     learner = build_learner(cfg, run)
-    seconds = [learner.train_step(samples)["train/seconds"] for _ in range(repeats + 1)]
+    learner.train_step(samples)  # warm-up
+    t = meter.mark()
+    seconds = [learner.train_step(samples)["train/seconds"] for _ in range(repeats)]
+    train_cpu = meter.window(t, meter.mark(), per=repeats)
+    t = meter.mark()
     pushes = [
         push_weights_sync(
             learner.model,
@@ -155,8 +247,9 @@ def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path)
         )["sync/total_seconds"]
         for v in range(repeats + 1)
     ]
+    push_cpu = meter.window(t, meter.mark(), per=repeats + 1)
     tokens = sum(sum(s.completion_mask) for s in samples)
-    train_s, push_s = med(seconds[1:]), med(pushes[1:])
+    train_s, push_s = med(seconds), med(pushes[1:])
     del learner
     gc.collect()
     return [
@@ -168,15 +261,18 @@ def raw_train(cfg, model_dir: Path, samples, repeats: int, url: str, root: Path)
             "micro_batch_size": cfg.learner.micro_batch_size,
             "seconds": rnd(train_s),
             "tokens_per_s": rnd(tokens / train_s if train_s else None, 1),
+            "cpu_per_step": train_cpu,
         },
-        {"measure": "raw_push", "pushes": repeats, "seconds": rnd(push_s)},
+        {"measure": "raw_push", "pushes": repeats, "seconds": rnd(push_s), "cpu_per_push": push_cpu},
     ]
 
 
 # -- 3. the pipeline ------------------------------------------------------------------------------
 
 
-def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, staleness: int) -> dict[str, Any]:
+def pipeline(
+    config: Path, overrides: list[str], *, url: str, steps: int, staleness: int, meter: CpuMeter
+) -> dict[str, Any]:
     every, _ = run_steps(
         config, overrides, url=url, steps=steps, staleness=staleness, run_id=f"limits-s{staleness}"
     )
@@ -184,6 +280,9 @@ def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, stalen
     # Steady state: step 0 also waits for the first k + 1 batches, generated together, so steps 1..k
     # find theirs ready; from step k + 1 on every batch is generated beside training.
     steady = every[staleness + 1 :] or later
+    # The steady steps' cores: from the end of the step before them (its row's time) to the last row.
+    first = every[staleness] if len(every) > staleness + 1 else every[0]
+    cpu = meter.window(first["created_at"].timestamp(), every[-1]["created_at"].timestamp(), per=len(steady))
     return {
         "measure": "pipeline",
         "max_staleness": staleness,
@@ -198,6 +297,7 @@ def pipeline(config: Path, overrides: list[str], *, url: str, steps: int, stalen
         "learner_wait_seconds": rnd(med(s["wait_seconds"] for s in later)),
         "gen_tokens_per_step": rnd(med(s["gen/tokens"] for s in later), 1),
         "gen_tokens_per_s": rnd(med(s["gen/tokens_per_s"] for s in later), 1),
+        "cpu_per_step": cpu,
     }
 
 
@@ -220,7 +320,7 @@ def main() -> None:
     from tasks.generate import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))
-    table = []
+    table, cores = [], []
     for name in args.workloads:
         prepared = prepare(name, root, args.smollm2)
         if prepared is None:
@@ -233,17 +333,25 @@ def main() -> None:
         tokenizer, rows = load_tokenizer(str(model)), load_rows(cfg)
         k = args.staleness + 1
         batches = [step_prompts(cfg, tokenizer, rows, s) for s in range((args.repeats + 1) * k)]
-        with serve(cfg, model, wroot / "vllm.log") as server:
+        with serve(cfg, model, wroot / "vllm.log") as server, CpuMeter(server.proc.pid) as meter:
+            t = meter.mark()
             gen1 = asyncio.run(raw_generation(cfg, server.url, batches[: args.repeats + 1]))
+            gen1["cpu_per_batch"] = meter.window(t, meter.mark(), per=args.repeats + 1)
             outputs = gen1.pop("_outputs")
             gen = gen1
             if k > 1:  # the server's rate at the pipeline's concurrency; the bound takes the faster
+                t = meter.mark()
                 genk = asyncio.run(raw_generation(cfg, server.url, batches, in_flight=k))
+                genk["cpu_per_batch"] = meter.window(t, meter.mark(), per=len(batches))
                 genk.pop("_outputs")
                 print(json.dumps({"workload": name, **gen1}), flush=True)
                 gen = min(gen1, genk, key=lambda g: g["seconds"])
-            train, push = raw_train(cfg, model, samples_like_a_step(outputs), args.repeats, server.url, wroot)
-            pipe = pipeline(spec["config"], overrides, url=server.url, steps=steps, staleness=args.staleness)
+            train, push = raw_train(
+                cfg, model, samples_like_a_step(outputs), args.repeats, server.url, wroot, meter
+            )
+            pipe = pipeline(
+                spec["config"], overrides, url=server.url, steps=steps, staleness=args.staleness, meter=meter
+            )
         bound = max(gen["seconds"], train["seconds"])
         bound_push = max(gen["seconds"], train["seconds"] + push["seconds"])
         limit = {
@@ -265,6 +373,10 @@ def main() -> None:
         for r in (gen, train, push, pipe, limit):
             print(json.dumps({"workload": name, **r}), flush=True)
         table.append((name, gen, train, push, pipe, limit))
+        cores.append((name, [("raw gen, 1 batch in flight", gen1["cpu_per_batch"])]
+                      + ([(f"raw gen, {k} in flight", genk["cpu_per_batch"])] if k > 1 else [])
+                      + [("raw train step", train["cpu_per_step"]), ("raw push", push["cpu_per_push"]),
+                         ("pipeline step (steady)", pipe["cpu_per_step"])]))  # fmt: skip
 
     print()
     print(
@@ -278,6 +390,18 @@ def main() -> None:
             f"{limit['ratio']:>6.2f} {limit['ratio_with_push']:>7.2f} {limit['ratio_to_sum']:>6.2f}  "
             f"{'met' if limit['met'] else 'NOT met'}"
         )
+    print()
+    print(f"where the cores went: core-seconds per batch / step / push; busy = the machine's share of its "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"{'workload':<9} {'measure':<28} {'machine':>8} {'server':>8} {'trainer':>8} {'other':>8} {'busy':>6}"
+    )
+    for name, rows in cores:
+        for what, c in rows:
+            print(
+                f"{name:<9} {what:<28} {c['machine_core_s']:>8.3f} {c['server_core_s']:>8.3f} "
+                f"{c['trainer_core_s']:>8.3f} {c['other_core_s']:>8.3f} {c['cores_busy']:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

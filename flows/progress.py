@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,14 @@ def _num(v: Any) -> float | None:
 
 
 class StepReporter:
+    """A run's progress: the step line (a log line, or a progress bar on a terminal) and the Prefect
+    progress artifact, shown on a thread of their own: the artifact is an API call and the line a rich
+    console render, milliseconds each that the training loop does not wait for. `finish` waits for
+    them, then writes the step table and the summary."""
+
     def __init__(self, cfg: GRPOConfig, run: RunState):
         self.cfg, self.run = cfg, run
+        self._shows = ThreadPoolExecutor(1, thread_name_prefix="step-report")
         self.rows: list[dict[str, Any]] = []
         self.total = cfg.run.steps
         self.log = get_run_logger()
@@ -68,17 +76,25 @@ class StepReporter:
     def step(self, step: int, m: dict[str, Any]) -> None:
         row = {"step": step} | {k: _num(m.get(k)) for k in TABLE_KEYS}
         self.rows.append(row)
+        loss = m.get("train/loss", float("nan"))
+        self._shows.submit(contextvars.copy_context().run, self._show, step, row, loss)  # in this flow run
+
+    def _show(self, step: int, row: dict[str, Any], loss: float) -> None:
         reward = row["reward/mean"]
         info = (
             f"reward {reward:.3f}" if reward is not None else "reward n/a"
-        ) + f"  loss {m.get('train/loss', float('nan')):.4f}  {row['wall_seconds'] or 0:.1f}s/step"
+        ) + f"  loss {loss:.4f}  {row['wall_seconds'] or 0:.1f}s/step"
         if self.bar is not None:
             self.bar.update(self.task, completed=step + 1, info=info)
         else:
             self.log.info("step %d/%d  %s", step + 1, self.total, info)
-        update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+        try:
+            update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+        except Exception as e:  # the UI's progress lags; training goes on
+            self.log.warning("progress artifact not updated: %r", e)
 
     def finish(self) -> None:
+        self._shows.shutdown(wait=True)
         if self.bar is not None:
             self.bar.stop()
         if self.rows:

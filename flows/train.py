@@ -8,13 +8,15 @@ Parquet every step; checkpoints make the run resumable.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.utilities.annotations import quote
 
@@ -42,12 +44,15 @@ from tasks.steps import (
     PushJob,
     RolloutBatch,
     RolloutJob,
+    StepOutcome,
     assign_advantages,
+    handed_over,
     persist_step,
     push_weights,
     rollout_batch,
     save_checkpoint,
-    train_on_batch,
+    train_step,
+    train_step_run,
 )
 
 if TYPE_CHECKING:
@@ -88,32 +93,59 @@ def _close(learner: Learner | DistributedLearner) -> None:
 
 
 class StepTimer:
-    """Where one step's wall time goes; what Prefect's task hand-off costs is measured as the time a
-    task call took minus the time its body reports."""
+    """Where one step's wall time goes: the learner idling for generation, and what Prefect's task runs
+    add to the step's critical path: a task called in the loop costs its call's time minus the time its
+    body reports; a submitted one its submit call; a rollout batch the part of the learner's wait its
+    body did not run in (a dispatch while the learner trains is hidden)."""
 
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.perf_counter() if start is None else start
+        self.end = self.start  # when metrics() last read the wall time: where the next step starts
         self.wait = 0.0  # the learner idling for generation
         self.prefect = 0.0
 
-    def waited(self, batch: RolloutBatch, submitted: float, t_wait: float) -> None:
-        """The oldest batch arrived now: count the idle time and the rollout task's dispatch latency
-        and result hand-off (the body's start and end times are in the batch)."""
+    def submitted(self, seconds: float) -> None:
+        self.prefect += seconds
+
+    def waited(self, batch: RolloutBatch, t_wait: float) -> None:
+        """The oldest batch arrived now, after the learner waited since `t_wait`: count the idle time,
+        and as Prefect's the part of it the task's body (its start and end are in the batch) did not
+        run in: its dispatch, when it ran late, and its result's hand-off."""
         now = time.perf_counter()
         self.wait = now - t_wait
-        self.prefect += max(0.0, batch.body_start - submitted) + max(0.0, now - max(batch.body_end, t_wait))
+        body = max(0.0, min(batch.body_end, now) - max(batch.body_start, t_wait))
+        self.prefect += max(0.0, self.wait - body)
 
-    def call(self, task: Callable[..., dict], *args: Any, body: str) -> tuple[dict, float]:
-        """Run a task whose result reports its body's seconds under `body`; returns (result, seconds
-        the call took) and counts the time outside the body as Prefect's."""
+    def call(self, task: Callable[..., Any], *args: Any, body: Callable[[Any], float], **kwargs: Any) -> Any:
+        """Run a task; `body(result)` is the seconds its body reports, and the rest of the call counts
+        as Prefect's."""
         t0 = time.perf_counter()
-        out = task(*args)
-        took = time.perf_counter() - t0
-        self.prefect += max(0.0, took - out.get(body, took))
-        return out, took
+        out = task(*args, **kwargs)
+        self.prefect += max(0.0, time.perf_counter() - t0 - body(out))
+        return out
+
+    def recorded(
+        self, record: Task, work: Callable[..., StepOutcome], *args: Any, **kwargs: Any
+    ) -> StepOutcome:
+        """`work(*args, **kwargs)` run here, with `record` (a task whose body waits for the work's
+        outcome: tasks.steps.train_step_run) submitted as its task run: Prefect's part of the step is
+        the submit call; the run's own bookkeeping is on the task runner's thread, off the critical
+        path. The task run fails with the work's error."""
+        t0 = time.perf_counter()
+        outcome: Future = Future()
+        record.submit(quote(outcome))
+        self.prefect += time.perf_counter() - t0
+        try:
+            done = work(*args, **kwargs)
+        except BaseException as e:  # an interrupt ends the task run as a failure, not in its thread
+            outcome.set_exception(e if isinstance(e, Exception) else RuntimeError(f"interrupted: {e!r}"))
+            raise
+        outcome.set_result(done)
+        return done
 
     def metrics(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.start
+        self.end = time.perf_counter()
+        wall = self.end - self.start
         return {
             "wall_seconds": wall,
             "wait_seconds": self.wait,
@@ -131,6 +163,8 @@ class PolicySync:
         self.recover: Callable[[Exception], None] | None = None  # brings dead servers back
 
     def push(self, version: int) -> dict:
+        """The push as its own task (`push-weights`): a run's first, and a step's whose push inside
+        train-step failed."""
         from tasks.inference import InferenceUnavailableError
 
         try:
@@ -156,22 +190,38 @@ class RolloutPipeline:
         self.cfg, self.rows, self.servers, self.job = cfg, rows, servers, job
         self.ahead: deque = deque()
         self.next_step = first_step
+        # run.step_task_runs off: the batches are plain calls on threads of this run's (flow run) context
+        self.pool = None if cfg.run.step_task_runs else ThreadPoolExecutor(thread_name_prefix="rollout")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)  # a failed run does not wait for batches
 
     @property
     def restarts(self) -> int:
         return sum(r.restarts for r in self.servers.replicas)
 
-    def _submit(self, step: int) -> tuple[float, Any, int]:
+    def _submit(self, step: int) -> tuple[Any, Future, int]:
         d = self.cfg.data
         batch_rows, cursor = rows_for_step(self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed,
                                            shuffle=d.shuffle)  # fmt: skip
-        return time.perf_counter(), rollout_batch.submit(step, batch_rows, cursor, quote(self.job)), step
+        handoff: Future = Future()
+        if self.pool is not None:
+            run = contextvars.copy_context().run
+            return (
+                self.pool.submit(run, rollout_batch.fn, step, batch_rows, cursor, self.job, handoff),
+                handoff,
+                step,
+            )
+        return rollout_batch.submit(step, batch_rows, cursor, quote(self.job), quote(handoff)), handoff, step
 
-    def fill(self, step: int) -> None:
+    def fill(self, step: int, timer: StepTimer) -> None:
         while (
             self.next_step < self.cfg.run.steps and self.next_step <= step + self.cfg.algorithm.max_staleness
         ):
+            t0 = time.perf_counter()
             self.ahead.append(self._submit(self.next_step))
+            timer.submitted(time.perf_counter() - t0)
             self.next_step += 1
 
     def next_batch(self, timer: StepTimer) -> RolloutBatch:
@@ -180,14 +230,14 @@ class RolloutPipeline:
 
         t_wait = time.perf_counter()
         while True:
-            t_submit, future, _ = self.ahead[0]
+            future, handoff, _ = self.ahead[0]
             try:
-                batch = future.result()
+                batch = handed_over(future, handoff)
             except InferenceUnavailableError as e:
                 self.recover(e)
                 continue
             self.ahead.popleft()
-            timer.waited(batch, t_submit, t_wait)
+            timer.waited(batch, t_wait)
             return batch
 
     def recover(self, error: Exception) -> None:
@@ -208,7 +258,7 @@ class RolloutPipeline:
                     f"vLLM server unavailable ({servers.all_down()}); the run is resumable: {error}"
                 ) from error
         # Every in-flight batch may have died with the servers: generate them again under new futures.
-        self.ahead = deque(self._submit(step) for _, _, step in self.ahead)
+        self.ahead = deque(self._submit(step) for *_, step in self.ahead)
 
 
 def replica_set(cfg: GRPOConfig, servers: list[Server], run: RunState, root: str) -> ReplicaSet:
@@ -302,39 +352,54 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights
             weights.push(run.policy_version)
         job = rollout_job(cfg, servers, run.base_model)
-        pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step)
+        pipeline = stack.enter_context(
+            contextlib.closing(RolloutPipeline(cfg, rows, servers, job, run.start_step))
+        )
         weights.recover = pipeline.recover
         if run.checkpoint is not None:  # steps closed before a kill, and a killed compaction's leftovers
             compactor.submit(run.start_step - 1, final=run.start_step >= steps)
+        timer = None
         for step in range(run.start_step, steps):
-            timer = StepTimer()
-            pipeline.fill(step)  # generate -> score up to max_staleness steps ahead
+            # A step's wall time runs from the previous step's (whose row write and report it includes).
+            timer = StepTimer(timer.end if timer else None)
+            pipeline.fill(step, timer)  # generate -> score up to max_staleness steps ahead
             batch = pipeline.next_batch(timer)
             m = batch.metrics | assign_advantages(
                 batch.groups, step=step, algorithm=cfg.algorithm, sync_every=cfg.sync.sync_every
             )
-            writer = persist_step.submit(root, run_id, step, quote(batch.groups))
-            m |= timer.call(train_on_batch, quote(learner), quote(batch.groups), body="train/seconds")[0]
+            version = step + 1 if _due(step, cfg.sync.sync_every, steps) else None
+            # The step's rows written beside the update, the update, the push when due: one task run.
+            work = dict(
+                step=step, root=root, run_id=run_id, push=push_job if version else None, version=version
+            )
+            if cfg.run.step_task_runs:
+                done = timer.recorded(train_step_run, train_step, learner, batch.groups, **work)
+            else:
+                done = train_step(learner, batch.groups, **work)
             weights.trained = step + 1
+            m |= done.metrics
+            if done.persist_error is not None:  # the update is applied: write its rows again, own task
+                get_run_logger().warning(
+                    "step %d: writing rollouts failed (%r); retrying", step, done.persist_error
+                )
+                m["write_seconds"] = persist_step(root, run_id, step, quote(batch.groups))
             m["sync_seconds"] = 0.0
-            if _due(step, cfg.sync.sync_every, steps):
-                pushed, _ = timer.call(weights.push, step + 1, body="sync/total_seconds")
-                m |= pushed | {"sync_seconds": pushed["sync/total_seconds"]}  # Prefect's part: separate
-            m |= {"write_seconds": writer.result(), "policy_version": servers.version}
-            m |= {"server_restarts": pipeline.restarts} | timer.metrics()
+            if version is not None:
+                if done.push_error is not None:  # again as push-weights: its retries, dead servers revived
+                    get_run_logger().warning(
+                        "step %d: weight push failed (%r); retrying", step, done.push_error
+                    )
+                    m |= weights.push(version)  # not timed: a server's recovery is not Prefect's time
+                m["sync_seconds"] = m["sync/total_seconds"]
+            m |= {"policy_version": servers.version, "server_restarts": pipeline.restarts} | timer.metrics()
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
             store.write_step(run_id, step, m)
             if _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, weights.trained)
-                m["checkpoint_seconds"] = save_checkpoint(
-                    quote(learner),
-                    root=root,
-                    run_id=run_id,
-                    step=step,
-                    state=state,
-                    keep=cfg.run.keep_checkpoints,
-                )
+                m["checkpoint_seconds"] = timer.call(save_checkpoint, quote(learner), root=root, run_id=run_id,
+                                                     step=step, state=state, keep=cfg.run.keep_checkpoints,
+                                                     body=lambda seconds: seconds)  # fmt: skip
                 store.write_step(run_id, step, m | timer.metrics())  # the same row, with the checkpoint
                 compactor.submit(step, final=step == steps - 1)  # now closed; a background thread
             reporter.step(step, m)

@@ -419,6 +419,14 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per run.")
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    step_task_runs: bool = Field(
+        True,
+        description="Show each step's rollout-batch and train-step as Prefect task runs (the UI's "
+        "timeline of the pipeline). Each costs the Prefect API server ~30 ms of CPU and the run ~6 ms: "
+        "a fraction of a real model's step, a sixth of the tiny demo's on 2 cores (BENCHMARKS.md). "
+        "False: the same work as plain calls; the UI keeps the flow run, its step lines, progress "
+        "and tables, and checkpoints and failed writes or pushes are still task runs.",
+    )
 
     @field_validator("run_id")
     @classmethod

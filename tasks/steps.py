@@ -1,8 +1,11 @@
-"""The units of work of one training step, each a Prefect task.
+"""The units of work of one training step, and their Prefect tasks.
 
-Each task takes its own config sections (through `RolloutJob` / `PushJob`, built once per run by the
-flow); `task.fn(...)` calls the plain function (tests do). Big objects (groups, the learner, the jobs)
-reach these tasks wrapped in `quote(...)` so Prefect's argument walker never traverses token lists.
+`rollout-batch` runs generation + scoring as a task; the learner's side (`train_step`: write, train,
+push) runs in the flow with `train-step` (`train_step_run`) as its task run beside it, so Prefect's
+per-run bookkeeping stays off the step's critical path (docs/architecture.md, section 2). Each unit
+takes its own config sections (through `RolloutJob` / `PushJob`, built once per run by the flow);
+`task.fn(...)` calls a task's plain function (tests do). Big objects (groups, the learner, the jobs)
+reach tasks wrapped in `quote(...)` so Prefect's argument walker never traverses token lists.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,9 +120,23 @@ def _server_metrics(groups: list[RolloutGroup], replicas: ReplicaSet, seconds: f
 
 
 @task(name="rollout-batch", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
-def rollout_batch(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    """Generate the groups of one step on the vLLM server, then score them (one worker thread)."""
-    return asyncio.run(_rollout_async(step, rows, prompt_indices, job))
+def rollout_batch(
+    step: int, rows, prompt_indices, job: RolloutJob, handoff: Future | None = None
+) -> RolloutBatch:
+    """Generate the groups of one step on the vLLM server, then score them (one worker thread). With
+    `handoff` the batch is also handed over through it the moment it is ready, before Prefect records
+    the run's end: the flow takes it from there (`handed_over`)."""
+    batch = asyncio.run(_rollout_async(step, rows, prompt_indices, job))
+    if handoff is not None:
+        handoff.set_result(batch)
+    return batch
+
+
+def handed_over(future, handoff: Future):
+    """A submitted task's result, from `handoff` once its body has set it; when the task failed (after
+    its retries), its error, from its future (a Prefect future, or a plain one)."""
+    wait([handoff, getattr(future, "wrapped_future", future)], return_when=FIRST_COMPLETED)
+    return handoff.result() if handoff.done() else future.result()
 
 
 def max_lag(max_staleness: int, sync_every: int) -> int:
@@ -197,24 +215,6 @@ def assign_advantages(
     return out
 
 
-@task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def persist_step(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
-    """Write the step's rollouts and rewards (atomic Parquet files); returns seconds."""
-    t0 = time.perf_counter()
-    store = RolloutStore(Path(root))
-    store.write_rollouts(run_id, step, groups)
-    store.write_rewards(run_id, step, groups)
-    return time.perf_counter() - t0
-
-
-@task(name="train-step", cache_policy=NO_CACHE)
-def train_on_batch(learner, groups: list[RolloutGroup]) -> dict[str, float]:
-    from tasks.learn import samples_from_groups
-
-    failpoint("train")
-    return learner.train_step(samples_from_groups(groups))
-
-
 @dataclass
 class PushJob:
     """Where and how a run pushes weights: its servers (each serving one gets the push), its store,
@@ -227,13 +227,118 @@ class PushJob:
     servers: ReplicaSet
 
 
-@task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
-def push_weights(learner, version: int, job: PushJob) -> dict:
+def persist(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
+    """Write the step's rollouts and rewards (atomic Parquet files); returns seconds."""
+    t0 = time.perf_counter()
+    store = RolloutStore(Path(root))
+    store.write_rollouts(run_id, step, groups)
+    store.write_rewards(run_id, step, groups)
+    return time.perf_counter() - t0
+
+
+@task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def persist_step(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
+    """`persist` as its own task: evaluation's writes, and a training step's when the write inside its
+    train-step failed."""
+    return persist(root, run_id, step, groups)
+
+
+@dataclass
+class StepOutcome:
+    """What a train step did: the steps table's train/ metrics, `write_seconds` and, when it pushed,
+    the sync/ metrics; its wall time; and a write or push that failed, left for the flow to run again
+    as its own task."""
+
+    metrics: dict[str, float]
+    seconds: float
+    persist_error: Exception | None = None
+    push_error: Exception | None = None
+    version: int | None = None  # the version pushed
+
+
+def train_step(
+    learner,
+    groups: list[RolloutGroup],
+    *,
+    step: int,
+    root: str,
+    run_id: str,
+    push: PushJob | None = None,
+    version: int | None = None,
+) -> StepOutcome:
+    """A training step's learner-side work: write the step's rollouts and rewards on a thread beside the
+    update, train on them, then push the new weights as `version` into `push`'s servers when given.
+    The flow runs it itself, with `train_step_run` as its task run in the Prefect UI.
+
+    A failed write or push does not fail the step, whose update has been applied: it comes back in
+    the outcome, and the flow runs it again as `persist-step` / `push-weights`, with their retries
+    and the recovery of dead servers."""
+    from tasks.learn import samples_from_groups
+
+    t0 = time.perf_counter()
+    outcome = StepOutcome({}, 0.0)
+    with ThreadPoolExecutor(1, thread_name_prefix="persist") as pool:
+        writer = pool.submit(persist, root, run_id, step, groups)
+        try:
+            failpoint("train")
+            outcome.metrics = learner.train_step(samples_from_groups(groups))
+            if push is not None:
+                try:
+                    outcome.metrics |= push_to(learner, version, push)
+                except Exception as e:  # any failure: the flow's push-weights retries it
+                    outcome.push_error = e
+        finally:
+            try:
+                outcome.metrics["write_seconds"] = writer.result()
+            except Exception as e:  # any failure: the flow's persist-step retries it
+                outcome.persist_error = e
+    outcome.seconds = time.perf_counter() - t0
+    outcome.version = version if push is not None and outcome.push_error is None else None
+    return outcome
+
+
+@task(name="train-step", cache_policy=NO_CACHE)
+def train_step_run(outcome: Future) -> StepOutcome:
+    """The Prefect task run of a train step that the flow runs itself (`train_step`): submitted as the
+    step starts, it ends with the step's outcome or its error.
+
+    A task run costs Prefect's engine milliseconds of the calling thread before its body starts and
+    after it returns (the run's states, events and logs; ~4 ms on an idle core, several times that
+    beside a busy rollout thread); here they are spent on the task runner's thread, beside the update,
+    not on the step's critical path. The UI shows the run, its duration within those milliseconds,
+    its failure, and one log line of what the step wrote, trained and pushed."""
+    done = outcome.result()
+    _log_step(done)
+    return done
+
+
+def _log_step(outcome: StepOutcome) -> None:
+    """The task run's one line in the Prefect UI: what it wrote, trained and pushed, and how long each
+    took (failures are logged by the flow, which runs them again)."""
+    from prefect.logging import get_run_logger
+
+    m = outcome.metrics
+    parts = [f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s"]
+    if "write_seconds" in m:
+        parts.insert(0, f"wrote rollouts + rewards in {m['write_seconds']:.2f}s")
+    if "sync/total_seconds" in m:
+        parts.append(f"pushed version {outcome.version} in {m['sync/total_seconds']:.2f}s")
+    get_run_logger().info("; ".join(parts))
+
+
+def push_to(learner, version: int, job: PushJob) -> dict[str, float]:
     """Push the learner's weights into the servers as `version`."""
     from tasks.push import push_to_servers
 
     return push_to_servers(learner.write_weights, version, replicas=job.servers, root=job.root, run_id=job.run_id,
                            sync=job.sync, inference=job.inference)  # fmt: skip
+
+
+@task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def push_weights(learner, version: int, job: PushJob) -> dict[str, float]:
+    """`push_to` as its own task: a run's first push, and a step's when the push inside its
+    train-step failed."""
+    return push_to(learner, version, job)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)

@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.drill import KILL_DRILL, KILL_DRILL_SETS
 from flows.config import load_config
+from storage.rollouts import RolloutStore
 from storage.sql import query
 
 pytestmark = pytest.mark.integration
@@ -35,10 +36,32 @@ def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
     return load_config(REPO / "configs" / "tiny-letters.yaml", overrides)
 
 
+def task_runs(flow_run_id: str, steps: int, timeout_s: float = 60.0) -> tuple[list, list]:
+    """A flow run's task runs, and its train-step runs' logs, as the Prefect API (the UI) has them once
+    it has every step's (the API records task runs from the events the run sent, a little later)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (EventsWorker, APILogWorker):
+        worker.drain_all(timeout=10)
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            runs = client.read_task_runs(flow_run_filter=flow_runs, limit=200)
+            done = [r for r in runs if r.state is not None and r.state.is_final()]
+            if (len(done) >= max(1, 2 * steps) and len(done) == len(runs)) or time.monotonic() > deadline:
+                ids = [r.id for r in runs if r.name.startswith("train-step")]
+                return runs, client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=ids)))
+            time.sleep(0.5)
+
+
 def step_files(root: Path, table: str, run_id: str) -> list[int]:
     """The steps stored in `table` (step files, and compacted ranges' steps)."""
-    from storage.rollouts import RolloutStore
-
     return RolloutStore(root).steps_written(table, run_id)
 
 
@@ -93,11 +116,48 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert {"up-progress", "up-steps", "up-summary"} <= set(arts)
     assert float(arts["up-progress"].data) == 100.0
     assert "grpoflow sql" in arts["up-summary"].data and str(tmp_path) in arts["up-summary"].data
+    # The UI's task runs: each step's generation and its update (written, trained, pushed in one run,
+    # with its log line), the checkpoints, the first push (an external server); no step's write or push
+    # failed, so none ran on its own.
+    runs, logs = task_runs(RolloutStore(tmp_path).read_run_meta("up")["flow_runs"][-1], steps)
+    names = sorted(r.name.rsplit("-", 1)[0] for r in runs)
+    assert names == ["checkpoint"] * 2 + ["push-weights"] + ["rollout-batch"] * steps + ["train-step"] * steps
+    assert all(r.state.is_completed() for r in runs)
+    trains = [r for r in runs if r.name.startswith("train-step")]
+    _, trow = query(tmp_path, "SELECT sum(\"train/seconds\") FROM steps WHERE run_id = 'up'")
+    assert sum(r.total_run_time.total_seconds() for r in trains) > 0.5 * trow[0][0]
+    lines = [log.message for log in logs if log.message != "Finished in state Completed()"]
+    assert len(lines) == steps and all(x.startswith("wrote rollouts + rewards in ") for x in lines), lines[:2]
+    assert "; trained " in lines[0] and f"; pushed version {steps} in " in " ".join(lines)
     # grpoflow report on this finished run: the plotted reward curve is the SQL one
     from flows.report import write_report
 
     data = json.loads((write_report(tmp_path, "up") / "report.json").read_text())
     assert [r for _, r in data["reward_curve"]] == pytest.approx([r[1] for r in rows])
+
+
+def test_without_step_task_runs_the_same_work_lands(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    """run.step_task_runs off: no task run per step (a checkpoint and the first push still are one),
+    every table whole, the pipeline ahead as usual (its batches on threads of the flow run)."""
+    from flows.train import grpo_train
+
+    steps = 4
+    sets = {
+        "run.steps": steps,
+        "run.run_id": "plain",
+        "run.step_task_runs": False,
+        "algorithm.max_staleness": 1,
+    }
+    summary = grpo_train(config=tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets))
+    assert summary["steps_trained"] == steps
+    for table in ("rollouts", "rewards", "steps"):
+        assert step_files(tmp_path, table, "plain") == list(range(steps)), table
+    _, rows = query(
+        tmp_path, "SELECT max(staleness_max), min(policy_version), max(policy_version) FROM steps"
+    )
+    assert rows[0][0] <= 1 and rows[0][1:] == (1, steps)  # staleness bound kept; every push landed
+    runs, _ = task_runs(RolloutStore(tmp_path).read_run_meta("plain")["flow_runs"][-1], 0, timeout_s=5)
+    assert sorted(r.name.rsplit("-", 1)[0] for r in runs) == ["checkpoint", "push-weights"]  # the first push
 
 
 def _losses(root: Path, run_id: str) -> list[float]:
@@ -115,7 +175,7 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
         assign_advantages,
         push_weights,
         rollout_batch,
-        train_on_batch,
+        train_step,
     )
 
     steps = 3
@@ -138,8 +198,10 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
         )
         batch = rollout_batch.fn(step, batch_rows, cursor, job)
         assign_advantages(batch.groups, step=step, algorithm=cfg.algorithm)
-        plain_losses.append(train_on_batch.fn(learner, batch.groups)["train/loss"])
-        push_weights.fn(learner, step + 1, push)
+        done = train_step(learner, batch.groups, step=step, root=push.root, run_id="plain", push=push,
+                             version=step + 1)  # fmt: skip
+        assert done.push_error is None and done.persist_error is None
+        plain_losses.append(done.metrics["train/loss"])
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
