@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import math
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from prefect.artifacts import (
 
 from flows.config import GRPOConfig
 from flows.runs import RunState
+
+PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
 
 # Columns of the step-metrics table artifact (and of the terminal line), in display order.
 TABLE_KEYS = [
@@ -44,13 +47,14 @@ def _num(v: Any) -> float | None:
 
 class StepReporter:
     """A run's progress: the step line (a log line, or a progress bar on a terminal) and the Prefect
-    progress artifact, shown on a thread of their own: the artifact is an API call and the line a rich
-    console render, milliseconds each that the training loop does not wait for. `finish` waits for
-    them, then writes the step table and the summary."""
+    progress artifact (at most every PROGRESS_EVERY_S), shown on a thread of their own: the artifact is
+    an API call and the line a rich console render, milliseconds each that the training loop does not
+    wait for. `finish` waits for them, then writes the step table and the summary."""
 
     def __init__(self, cfg: GRPOConfig, run: RunState):
         self.cfg, self.run = cfg, run
         self._shows = ThreadPoolExecutor(1, thread_name_prefix="step-report")
+        self._progress_at = -math.inf  # when the progress artifact was last updated
         self.rows: list[dict[str, Any]] = []
         self.total = cfg.run.steps
         self.log = get_run_logger()
@@ -88,6 +92,10 @@ class StepReporter:
             self.bar.update(self.task, completed=step + 1, info=info)
         else:
             self.log.info("step %d/%d  %s", step + 1, self.total, info)
+        now = time.monotonic()
+        if now - self._progress_at < PROGRESS_EVERY_S and step + 1 < self.total:
+            return  # an API call per short step costs the API server more than the bar is worth
+        self._progress_at = now
         try:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
         except Exception as e:  # the UI's progress lags; training goes on
