@@ -106,3 +106,17 @@ def test_the_step_timer_counts_what_prefect_adds_to_the_critical_path(monkeypatc
     m = timer.metrics()
     assert m["prefect_overhead_seconds"] == pytest.approx(0.04)
     assert m["wall_seconds"] == 2.0 and m["prefect_overhead_frac"] == pytest.approx(0.02)
+
+
+def test_a_batch_is_taken_when_its_body_hands_it_over_and_a_failed_one_raises():
+    from concurrent.futures import Future
+
+    from tasks.steps import handed_over
+
+    task, handoff = Future(), Future()  # the task run still being recorded: its future is not done
+    handoff.set_result("batch")
+    assert handed_over(task, handoff) == "batch"
+    task, handoff = Future(), Future()  # failed after its retries: the body never handed anything over
+    task.set_exception(ConnectionError("no server"))
+    with pytest.raises(ConnectionError, match="no server"):
+        handed_over(task, handoff)
