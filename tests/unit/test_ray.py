@@ -227,6 +227,13 @@ with ray_cluster(ScaleConfig(ray_address="local", num_cpus=1, object_store_mb=10
 """
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def test_local_ray_has_no_dashboard_a_capped_store_and_dies_with_its_run():
     pytest.importorskip("ray")
     child = subprocess.Popen(
@@ -234,18 +241,25 @@ def test_local_ray_has_no_dashboard_a_capped_store_and_dies_with_its_run():
     )
     try:
         guard, temp_dir, store, log = child.stdout.readline().split()
+        # Read the cluster while its run lives: Ray starts its head process after init returns, and
+        # once the run is killed the guard kills them all.
+        deadline = time.monotonic() + 60
+        while True:
+            members = session_pids(int(guard))  # raylet, GCS, agents, workers: all in the guard's session
+            cmds = [_cmdline(p) for p in members]
+            heads = [c for c in cmds if b"dashboard/dashboard.py" in c]
+            if heads or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         os.kill(child.pid, signal.SIGKILL)  # the run dies without any cleanup
         child.wait()
     try:
         assert float(store) == 100 * 1024 * 1024
         assert "dashboard" not in Path(log).read_text().lower()  # ray start announces a dashboard
-        members = session_pids(int(guard))  # raylet, GCS, agents, workers: all in the guard's session
         assert len(members) >= 3
-        cmds = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ") for p in members]
         # Ray keeps a head process even without a dashboard; it must run with the UI and its
         # modules off, on loopback
-        heads = [c for c in cmds if b"dashboard/dashboard.py" in c]
         assert heads and all(b"--disable-frontend" in c and b"--host=127.0.0.1" in c for c in heads)
         assert _wait_gone(members, within_s=15) == []
         assert session_pids(int(guard)) == []
