@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,8 +35,18 @@ KILL_DRILL = {
 KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_staleness=1")
 
 
-def _processes():
-    """(pid, state, pgid, argv) of every process readable in /proc."""
+class Proc(NamedTuple):
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    cpu_seconds: float  # user + system, all its threads
+    argv: list[bytes]
+
+
+def processes() -> Iterator[Proc]:
+    """Every process readable in /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -43,19 +55,19 @@ def _processes():
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may contain spaces
-        yield int(proc.name), fields[0], int(fields[2]), argv
+        f = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may contain spaces
+        yield Proc(int(proc.name), f[0], int(f[1]), int(f[2]), (int(f[11]) + int(f[12])) / tick, argv)
 
 
 def guarded() -> list[tuple[int, int]]:
     """(pid, parent pid it watches) of every live process started under grpoflow's guard."""
     return [
-        (pid, int(argv[2]))
-        for pid, state, _, argv in _processes()
-        if state not in ("Z", "X")
-        and len(argv) > 2
-        and argv[1].endswith(b"grpoflow_guard.py")
-        and argv[2].isdigit()
+        (p.pid, int(p.argv[2]))
+        for p in processes()
+        if p.state not in ("Z", "X")
+        and len(p.argv) > 2
+        and p.argv[1].endswith(b"grpoflow_guard.py")
+        and p.argv[2].isdigit()
     ]
 
 
@@ -75,7 +87,7 @@ def alive(pid: int) -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    return [pid for pid, state, group, _ in _processes() if group == pgid and state not in ("Z", "X")]
+    return [p.pid for p in processes() if p.pgid == pgid and p.state not in ("Z", "X")]
 
 
 def kill_tree(pids: list[int]) -> None:

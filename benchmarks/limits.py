@@ -50,18 +50,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
 
+from benchmarks.drill import processes
 from benchmarks.workloads import WORKLOADS, med, prepare, rnd, run_steps, serve
 
 TARGET = 1.25
 
 
 # -- where the cores go ---------------------------------------------------------------------------
-
-
-def _proc_seconds(pid: int | str) -> tuple[float, int]:
-    """(user + system seconds of `pid`'s threads, its parent pid)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK, int(fields[1])
 
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -81,13 +76,9 @@ class CpuMeter:
     def sample(self) -> tuple[float, float, float, float]:
         cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
         machine = (sum(cpu) - cpu[3] - cpu[4]) / TICK  # all but idle and iowait
-        parents, seconds = {}, {}
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                try:
-                    seconds[int(proc.name)], parents[int(proc.name)] = _proc_seconds(proc.name)
-                except (OSError, IndexError, ValueError):  # gone meanwhile
-                    continue
+        procs = list(processes())
+        parents = {p.pid: p.ppid for p in procs}
+        seconds = {p.pid: p.cpu_seconds for p in procs}
 
         def under(pid: int) -> bool:
             while pid > 1:

@@ -40,21 +40,14 @@ def core_seconds() -> dict[str, float]:
     Prefect API server it owns (it records the task runs, their states and logs), from /proc."""
     import os
 
-    tick = os.sysconf("SC_CLK_TCK")
+    from benchmarks.drill import processes
+
     out = {"flow_process": 0.0, "prefect_api": 0.0}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        seconds = (int(fields[11]) + int(fields[12])) / tick
-        if int(proc.name) == os.getpid():
-            out["flow_process"] = seconds
-        elif int(fields[1]) == os.getpid() and b"prefect.server.api.server:create_app" in cmd:
-            out["prefect_api"] = seconds
+    for p in processes():
+        if p.pid == os.getpid():
+            out["flow_process"] = p.cpu_seconds
+        elif p.ppid == os.getpid() and any(b"prefect.server.api.server:create_app" in a for a in p.argv):
+            out["prefect_api"] = p.cpu_seconds
     return out
 
 

@@ -423,7 +423,7 @@ class RunConfig(_Section):
         True,
         description="Show each step's rollout-batch and train-step as Prefect task runs (the UI's "
         "timeline of the pipeline). On a busy 2-core machine each costs a co-located Prefect API server "
-        "~0.05 s of CPU and the run ~0.025 s: ~1% of a SmolLM2 step, ~18% of the tiny demo's (BENCHMARKS.md). "
+        "~0.05 s of CPU and the run ~0.025 s: ~1.3% of a SmolLM2 step, ~18% of the tiny demo's (BENCHMARKS.md). "
         "False: the same work as plain calls; the UI keeps the flow run, its step lines, progress "
         "and tables, and checkpoints and failed writes or pushes are still task runs.",
     )

@@ -253,7 +253,6 @@ class StepOutcome:
     seconds: float
     persist_error: Exception | None = None
     push_error: Exception | None = None
-    version: int | None = None  # the version pushed
 
 
 def train_step(
@@ -293,7 +292,6 @@ def train_step(
             except Exception as e:  # any failure: the flow's persist-step retries it
                 outcome.persist_error = e
     outcome.seconds = time.perf_counter() - t0
-    outcome.version = version if push is not None and outcome.push_error is None else None
     return outcome
 
 
@@ -303,9 +301,9 @@ def train_step_run(outcome: Future) -> StepOutcome:
     step starts, it ends with the step's outcome or its error.
 
     A task run costs Prefect's engine milliseconds of the calling thread before its body starts and
-    after it returns (the run's states, events and logs; ~4 ms on an idle core, several times that
-    beside a busy rollout thread); here they are spent on the task runner's thread, beside the update,
-    not on the step's critical path. The UI shows the run, its duration within those milliseconds,
+    after it returns (the run's states, events and logs); here they are spent on the task runner's
+    thread, beside the update, not on the step's critical path (BENCHMARKS.md, "Prefect's share of a
+    step"). The UI shows the run, its duration within those milliseconds,
     its failure, and one log line of what the step wrote, trained and pushed."""
     done = outcome.result()
     _log_step(done)
@@ -322,7 +320,7 @@ def _log_step(outcome: StepOutcome) -> None:
     if "write_seconds" in m:
         parts.insert(0, f"wrote rollouts + rewards in {m['write_seconds']:.2f}s")
     if "sync/total_seconds" in m:
-        parts.append(f"pushed version {outcome.version} in {m['sync/total_seconds']:.2f}s")
+        parts.append(f"pushed version {m['sync/version']:.0f} in {m['sync/total_seconds']:.2f}s")
     get_run_logger().info("; ".join(parts))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.drill import _processes, clean_store, random_kill_drill, store_check
+from benchmarks.drill import clean_store, processes, random_kill_drill, store_check
 from storage.sql import query
 from tests.integration.test_crash import _unpause
 from tests.integration.test_train_flow import tiny_cfg
@@ -25,7 +25,7 @@ SHARDED = {
 
 def ranks_alive() -> list[int]:
     """Live processes of learner ranks (Ray names an actor's worker process after its class)."""
-    return [pid for pid, state, _, argv in _processes() if argv and argv[0].startswith(b"ray::LearnerRank")]
+    return [p.pid for p in processes() if p.argv and p.argv[0].startswith(b"ray::LearnerRank")]
 
 
 def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny_model_dir, prefect_api):
