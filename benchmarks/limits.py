@@ -215,8 +215,7 @@ def samples_like_a_step(outputs) -> list:
 def raw_train(
     cfg, model_dir: Path, samples, repeats: int, url: str, root: Path, meter: CpuMeter
 ) -> list[dict[str, Any]]:
-    from flows.runs import RunState
-    from flows.train import build_learner
+    from flows.runs import RunState, build_learner
     from tasks.push import push_weights_sync
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)

@@ -22,6 +22,7 @@ from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
 
 if TYPE_CHECKING:
+    from tasks.learner_api import PolicyLearner
     from tasks.replicas import ReplicaSet
     from tasks.steps import RolloutJob
 
@@ -290,6 +291,37 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
         else:
             meta[k] = v
     store.write_run_meta(run.run_id, meta)
+
+
+def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
+    """The run's learner: its own sections, plus what it needs from generation and the run. With
+    `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
+    # torch is imported here, not at the top: preflight and the CLI use this module without a model.
+    from tasks.learn import Learner
+
+    g = cfg.generation
+    kind = Learner
+    if cfg.learner.world_size > 1:
+        from tasks.distributed import DistributedLearner as kind
+    learner = kind(
+        run.model_path,
+        cfg.learner,
+        cfg.algorithm,
+        total_steps=cfg.run.steps,
+        temperature=g.temperature,
+        max_completion_length=g.max_rollout_tokens or g.max_tokens,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        ref_model_path=run.base_model,
+        tokenizer_path=run.base_model,
+    )
+    if run.checkpoint is not None:
+        try:
+            learner.load_trainer_state(run.checkpoint)
+        except BaseException:
+            learner.close()
+            raise
+    return learner
 
 
 def rollout_job(cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str) -> RolloutJob:

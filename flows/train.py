@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect import Task, flow, get_run_logger
 from prefect.context import FlowRunContext
@@ -25,6 +25,7 @@ from flows.config import GRPOConfig, load_config
 from flows.progress import StepReporter
 from flows.runs import (
     RunState,
+    build_learner,
     checkpoint_state,
     open_run,
     preflight,
@@ -38,7 +39,7 @@ from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
 from tasks.config import InferenceConfig
-from tasks.learn import Learner
+from tasks.learner_api import PolicyLearner
 from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tasks.steps import (
     PushJob,
@@ -54,42 +55,6 @@ from tasks.steps import (
     train_step,
     train_step_run,
 )
-
-if TYPE_CHECKING:
-    from tasks.distributed import DistributedLearner
-
-
-def build_learner(cfg: GRPOConfig, run: RunState) -> Learner | DistributedLearner:
-    """The run's learner: its own sections, plus what it needs from generation and the run. With
-    `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
-    g = cfg.generation
-    kind = Learner
-    if cfg.learner.world_size > 1:
-        from tasks.distributed import DistributedLearner as kind
-    learner = kind(
-        run.model_path,
-        cfg.learner,
-        cfg.algorithm,
-        total_steps=cfg.run.steps,
-        temperature=g.temperature,
-        max_completion_length=g.max_rollout_tokens or g.max_tokens,
-        dtype=cfg.model.dtype,
-        seed=cfg.run.seed,
-        ref_model_path=run.base_model,
-        tokenizer_path=run.base_model,
-    )
-    if run.checkpoint is not None:
-        try:
-            learner.load_trainer_state(run.checkpoint)
-        except BaseException:
-            _close(learner)
-            raise
-    return learner
-
-
-def _close(learner: Learner | DistributedLearner) -> None:
-    if hasattr(learner, "close"):  # a sharded learner's ranks; an in-process one has nothing to stop
-        learner.close()
 
 
 class StepTimer:
@@ -158,7 +123,7 @@ class PolicySync:
     """The learner's weights and their way into the servers: `trained` is the version the learner
     holds (training steps so far), `push(version)` makes the servers serve it."""
 
-    def __init__(self, learner: Learner, job: PushJob, trained: int):
+    def __init__(self, learner: PolicyLearner, job: PushJob, trained: int):
         self.learner, self.job, self.trained = learner, job, trained
         self.recover: Callable[[Exception], None] | None = None  # brings dead servers back
 
@@ -346,7 +311,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         contextlib.ExitStack() as stack,
     ):
         learner = build_learner(cfg, run)
-        stack.callback(_close, learner)
+        stack.callback(learner.close)
         push_job = PushJob(root, run_id, cfg.sync, cfg.inference, servers)
         weights = PolicySync(learner, push_job, trained=run.policy_version)
         if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights

@@ -584,6 +584,9 @@ class Learner:
             return {"loss": 0.0}
         return _fold(pieces, ("loss",))
 
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process (`PolicyLearner.close`)."""
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:

@@ -167,8 +167,8 @@ def _losses(root: Path, run_id: str) -> list[float]:
 
 def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
-    from flows.runs import RunState, load_rows, rollout_job, rows_for_step
-    from flows.train import build_learner, grpo_train
+    from flows.runs import RunState, build_learner, load_rows, rollout_job, rows_for_step
+    from flows.train import grpo_train
     from tasks.replicas import Replica, ReplicaSet
     from tasks.steps import (
         PushJob,
