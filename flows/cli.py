@@ -84,21 +84,31 @@ def cmd_train(args) -> int:
 
 
 def cmd_sql(args) -> int:
+    from flows.config import ConfigError
     from storage.sql import CANNED, format_result, query
 
     if args.canned:
         if args.canned not in CANNED:
-            print(f"unknown canned query {args.canned!r}; choose from {sorted(CANNED)}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"unknown canned query {args.canned!r}; choose from {sorted(CANNED)}")
         cols, rows = query(_root(args), CANNED[args.canned], {"run": args.run})
     elif args.query:
-        sql = Path(args.query[1:]).read_text() if args.query.startswith("@") else args.query
-        cols, rows = query(_root(args), sql)
+        cols, rows = query(_root(args), _sql_text(args.query))
     else:
-        print("give a query, @file.sql, or --canned NAME", file=sys.stderr)
-        return 2
+        raise ConfigError("give a query, @file.sql, or --canned NAME")
     print(format_result(cols, rows, args.format))
     return 0
+
+
+def _sql_text(arg: str) -> str:
+    """The query itself, or the text of the file `@file.sql` names."""
+    from flows.config import ConfigError
+
+    if not arg.startswith("@"):
+        return arg
+    try:
+        return Path(arg[1:]).read_text()
+    except OSError as e:
+        raise ConfigError(f"{arg}: cannot read the query file: {e.strerror}") from None
 
 
 def cmd_runs(args) -> int:
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from flows.config import ConfigError
     from storage.records import InvalidRunIdError
-    from storage.sql import ReadOnlyQueryError
+    from storage.sql import QueryError
 
     try:
         if not getattr(args, "runs_flows", False):
@@ -463,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_prefect_task_logs(not args.verbose)
         with owned_prefect_api():  # Prefect's temporary API server dies with this process
             return args.fn(args)
-    except (ConfigError, ReadOnlyQueryError, InvalidRunIdError) as e:
+    except (ConfigError, QueryError, InvalidRunIdError) as e:
         # Bad input: one clear line, no traceback. Any other error is a bug and keeps its traceback.
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,8 +31,20 @@ VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
 _ALLOWED = {"SELECT", "EXPLAIN"}
 
 
-class ReadOnlyQueryError(ValueError):
+class QueryError(ValueError):
+    """A query that cannot run (bad SQL, an unknown table or column, a failed cast): DuckDB's message
+    on one line, for a person who typed it."""
+
+
+class ReadOnlyQueryError(QueryError):
     """A statement that could change state was refused."""
+
+
+def _one_line(e: duckdb.Error) -> str:
+    """DuckDB's message without the excerpt of the query it appends ('LINE 1: ...' over a caret line):
+    the excerpt only lines up in a fixed-width block, so on one line it would point nowhere."""
+    head = str(e).split("\nLINE ", 1)[0]
+    return " ".join(line.strip() for line in head.splitlines() if line.strip())
 
 
 def table_files(root: Path, table: str) -> list[str]:
@@ -98,9 +110,9 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
-        raise ReadOnlyQueryError(f"cannot parse query: {e}") from None
+        raise QueryError(f"cannot parse query: {_one_line(e)}") from None
     if not statements:
-        raise ReadOnlyQueryError("empty query")
+        raise QueryError("empty query")
     for st in statements:
         kind = st.type.name
         if kind not in _ALLOWED:
@@ -111,15 +123,21 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
 
 
 def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
-    """Run one read-only query; returns (column names, rows)."""
+    """Run one read-only query; returns (column names, rows). A query DuckDB refuses or fails raises
+    QueryError with its message (an interrupt stays an interrupt)."""
     with reading(Path(root).resolve()):
         con = connect(root)
         try:
             check_read_only(con, sql)
             used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
-            rel = con.execute(sql, used) if used else con.execute(sql)
-            cols = [d[0] for d in rel.description] if rel.description else []
-            return cols, rel.fetchall()
+            try:
+                rel = con.execute(sql, used) if used else con.execute(sql)
+                cols = [d[0] for d in rel.description] if rel.description else []
+                return cols, rel.fetchall()  # DuckDB may raise while fetching, too
+            except duckdb.InterruptException:
+                raise
+            except duckdb.Error as e:
+                raise QueryError(_one_line(e)) from None
         finally:
             con.close()
 
@@ -216,7 +234,9 @@ def format_result(columns: list[str], rows: list[tuple], fmt: str = "table") -> 
         return json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, indent=1)
     if fmt == "csv":
         buf = io.StringIO()
-        w = csv.writer(buf)
+        # "\n" as DuckDB's and sqlite3's shells end lines: csv's default "\r\n" leaves a "\r" in
+        # every value a shell script reads back (`n=$(grpoflow sql ... | tail -1)`).
+        w = csv.writer(buf, lineterminator="\n")
         w.writerow(columns)
         w.writerows(rows)
         return buf.getvalue().rstrip("\n")

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from flows.cli import main as cli
 from storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from storage.rollouts import RolloutStore
-from storage.sql import CANNED, ReadOnlyQueryError, query, run_canned
+from storage.sql import CANNED, QueryError, ReadOnlyQueryError, query, run_canned
 
 pytestmark = pytest.mark.unit
+GRPOFLOW = str(Path(sys.executable).with_name("grpoflow"))  # the installed script a user runs
 
 
 def comp(i, reward, valid, tokens, tools=(), truncated=False, cells=()):
@@ -145,6 +150,47 @@ def test_cli_sql_and_runs(store, capsys):
     assert cli(["runs", "--root", str(store)]) == 0
     out = capsys.readouterr().out
     assert "r1" in out and "r2" in out
+
+
+def test_a_bad_query_is_one_error_line_and_exit_2_from_the_real_cli(store):
+    out = subprocess.run([GRPOFLOW, "sql", "--root", str(store), "SELECT * FROM nosuch"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: Catalog Error: Table with name nosuch does not exist")
+    assert out.stderr.count("\n") == 1, out.stderr  # one line: no traceback, no query excerpt
+
+
+@pytest.mark.parametrize(
+    ("sql", "message"),
+    [
+        ("SELEC 1", 'cannot parse query: Parser Error: syntax error at or near "SELEC"'),
+        ("SELECT nosuch FROM rollouts", 'Binder Error: Referenced column "nosuch" not found'),
+        ("SELECT 'a'::INT", "Conversion Error: Could not convert string 'a' to INT32"),
+        ("@missing.sql", "@missing.sql: cannot read the query file: No such file or directory"),
+    ],
+)
+def test_every_bad_query_is_one_error_line(store, capsys, sql, message):
+    assert cli(["sql", "--root", str(store), sql]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_failed_query_raises_duckdbs_message_for_the_flow(store):
+    """rollout-sql calls `query`: its run fails with this error."""
+    with pytest.raises(QueryError, match="^Catalog Error: Table with name nosuch does not exist"):
+        query(store, "SELECT * FROM nosuch")
+
+
+def test_csv_lines_end_with_a_newline_a_shell_can_compare(store):
+    sql = "SELECT run_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1"
+    out = subprocess.run([GRPOFLOW, "sql", "--root", str(store), "--format", "csv", sql],
+                         capture_output=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and out.stdout == b"run_id,n\nr1,6\nr2,1\n"
+    # the shell idiom that a "\r" at the end of each line broke
+    script = f"n=$({GRPOFLOW} sql --root {shlex.quote(str(store))} --format csv {shlex.quote(sql)} | tail -1)"
+    script += '; [[ ${n#*,} -gt 0 ]] && echo "ok ${n#*,}"'
+    shell = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert shell.stdout == "ok 1\n", shell.stderr
 
 
 OUTSIDE = [
