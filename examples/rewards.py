@@ -66,11 +66,6 @@ def env_reward(environments: list, **_) -> list[float | None]:
     return out
 
 
-def length_penalty(completion_ids: list[list[int]], max_len: int = 256, **_) -> list[float]:
-    """A small negative reward proportional to length (optional, for brevity)."""
-    return [-len(ids) / max_len for ids in completion_ids]
-
-
 # --- slow rewards for the scoring benchmark ---------------------------------------------------
 
 

@@ -62,6 +62,7 @@ class Part:
 
 
 def step_name(step: int) -> str:
+    """The file name of one step's rows (rollouts, rewards, steps; a lineage's promotion n)."""
     return f"step-{step:06d}.parquet"
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.checkpoints import PIN_FILE, STATE_FILE
+from storage.layout import step_name
 from storage.records import validate_run_id
 from storage.rollouts import atomic_write_parquet, atomic_write_text
 
@@ -151,7 +152,7 @@ class PromotionLog:
             "flow_run_id": flow_run_id,
             "created_at": datetime.now(UTC),
         }
-        path = self.lineage_dir(lineage) / f"step-{n:06d}.parquet"
+        path = self.lineage_dir(lineage) / step_name(n)
         atomic_write_parquet(path, pa.Table.from_pylist([row], schema=PROMOTIONS_SCHEMA))
         return row
 

@@ -167,10 +167,6 @@ class RolloutGroup:
     policy_version: int = 0  # min version over the group's completions
     row_id: str = ""  # the dataset row's stable id (row_id_of)
 
-    @property
-    def size(self) -> int:
-        return len(self.completions)
-
     def prompt_ids_of(self, c: RolloutCompletion) -> list[int]:
         """The prompt tokens completion `c` was generated from (and is trained on)."""
         return self.prompt_ids if c.prompt_ids is None else c.prompt_ids

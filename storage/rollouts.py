@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.faults import failpoint
-from storage.layout import Part, deleting, list_parts, reading, run_lock, select, visible_parts
+from storage.layout import Part, deleting, list_parts, reading, run_lock, select, step_name, visible_parts
 from storage.records import (
     REWARDS_SCHEMA,
     ROLLOUTS_SCHEMA,
@@ -100,7 +100,7 @@ class RolloutStore:
     def step_path(self, table: str, run_id: str, step: int) -> Path:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self.table_dir(table, run_id) / f"step-{step:06d}.parquet"
+        return self.table_dir(table, run_id) / step_name(step)
 
     # -- writes -------------------------------------------------------------------------------
 
