@@ -35,7 +35,8 @@ adds one variant that differs from the baseline in that one thing. Gradient chec
 
 Config objects: `tasks.config`'s LearnerConfig / AlgorithmConfig when pydantic imports, else
 `types.SimpleNamespace` objects with the same explicit values (`LEARNER_VALUES`, `ALGORITHM_VALUES`):
-every attribute tasks/learn.py and tasks/grpo.py read. The printed `configs` says which.
+every attribute the learner (tasks/learn.py, tasks/grpo.py) reads; the model section carries the dtype
+(`model_config`). The printed `configs` says which.
 
 Each variant prints one JSON line. Time: the median over `--repeats` steps after one warm-up step,
 measured around `train_step` with a CUDA synchronize on both sides. Memory: on CUDA
@@ -173,6 +174,15 @@ def make_configs(
     return types.SimpleNamespace(**learner), types.SimpleNamespace(**algorithm), "namespace"
 
 
+def model_config(dtype: str, source: str):
+    """The model section the learner reads its dtype from, of the same kind `make_configs` gave."""
+    if source == "pydantic":
+        from tasks.config import ModelConfig
+
+        return ModelConfig(dtype=dtype)
+    return types.SimpleNamespace(dtype=dtype)
+
+
 # -- samples ---------------------------------------------------------------------------------------
 
 
@@ -290,9 +300,7 @@ def step_cost(learner, samples, dims: dict[str, int]) -> tuple[float, int]:
     """(model FLOPs, tokens forwarded) of one `train_step(samples)`: every update's forward + backward
     (3x a forward) on the micro-batches the learner forms, plus the no-grad pi_old forward of the
     parts after the first when the step takes several updates."""
-    from tasks.learn import _split
-
-    parts = [learner._plan(p) for p in _split(samples, learner.config.mini_batches)]
+    parts = learner.plan(samples)
     per_part = [[forward_cost(mb, learner.share_prompt, dims) for mb in p.micro] for p in parts]
     iterations = learner.algorithm.num_iterations
     flops = 3 * iterations * sum(f for costs in per_part for f, _ in costs)
@@ -386,6 +394,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
     import torch
 
     from tasks.learn import Learner
+    from tasks.learner_api import LearnerRun
 
     learner_cfg, algorithm_cfg, source = make_configs(
         micro_batch_size=v["micro_batch_size"],
@@ -399,8 +408,8 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # as the Learner resolves "auto"
     memory_kind = reset_peak_memory(torch.device(auto if args.device == "auto" else args.device))
     learner = Learner(
-        model_path, learner_cfg, algorithm_cfg, total_steps=100, dtype=v["dtype"],
-        skip_zero_advantage=v["skip_zero_advantage"],
+        model_path, learner_cfg, algorithm_cfg, LearnerRun(total_steps=100),
+        model=model_config(v["dtype"], source), skip_zero_advantage=v["skip_zero_advantage"],
     )  # fmt: skip
     cuda = learner.device.type == "cuda"
     secs = []
@@ -418,7 +427,6 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
     name = torch.cuda.get_device_name(learner.device) if cuda else None
     peak = peak_tflops(name)
     completion = sum(len(s.completion_mask) for s in samples)
-    work = [s for s in samples if s.advantage or not learner.skip_zero_advantage]
     row = {
         "model": model_label,
         "device": str(learner.device),
@@ -435,7 +443,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         "micro_batch_size": v["micro_batch_size"],
         "num_iterations": v["num_iterations"],
         "mini_batches": v["mini_batches"],
-        "micro_batches": len(learner._micro_batches(work)),
+        "micro_batches": sum(len(update.micro) for update in learner.plan(samples)),
         "samples": len(samples),
         "zero_advantage_samples": sum(1 for s in samples if not s.advantage),
         "prompt_tokens": sorted({s.prompt_len for s in samples}),
@@ -467,10 +475,11 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     from flows.cluster import ray_cluster
     from tasks.config import ScaleConfig
     from tasks.distributed import DistributedLearner
+    from tasks.learner_api import LearnerRun
 
     n = v["world_size"]
     threads = max(1, v["threads"] // n)
-    learner_cfg, algorithm_cfg, _ = make_configs(
+    learner_cfg, algorithm_cfg, source = make_configs(
         micro_batch_size=v["micro_batch_size"], share_prompt=v["share_prompt"],
         gradient_checkpointing=v["gradient_checkpointing"], device=args.device,
         mini_batches=v["mini_batches"], num_iterations=v["num_iterations"], torch_threads=threads,
@@ -478,8 +487,8 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     learner_cfg = learner_cfg.model_copy(update={"world_size": n})
     with ray_cluster(ScaleConfig(ray_address="local", num_cpus=n * threads)):
         learner = DistributedLearner(
-            model_path, learner_cfg, algorithm_cfg, total_steps=100, dtype=v["dtype"],
-            skip_zero_advantage=v["skip_zero_advantage"],
+            model_path, learner_cfg, algorithm_cfg, LearnerRun(total_steps=100),
+            model=model_config(v["dtype"], source), skip_zero_advantage=v["skip_zero_advantage"],
         )  # fmt: skip
         try:
             secs = []

@@ -294,12 +294,12 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
 
 
 def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
-    """The run's learner: its own sections, plus what it needs from generation and the run. With
+    """The run's learner on its sections, resumed from the run's checkpoint if it has one. With
     `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
     # torch is imported here, not at the top: preflight and the CLI use this module without a model.
     from tasks.learn import Learner
+    from tasks.learner_api import LearnerRun
 
-    g = cfg.generation
     kind = Learner
     if cfg.learner.world_size > 1:
         from tasks.distributed import DistributedLearner as kind
@@ -307,13 +307,9 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
         run.model_path,
         cfg.learner,
         cfg.algorithm,
-        total_steps=cfg.run.steps,
-        temperature=g.temperature,
-        max_completion_length=g.max_rollout_tokens or g.max_tokens,
-        dtype=cfg.model.dtype,
-        seed=cfg.run.seed,
-        ref_model_path=run.base_model,
-        tokenizer_path=run.base_model,
+        LearnerRun(cfg.run.steps, cfg.run.seed, ref_model_path=run.base_model, tokenizer_path=run.base_model),
+        cfg.generation,
+        cfg.model,
     )
     if run.checkpoint is not None:
         try:

@@ -1,7 +1,6 @@
 """The learner on several processes: `learner.world_size` ranks as Ray actors, one sharded model.
 
-`DistributedLearner` stands where a `Learner` stands in the flow (`train_step`, `write_weights`,
-`save`, `load_trainer_state`, `close`). It starts N actors on the run's Ray cluster (one GPU each on
+`DistributedLearner` is a `tasks.learner_api.PolicyLearner`, as a `Learner` is. It starts N actors on the run's Ray cluster (one GPU each on
 a cluster with N GPUs, else CPU processes), joins them in one `torch.distributed` process group (NCCL
 on GPU, gloo on CPU) whose every collective times out after `learner.collective_timeout_s`, and builds
 a `tasks.learn.Learner` in each, which shards the model with FSDP2. Each call goes to every rank at
@@ -18,20 +17,33 @@ machine, or a shared mount on a cluster).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from storage.faults import ENV as FAULTS_ENV
 from storage.faults import failpoint
-from tasks.learn import Learner, StepRun, TrainSample, merge_ranks, step_metrics
+from tasks.learn import Learner, TrainSample
+from tasks.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
 
 if TYPE_CHECKING:
-    from tasks.config import AlgorithmConfig, LearnerConfig
+    from tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from tasks.learner_api import LearnerRun
+
+# What the ranks are doing in each call `DistributedLearner` makes on them, for the error naming a
+# failed rank. Keyed by the Learner's methods themselves, so renaming one cannot leave a stale name.
+_DOING: dict[Callable[..., Any], str] = {
+    Learner.run_updates: "running a train step",
+    Learner.write_weights: "writing the weights for the servers",
+    Learner.save: "writing a checkpoint",
+    Learner.load_trainer_state: "loading a checkpoint",
+}
 
 
 class LearnerRankError(RuntimeError):
@@ -57,12 +69,13 @@ class LearnerRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float,
-              model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, options: dict) -> None:  # fmt: skip
+    def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float, device: str,
+              build: Callable[[], Learner]) -> None:  # fmt: skip
+        """Join the process group, then `build()` this rank's Learner inside it (it shards itself)."""
         import torch
         import torch.distributed as dist
 
-        cuda = learner.device != "cpu" and torch.cuda.is_available()
+        cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
         host, port = address
@@ -74,12 +87,13 @@ class LearnerRank:
             timeout=timedelta(seconds=timeout_s),
         )
         self.rank = rank
-        self.learner = Learner(model_path, learner, algorithm, **options)
+        self.learner = build()
 
-    def call(self, name: str, *args: Any) -> Any:
-        if name == "run_updates" and self.rank == self.learner.world_size - 1:
+    def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """`method(learner, *args)`: `method` is one of `Learner`'s own (unbound), not its name."""
+        if method is Learner.run_updates and self.rank == self.learner.world_size - 1:
             failpoint("learner_rank")
-        return getattr(self.learner, name)(*args)
+        return method(self.learner, *args)
 
     def peak_memory_mib(self) -> float:
         """This rank's peak memory: CUDA bytes allocated on a GPU, else the process's peak RSS."""
@@ -101,16 +115,25 @@ class LearnerRank:
 class DistributedLearner:
     """`learner.world_size` ranks of one sharded learner, used like a `Learner` (module doc).
 
-    Needs a connected Ray (the flow's `scale.ray_address`). Keyword arguments are the Learner's."""
+    Needs a connected Ray (the flow's `scale.ray_address`). Takes what a `Learner` takes."""
 
-    def __init__(self, model_path: str | Path, learner: LearnerConfig, algorithm: AlgorithmConfig,
-                 **options: Any):  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | Path,
+        learner: LearnerConfig,
+        algorithm: AlgorithmConfig,
+        run: LearnerRun,
+        generation: GenerationConfig | None = None,
+        model: ModelConfig | None = None,
+        *,
+        skip_zero_advantage: bool = True,
+    ):
         import ray
 
         self.config, self.algorithm = learner, algorithm
         self.world_size = learner.world_size
         self.model_path = str(model_path)
-        self.tokenizer_path = str(options.get("tokenizer_path") or model_path)
+        self.tokenizer_path = str(run.tokenizer_path or model_path)
         self.failed: str | None = None
         gpus = ray.cluster_resources().get("GPU", 0)
         cuda = learner.device == "cuda" or (learner.device == "auto" and gpus >= self.world_size)
@@ -130,23 +153,21 @@ class DistributedLearner:
         )
         self.ranks = [actor.remote() for _ in range(self.world_size)]
         config = learner.model_copy(update={"device": self.device})
+        build = functools.partial(Learner, self.model_path, config, algorithm, run, generation, model,
+                                  skip_zero_advantage=skip_zero_advantage)  # fmt: skip
         timeout = learner.collective_timeout_s
         try:
             address = self._wait([self.ranks[0].address.remote()], "finding rank 0's address")[0]
             self._wait(
-                [
-                    r.start.remote(
-                        i, self.world_size, address, timeout, self.model_path, config, algorithm, options
-                    )
-                    for i, r in enumerate(self.ranks)
-                ],
+                [r.start.remote(i, self.world_size, address, timeout, self.device, build)
+                 for i, r in enumerate(self.ranks)],
                 "starting",
-            )
+            )  # fmt: skip
         except BaseException:
             self.close()
             raise
 
-    # -- the Learner's interface ----------------------------------------------------------------
+    # -- PolicyLearner ----------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One step on all ranks (tasks.learn.Learner.train_step); the ranks' metrics merged."""
@@ -154,20 +175,20 @@ class DistributedLearner:
 
         t0 = time.perf_counter()
         if not samples:
-            return {"train/samples": 0.0, "train/skipped": 1.0, "train/seconds": time.perf_counter() - t0}
+            return empty_step_metrics(time.perf_counter() - t0)
         batch = ray.put(samples)
-        runs: list[StepRun] = self._all("run_updates", batch)
+        runs: list[StepRun] = self._all(Learner.run_updates, batch)
         run = merge_ranks(runs)
         return step_metrics(run, len(samples), self.algorithm.num_iterations, time.perf_counter() - t0)
 
     def write_weights(self, directory: Path) -> None:
-        self._all("write_weights", Path(directory))
+        self._all(Learner.write_weights, Path(directory))
 
     def save(self, directory: Path) -> None:
-        self._all("save", Path(directory))
+        self._all(Learner.save, Path(directory))
 
     def load_trainer_state(self, directory: Path) -> None:
-        self._all("load_trainer_state", Path(directory))
+        self._all(Learner.load_trainer_state, Path(directory))
 
     def close(self) -> None:
         """Stop the ranks (their process group goes with them)."""
@@ -180,10 +201,11 @@ class DistributedLearner:
 
     # -- calls on every rank ----------------------------------------------------------------------
 
-    def _all(self, name: str, *args: Any) -> list[Any]:
+    def _all(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """`method` (one of `Learner`'s, unbound) with `args` on every rank's learner at once."""
         if self.failed is not None:
             raise LearnerRankError(f"the learner's ranks were stopped after {self.failed}; resume the run")
-        return self._wait([r.call.remote(name, *args) for r in self.ranks], name)
+        return self._wait([r.call.remote(method, *args) for r in self.ranks], _DOING[method])
 
     def _wait(self, refs: list, doing: str) -> list[Any]:
         """The ranks' results; the first failure stops them all and raises (module doc)."""
@@ -201,7 +223,7 @@ class DistributedLearner:
                 errors = [(refs.index(done[0]), first)] + [(refs.index(r), _error(r)) for r in late]
                 errors = [(i, e) for i, e in errors if e is not None]
                 rank, cause = next(((i, e) for i, e in errors if isinstance(e, RayActorError)), errors[0])
-                self.failed = f"rank {rank} failed while {_gerund(doing)}"
+                self.failed = f"rank {rank} failed while {doing}"
                 self.close()
                 raise LearnerRankError(f"learner {self.failed}: {_short(cause)}") from cause
         return ray.get(refs)
@@ -215,15 +237,6 @@ def _error(ref) -> BaseException | None:
     except BaseException as e:
         return e
     return None
-
-
-def _gerund(name: str) -> str:
-    return {
-        "run_updates": "running a train step",
-        "write_weights": "writing the weights for the servers",
-        "save": "writing a checkpoint",
-        "load_trainer_state": "loading a checkpoint",
-    }.get(name, name)
 
 
 def _short(e: BaseException) -> str:

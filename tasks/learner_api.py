@@ -1,11 +1,13 @@
-"""What a run asks of its learner: the in-process `tasks.learn.Learner`, the sharded
-`tasks.distributed.DistributedLearner`, and any later variant (e.g. one training a LoRA adapter) alike.
+"""What a run asks of its learner, and what it tells one beside its config sections.
 
-Imports nothing heavy: flows and weight-push backends type against it without loading torch.
+`PolicyLearner` is the in-process `tasks.learn.Learner`, the sharded `tasks.distributed.DistributedLearner`
+and any later variant (e.g. one training a LoRA adapter) alike. Imports nothing heavy: flows and
+weight-push backends type against it without loading torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,3 +38,13 @@ class PolicyLearner(Protocol):
     def close(self) -> None:
         """Release what the learner holds outside this process (a sharded learner's ranks)."""
         ...
+
+
+@dataclass(frozen=True)
+class LearnerRun:
+    """What a learner takes from its run rather than from a config section."""
+
+    total_steps: int  # training steps of the run: the LR schedule's length
+    seed: int = 0  # torch's seed before the model loads
+    ref_model_path: str | Path | None = None  # the frozen reference (algorithm.beta > 0); None: the model's
+    tokenizer_path: str | Path | None = None  # saved into checkpoints; None: the model dir's

@@ -15,6 +15,7 @@ import torch
 
 from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.learn import Learner, TrainSample
+from tasks.learner_api import LearnerRun
 from tasks.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.unit
@@ -23,6 +24,11 @@ LR = 1e-3
 # The ranks sum the same gradients in another order (float32), and Adam's first steps move every
 # weight by about lr whatever its gradient's size, so weights agree to a small fraction of lr.
 WEIGHT_ATOL = 2e-3 * LR
+
+
+def learner_run(model_dir) -> LearnerRun:
+    """Every learner here: a 10-step schedule, the tiny model's tokenizer."""
+    return LearnerRun(total_steps=10, tokenizer_path=model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +77,12 @@ def sharded(model_dir, **learner):
     from tasks.distributed import DistributedLearner
 
     lc, ac = configs(world_size=2, **learner)
-    return DistributedLearner(model_dir, lc, ac, total_steps=10, tokenizer_path=model_dir)
+    return DistributedLearner(model_dir, lc, ac, learner_run(model_dir))
 
 
 def single(model_dir) -> Learner:
     lc, ac = configs()
-    return Learner(model_dir, lc, ac, total_steps=10, tokenizer_path=model_dir)
+    return Learner(model_dir, lc, ac, learner_run(model_dir))
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -128,7 +134,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_two(two_steps, mo
     assert (ckpt / "optimizer" / ".metadata").is_file()  # torch.distributed.checkpoint format
     assert_same_weights(saved_weights(ckpt / "model"), two_steps["after_one"])
     lc, ac = configs()
-    one = Learner(ckpt / "model", lc, ac, total_steps=10, tokenizer_path=model_dir)
+    one = Learner(ckpt / "model", lc, ac, learner_run(model_dir))
     one.load_trainer_state(ckpt)
     m1 = one.train_step(batch(2))
     # The resumed step is the uninterrupted run's second step: the optimizer's moments came back.
@@ -139,7 +145,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_two(two_steps, mo
     from tasks.distributed import DistributedLearner
 
     lc2 = lc.model_copy(update={"world_size": 2})
-    d = DistributedLearner(ckpt / "model", lc2, ac, total_steps=10, tokenizer_path=model_dir)
+    d = DistributedLearner(ckpt / "model", lc2, ac, learner_run(model_dir))
     try:
         d.load_trainer_state(ckpt)
         m2 = d.train_step(batch(2))
@@ -153,7 +159,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_two(two_steps, mo
 def test_fresh_moments_would_differ(two_steps, model_dir):
     """The resume test above can fail: without the optimizer state the same step lands elsewhere."""
     lc, ac = configs()
-    fresh = Learner(two_steps["out"] / "ckpt" / "model", lc, ac, total_steps=10, tokenizer_path=model_dir)
+    fresh = Learner(two_steps["out"] / "ckpt" / "model", lc, ac, learner_run(model_dir))
     fresh.train_step(batch(2))
     a, b = weights(fresh.model.state_dict()), two_steps["after_two"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) > 10 * WEIGHT_ATOL

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import (
     InferenceError,
     InferenceHTTPError,
@@ -21,7 +22,8 @@ from tasks.inference import (
     VLLMClient,
     cache_salt_for,
 )
-from tasks.push import CheckpointWeightPush, WeightPushError
+from tasks.push import CheckpointPush, WeightPushError, push_version
+from tasks.replicas import Replica, ReplicaSet, VersionBox
 
 pytestmark = pytest.mark.unit
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -293,14 +295,24 @@ async def test_reload_accepts_the_empty_200_vllm_sends_for_no_results(fake_serve
         assert await c.reload_weights("/w") is None
 
 
-def fake_model(monkeypatch):
-    """save_weights writes a placeholder: these tests are about the server calls, not the weights."""
-    import tasks.learn
+def placeholder_weights(directory):
+    """The weights a push saves: a placeholder, these tests are about the server calls."""
+    (directory / "model.safetensors").write_text("x")
 
-    monkeypatch.setattr(
-        tasks.learn, "save_weights", lambda model, d: (d / "model.safetensors").write_text("x")
-    )
-    return object()
+
+def pusher_for(root, reload_timeout_s: float = 300.0, **client) -> CheckpointPush:
+    """The run's weight push (sync.backend checkpoint) with a control client of the test's settings."""
+    sync = SyncConfig(reload_timeout_s=reload_timeout_s)
+    return CheckpointPush(root, "run", sync, InferenceConfig(), client=lambda url: VLLMClient(url, **client))
+
+
+def one_server(url, versions: VersionBox | None = None) -> ReplicaSet:
+    return ReplicaSet([Replica(0, url, **({"versions": versions} if versions else {}))])
+
+
+async def push(pusher, servers: ReplicaSet, version: int):
+    """The run's push (push_version), on a thread: the fake server answers on this test's event loop."""
+    return await asyncio.to_thread(push_version, pusher, placeholder_weights, version, servers)
 
 
 def resumed(app) -> bool:
@@ -318,19 +330,18 @@ def resumed(app) -> bool:
     ],
     ids=["pause-hangs", "pause-fails", "reload-fails", "reload-hangs", "reload-garbage"],
 )
-async def test_a_failed_push_always_resumes_the_server(fake_server, monkeypatch, tmp_path, mode, error):
+async def test_a_failed_push_always_resumes_the_server(fake_server, tmp_path, mode, error):
     app, url = fake_server
     app["mode"].update(mode)
-    flipped = []
-    async with VLLMClient(url, retries=0, control_timeout_s=0.5) as c:
-        salt = cache_salt_for(7)
-        # The reload's own timeout (0.3 s) is shorter than the control timeout: it is the one used.
-        pusher = CheckpointWeightPush(c, tmp_path, "run", on_reloaded=flipped.append, reload_timeout_s=0.3)
-        with pytest.raises(WeightPushError, match=error) as e:
-            await pusher.push(fake_model(monkeypatch), 7)
+    servers, salt = one_server(url), cache_salt_for(7)
+    # The reload's own timeout (0.3 s) is shorter than the control timeout: it is the one used.
+    pusher = pusher_for(tmp_path, 0.3, retries=0, control_timeout_s=0.5)
+    with pytest.raises(WeightPushError, match=error) as e:
+        await push(pusher, servers, 7)
     path = tmp_path / "weights" / "run" / "v000007"
     assert "v7" in str(e.value) and str(path) in str(e.value) and "the server was resumed" in str(e.value)
-    assert resumed(app) and flipped == [] and cache_salt_for(7) == salt
+    assert resumed(app) and cache_salt_for(7) == salt
+    assert servers.version == 0 and servers.replicas[0].versions.get() == 0  # the version never flipped
     if "/pause" in mode:
         assert app["reloads"] == []
     else:  # vLLM's failed reload leaves no usable weights: the served model's own are reloaded
@@ -343,87 +354,83 @@ async def test_a_failed_push_always_resumes_the_server(fake_server, monkeypatch,
     assert isinstance(e.value, InferenceUnavailableError) is ("/pause" in mode)
 
 
-async def test_a_failed_reload_rolls_back_to_the_weights_loaded_last(fake_server, monkeypatch, tmp_path):
+async def test_a_failed_reload_rolls_back_to_the_weights_loaded_last(fake_server, tmp_path):
     app, url = fake_server
-    async with VLLMClient(url) as c:
-        pusher = CheckpointWeightPush(c, tmp_path, "run")
-        await pusher.push(fake_model(monkeypatch), 1)
-        app["mode"]["/collective_rpc"] = "500"
-        with pytest.raises(WeightPushError) as e:
-            await pusher.push(fake_model(monkeypatch), 2)
+    pusher, servers = pusher_for(tmp_path), one_server(url)
+    await push(pusher, servers, 1)
+    app["mode"]["/collective_rpc"] = "500"
+    with pytest.raises(WeightPushError) as e:
+        await push(pusher, servers, 2)
     v1, v2 = (str(tmp_path / "weights" / "run" / f"v00000{v}") for v in (1, 2))
     assert app["reloads"] == [v1, v2, v1]
     assert f"rolled the server back to the weights in {v1}" in str(e.value)
     assert not isinstance(e.value, InferenceUnavailableError) and resumed(app)
 
 
-async def test_a_failed_reload_without_a_rollback_asks_for_a_restart(fake_server, monkeypatch, tmp_path):
+async def test_a_failed_reload_without_a_rollback_asks_for_a_restart(fake_server, tmp_path):
     app, url = fake_server
     app["mode"]["/collective_rpc"] = "500"
     app["good"].clear()
-    async with VLLMClient(url, retries=0) as c:
-        with pytest.raises(WeightPushError, match=r"v3 .*rolling back failed .*/base.*: restart it") as e:
-            await CheckpointWeightPush(c, tmp_path, "run").push(fake_model(monkeypatch), 3)
+    with pytest.raises(WeightPushError, match=r"v3 .*rolling back failed .*/base.*: restart it") as e:
+        await push(pusher_for(tmp_path, retries=0), one_server(url), 3)
     # An InferenceUnavailableError: the train flow restarts an embedded server for it.
     assert isinstance(e.value, InferenceUnavailableError) and resumed(app)
 
 
-async def test_the_reload_has_its_own_timeout(fake_server, monkeypatch, tmp_path):
+async def test_the_reload_has_its_own_timeout(fake_server, tmp_path):
     app, url = fake_server
     app["mode"]["/collective_rpc"] = "slow"  # 0.6 s
-    async with VLLMClient(url, retries=0, control_timeout_s=0.2) as c:
-        await CheckpointWeightPush(c, tmp_path, "run", reload_timeout_s=5).push(fake_model(monkeypatch), 1)
-    async with VLLMClient(url, retries=0, control_timeout_s=5) as c:
-        with pytest.raises(WeightPushError, match="TimeoutError"):
-            await CheckpointWeightPush(c, tmp_path, "run", reload_timeout_s=0.2).push(
-                fake_model(monkeypatch), 2
-            )
-    push, rollback = ["/pause", "/collective_rpc", "/resume"], ["/v1/models", "/collective_rpc"]
-    assert [p for _, p in app["calls"]] == push + push[:2] + rollback + ["/resume"]
+    await push(pusher_for(tmp_path, 5, retries=0, control_timeout_s=0.2), one_server(url), 1)
+    with pytest.raises(WeightPushError, match="TimeoutError"):
+        await push(pusher_for(tmp_path, 0.2, retries=0, control_timeout_s=5), one_server(url), 2)
+    calls, rollback = ["/pause", "/collective_rpc", "/resume"], ["/v1/models", "/collective_rpc"]
+    assert [p for _, p in app["calls"]] == calls + calls[:2] + rollback + ["/resume"]
 
 
-async def test_a_failed_resume_is_reported_without_masking_the_reload_error(
-    fake_server, monkeypatch, tmp_path
-):
+async def test_a_failed_resume_is_reported_without_masking_the_reload_error(fake_server, tmp_path):
     app, url = fake_server
     app["mode"].update({"/collective_rpc": "500", "/resume": "500"})
-    async with VLLMClient(url, retries=0) as c:
-        with pytest.raises(WeightPushError) as e:
-            await CheckpointWeightPush(c, tmp_path, "run").push(fake_model(monkeypatch), 2)
+    with pytest.raises(WeightPushError) as e:
+        await push(pusher_for(tmp_path, retries=0), one_server(url), 2)
     msg = str(e.value)
     assert "could not reload the weights" in msg and "/collective_rpc" in msg
     assert "resuming the server also failed" in msg and "/resume" in msg
     assert isinstance(e.value.__cause__, InferenceError)
 
 
-async def test_a_failed_resume_after_a_good_reload_fails_the_push(fake_server, monkeypatch, tmp_path):
+async def test_a_failed_resume_after_a_good_reload_fails_the_push(fake_server, tmp_path):
     app, url = fake_server
     app["mode"]["/resume"] = "500"
-    flipped = []
-    async with VLLMClient(url, retries=0) as c:
-        with pytest.raises(
-            WeightPushError, match=r"v4 .* weights were loaded; resuming the server also failed"
-        ):
-            await CheckpointWeightPush(c, tmp_path, "run", on_reloaded=flipped.append).push(
-                fake_model(monkeypatch), 4
-            )
-    assert flipped == [4]
+    servers = one_server(url)
+    with pytest.raises(WeightPushError, match=r"v4 .* weights were loaded; resuming the server also failed"):
+        await push(pusher_for(tmp_path, retries=0), servers, 4)
+    # The server flipped to v4 as its reload ended; the push as a whole failed, so the set did not.
+    assert servers.replicas[0].versions.get() == 4 and servers.version == 0
 
 
-async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_server, monkeypatch, tmp_path):
+class SaltAtFlip(VersionBox):
+    """A server's version box that notes the prefix-cache salt of each version as it flips."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def set(self, v: int) -> None:
+        self.seen.append(cache_salt_for(v))
+        super().set(v)
+
+
+async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_server, tmp_path):
     app, url = fake_server
-    seen = []
-    async with VLLMClient(url) as c:
-        pusher = CheckpointWeightPush(
-            c, tmp_path, "run", on_reloaded=lambda v: seen.append(cache_salt_for(v))
-        )
-        before = cache_salt_for(5)
-        await pusher.push(fake_model(monkeypatch), 5)
-        first = cache_salt_for(5)
-        await pusher.push(fake_model(monkeypatch), 5)  # same number, other weights: other salt
-        second = cache_salt_for(5)
+    box = SaltAtFlip()
+    pusher, servers = pusher_for(tmp_path), one_server(url, box)
+    before = cache_salt_for(5)
+    await push(pusher, servers, 5)
+    first = cache_salt_for(5)
+    await push(pusher, servers, 5)  # same number, other weights: other salt
+    second = cache_salt_for(5)
     # The salt is already the new one when the version flips, and differs per push.
-    assert seen == [first, second] and len({before, first, second}) == 3
+    assert box.seen[1:] == [first, second] and len({before, first, second}) == 3
     assert [p for _, p in app["calls"]] == ["/pause", "/collective_rpc", "/resume"] * 2
     for salt in (before, first, second):  # what vLLM 0.32 accepts (validate_cache_salt)
         assert 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from tasks.config import AlgorithmConfig, LearnerConfig
-from tasks.learn import Learner, TrainSample, _logprobs_from, token_logprobs
+from tasks.learn import Learner, TrainSample
+from tasks.learner_api import LearnerRun
+from tasks.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
 from tasks.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.unit
@@ -24,8 +26,9 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
     algorithm = {"correction": "none"} | {
         k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
     }
-    return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), total_steps=total_steps,
-                   seed=seed, tokenizer_path=tokenizer_path, skip_zero_advantage=skip_zero_advantage)  # fmt: skip
+    run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path)
+    return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), run,
+                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip
 
 
 def samples() -> list[TrainSample]:
@@ -160,14 +163,19 @@ def test_logits_only_where_completions_are_predicted(model_dir):
     attn = torch.ones_like(ids)
     with torch.no_grad():
         full = token_logprobs(learner.model, ids, attn, 0.7)
-        tail = _logprobs_from(learner.model, ids, attn, 0.7, first=3)
+        tail = logprobs_from(learner.model, ids, attn, 0.7, first=3)
     assert tail.shape == (2, 3) and torch.allclose(tail, full[:, 3:], atol=1e-5)
+
+
+def micro_batch_sizes(learner: Learner, batch: list[TrainSample]) -> list[int]:
+    return [len(mb) for update in learner.plan(batch) for mb in update.micro]
 
 
 def assert_shared_logprobs_match_full_forwards(learner: Learner, batch: list[TrainSample]) -> None:
     """The shared-prompt micro-batch's completion logprobs equal one plain forward per sequence."""
     with torch.no_grad():
-        shared = learner._shared_prompt_logprobs(learner.model, batch)[0]
+        shared = shared_prompt_logprobs(learner.model, batch, temperature=learner.temperature,
+                                        pad_id=learner.pad_id, device=learner.device).logprobs  # fmt: skip
         for i, s in enumerate(batch):
             ids = torch.tensor([s.input_ids])
             full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
@@ -185,7 +193,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
         assert learner.share_prompt is share
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(samples()), grads_of(learner))
-    assert [len(mb) for mb in learner._micro_batches(samples())] == [3]  # both prompts, one batch
+    assert micro_batch_sizes(learner, samples()) == [3]  # both prompts, one batch
     assert_shared_logprobs_match_full_forwards(learner, samples()[:2])
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
@@ -205,7 +213,7 @@ def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
                                share_prompt=share, micro_batch_size=mbs)  # fmt: skip
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(batch), grads_of(learner))
-    assert [len(mb) for mb in learner._micro_batches(batch)] == [5]
+    assert micro_batch_sizes(learner, batch) == [5]
     assert_shared_logprobs_match_full_forwards(learner, batch)
     assert runs[True][0]["train/loss"] == pytest.approx(runs[False][0]["train/loss"], rel=1e-5)
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
@@ -309,7 +317,7 @@ def test_pushed_weights_read_back_exactly_overwritten_in_place_with_tied_tensors
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tasks.learn import save_weights, write_safetensors
+    from tasks.weights import save_weights, write_safetensors
 
     path = tmp_path / "t.safetensors"
     write_safetensors({"big": torch.randn(1000)}, path)

@@ -76,15 +76,15 @@ def test_tiny_random_model_runs_without_pydantic_prefect_or_pyarrow():
     assert off["forwarded_tokens"] == 2 * prompts + on["completion_tokens"]
 
 
-def _config_reads(path: Path) -> set[str]:
-    """Attributes the code (not its strings) reads off the names the config objects go by: `learner`,
-    `c`, `algorithm`, `a`, `self.config`, `self.algorithm`; a caller keeps the config fields among them."""
+def _config_reads(path: Path, names: tuple[str, ...] = ("learner", "c", "algorithm", "a")) -> set[str]:
+    """Attributes the code (not its strings) reads off the names the config objects go by (`names`,
+    `self.config`, `self.algorithm`); a caller keeps the config fields among them."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Attribute):
             continue
         v = node.value
-        if (isinstance(v, ast.Name) and v.id in ("learner", "c", "algorithm", "a")) or (
+        if (isinstance(v, ast.Name) and v.id in names) or (
             isinstance(v, ast.Attribute)
             and isinstance(v.value, ast.Name)
             and v.value.id == "self"
@@ -96,7 +96,7 @@ def _config_reads(path: Path) -> set[str]:
 
 def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic_values():
     pytest.importorskip("pydantic")
-    from tasks.config import AlgorithmConfig, LearnerConfig
+    from tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig
 
     bench = _load()
     kw = {"micro_batch_size": 16, "share_prompt": False, "gradient_checkpointing": True, "mini_batches": 2}
@@ -109,6 +109,10 @@ def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic
         assert len(fields) >= 5, (cls, fields)  # the pattern still finds them
         for field in sorted(fields):
             assert getattr(namespace, field) == getattr(pydantic_cfg, field), field
+    # The model section: the learner reads its dtype alone.
+    assert _config_reads(REPO / "tasks" / "learn.py", ("model",)) & set(ModelConfig.model_fields) == {"dtype"}
+    assert vars(bench.model_config("bfloat16", "namespace")) == {"dtype": "bfloat16"}
+    assert bench.model_config("bfloat16", "pydantic").dtype == "bfloat16"
 
 
 def test_flop_count_shares_prompts_and_counts_the_head_on_completion_tokens_only():

@@ -1,0 +1,87 @@
+"""A learner's resumable state on disk, beside its model dir: the optimizer (torch.distributed.
+checkpoint shards, loadable at any world size), the LR schedule, the RNG state, the tokenizer.
+
+Layout of a checkpoint dir: `model/` (a complete model dir, written by the learner), `optimizer/`,
+`trainer_state.pt`, `learner.json`. Every rank of a sharded learner calls `save_optimizer` and
+`load_trainer_state`; rank 0 alone calls `save_trainer_state`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from tasks.fsdp import one_process_dcp
+
+# The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
+OPTIMIZER_DIR = "optimizer"
+
+
+def save_optimizer(model, optimizer, directory: Path, world_size: int) -> None:
+    """The optimizer's state (this rank's shards of it) under `directory / OPTIMIZER_DIR`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    with one_process_dcp(world_size):
+        dcp.save(
+            {"optimizer": state}, checkpoint_id=str(Path(directory) / OPTIMIZER_DIR), no_dist=world_size == 1
+        )
+
+
+def save_trainer_state(directory: Path, scheduler, world_size: int, tokenizer_path: str) -> None:
+    """The schedule, the RNG state and the tokenizer (into `model/`, so the checkpoint's model dir is
+    a complete model dir: vLLM and resume can load it alone)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory / "model")
+    torch.save(
+        {
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "world_size": world_size,
+        },
+        directory / "trainer_state.pt",
+    )
+    (directory / "learner.json").write_text(json.dumps({"tokenizer": tokenizer_path}))
+
+
+def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_size: int, lr: float) -> None:
+    """Restore optimizer, scheduler and RNG from a checkpoint dir, at `world_size` whatever the
+    writer's was; the configured peak `lr` wins over the checkpoint's."""
+    directory = Path(directory)
+    trainer = torch.load(directory / "trainer_state.pt", weights_only=False)
+    if (directory / OPTIMIZER_DIR).is_dir():
+        _load_optimizer(directory / OPTIMIZER_DIR, model, optimizer, world_size)
+    else:  # a checkpoint from before the optimizer went into DCP: one process's state dict
+        if world_size > 1:
+            raise ValueError(
+                f"{directory} holds a single-process optimizer state (trainer_state.pt); resume it "
+                "with learner.world_size 1 (its next checkpoint loads at any world size)"
+            )
+        optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    # A retrain may change the learning rate: the schedule keeps its place, scaled to the configured peak.
+    if any(base != lr for base in scheduler.base_lrs):
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(scheduler.last_epoch)
+    torch.set_rng_state(trainer["torch_rng"])
+    random.setstate(trainer["python_rng"])
+
+
+def _load_optimizer(directory: Path, model, optimizer, world_size: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # The template (each rank's shard of every state tensor) is filled from the saved shards.
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with one_process_dcp(world_size):
+        dcp.load(state, checkpoint_id=str(directory), no_dist=world_size == 1)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

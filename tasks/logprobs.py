@@ -1,0 +1,130 @@
+"""The policy's logprobs of completion tokens: the forward passes a train step runs.
+
+A micro-batch's forward gives [B, T] completion logprobs aligned with its masks. Two ways, the same
+result: every sequence padded and run whole (`padded_logprobs`), or each distinct prompt run once and
+its KV cache row reused by its completions (`shared_prompt_logprobs`; the learner's `share_prompt`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from tasks.learn import TrainSample
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch's forward: completion logprobs and the loss's inputs, aligned."""
+
+    logprobs: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] completion tokens the loss counts
+    behaviour: torch.Tensor  # [B, T] logprobs the sampler reported
+    advantages: torch.Tensor  # [B]
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
+    """log p(x_t | x_<t) for t >= 1, shape [B, L-1]; logits scaled by the sampling temperature,
+    because vLLM reports processed (post-temperature) logprobs and the ratio must compare like with like."""
+    return logprobs_from(model, input_ids, attention_mask, temperature, first=0)
+
+
+def logprobs_from(model, input_ids, attention_mask, temperature: float, first: int) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) for positions t = first .. L-2, shape [B, L-1-first].
+
+    The LM head runs only on positions >= `first` (transformers' `logits_to_keep`): prompt positions
+    need no logits, and on a 49k vocabulary the head and its [B, L, V] float32 logits are a large
+    share of a CPU train step."""
+    L = input_ids.shape[1]
+    kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    return picked_logprobs(logits[:, -(L - first) : -1], input_ids[:, first + 1 :], temperature)
+
+
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log-softmax of temperature-scaled float32 logits [B, T, V] at `targets` [B, T]."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # gather - logsumexp avoids materialising a full [B, T, V] log_softmax copy.
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _takes_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _completion_tensors(mb: list[TrainSample], T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T] completion mask and behaviour logprobs, right-padded with zeros, and [B] advantages."""
+    mask, behav = torch.zeros((len(mb), T)), torch.zeros((len(mb), T))
+    for i, s in enumerate(mb):
+        t = len(s.completion_mask)
+        mask[i, :t] = torch.tensor(s.completion_mask, dtype=torch.float)
+        behav[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float)
+    return mask, behav, torch.tensor([s.advantage for s in mb], dtype=torch.float)
+
+
+def padded_logprobs(model, mb: list[TrainSample], *, temperature: float, pad_id: int,
+                    device: torch.device) -> MicroBatch:  # fmt: skip
+    """Each sequence right-padded and run whole; the logprobs gathered from the grid that starts at
+    the first position predicting a completion token (no logits for the prompts before it)."""
+    L = max(len(s.input_ids) for s in mb)
+    T = max(len(s.completion_mask) for s in mb)
+    B = len(mb)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    first = min(s.prompt_len for s in mb) - 1
+    index = torch.zeros((B, T), dtype=torch.long)  # position in the [B, L-1-first] logprob grid
+    for i, s in enumerate(mb):
+        n, t = len(s.input_ids), len(s.completion_mask)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        # completion token j sits at input position P+j and is predicted from position P+j-1
+        index[i, :t] = torch.arange(s.prompt_len - 1 - first, s.prompt_len - 1 - first + t)
+    mask, behav, adv = _completion_tensors(mb, T)
+    lp = logprobs_from(model, ids.to(device), attn.to(device), temperature, first)
+    return MicroBatch(lp.gather(1, index.to(device)), mask.to(device), behav.to(device), adv.to(device))
+
+
+def shared_prompt_logprobs(model, mb: list[TrainSample], *, temperature: float, pad_id: int,
+                           device: torch.device) -> MicroBatch:  # fmt: skip
+    """Like `padded_logprobs`, with each distinct prompt of the micro-batch run once: the prompts
+    (batch k) are left-padded to one length, with position ids counting from each prompt's first
+    real token; each completion continues its prompt's KV cache row (gradients flow through it).
+    The result is the padded full-sequence forward's (causal attention: a prompt's states ignore
+    what follows; padding is masked out)."""
+    rows: dict[tuple[int, ...], int] = {}
+    which = [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
+    prompts = list(rows)
+    P, B = max(len(p) for p in prompts), len(mb)
+    T = max(len(s.completion_mask) for s in mb)
+    dev = device
+    comp = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, s in enumerate(mb):
+        comp[i, : len(s.completion_mask)] = torch.tensor(s.input_ids[s.prompt_len :])
+    mask, behav, adv = _completion_tensors(mb, T)
+    head_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    head_attn = torch.zeros((len(prompts), P), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        head_ids[j, P - len(p) :] = torch.tensor(p)
+        head_attn[j, P - len(p) :] = 1
+    comp, index = comp.to(dev), torch.tensor(which, device=dev)
+    ragged = any(len(p) != P for p in prompts)
+    head_kw, tail_kw = {}, {}
+    if ragged:  # equal lengths need no mask and count positions from 0 already
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        head_attn = head_attn.to(dev)
+        head_kw = {"attention_mask": head_attn, "position_ids": (head_attn.cumsum(-1) - 1).clamp(min=0)}
+        # Right padding after a completion's real tokens: causal attention keeps it out of them.
+        tail_attn = torch.cat([head_attn[index], torch.ones((B, T), dtype=torch.long, device=dev)], 1)
+        positions = lengths[index, None] + torch.arange(T, device=dev)
+        tail_kw = {"attention_mask": tail_attn, "position_ids": positions}
+    head = model(input_ids=head_ids.to(dev), use_cache=True, logits_to_keep=1, **head_kw)
+    cache = head.past_key_values
+    cache.batch_select_indices(index)  # prompt row -> one row per completion
+    tail = model(input_ids=comp, past_key_values=cache, use_cache=True, **tail_kw).logits
+    logits = torch.cat([head.logits[index, -1:], tail[:, :-1]], dim=1)
+    return MicroBatch(picked_logprobs(logits, comp, temperature), mask.to(dev), behav.to(dev), adv.to(dev))
