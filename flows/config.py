@@ -23,11 +23,11 @@ from tasks.config import (
     RewardConfig,
     RunConfig,
     ScaleConfig,
+    Section,
     StorageConfig,
     SyncConfig,
     ToolsConfig,
     WarmupConfig,
-    _Section,
 )
 from tasks.imports import add_search_dir, import_object
 
@@ -51,10 +51,10 @@ __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from the
 ]
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(Section):
     """The whole run: what to train, on what, how, and where it lands."""
 
-    _config_dir: Path | None = PrivateAttr(None)  # folder of the YAML file it was loaded from
+    _config_dir: Path | None = PrivateAttr(None)  # set by load_config only: not a field of the file
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
@@ -73,6 +73,12 @@ class GRPOConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where data lands.")
     scale: ScaleConfig = Field(default_factory=ScaleConfig, description="Ray for rewards and tools.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
+
+    @property
+    def config_dir(self) -> Path | None:
+        """The folder of the YAML file this config was loaded from (None when built in Python): where
+        its relative paths and the user's modules are found (and what Ray workers are shipped)."""
+        return self._config_dir
 
     @model_validator(mode="after")
     def _on_policy_pushes_every_step(self) -> GRPOConfig:
@@ -234,8 +240,8 @@ def _beside_config(value: str | None, config_dir: Path) -> str | None:
 def where_searched(cfg: GRPOConfig, value: str) -> str:
     """The places a relative path was looked for, for a not-found error."""
     places = [str(Path.cwd() / value)]
-    if cfg._config_dir is not None and not Path(value).is_absolute():
-        places.append(str(cfg._config_dir / value))
+    if cfg.config_dir is not None and not Path(value).is_absolute():
+        places.append(str(cfg.config_dir / value))
     return " nor ".join(places)
 
 

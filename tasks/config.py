@@ -16,11 +16,14 @@ from pydantic.json_schema import SkipJsonSchema
 from storage.records import validate_run_id
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """The base of every config section and of the whole tree: unknown keys (typos) are errors, and
+    so is an assignment of a bad value after validation (`cfg.learner.lr = -1`)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         "tiny",
         description="Local model directory (config, safetensors, tokenizer). 'tiny' builds a random "
@@ -31,7 +34,7 @@ class ModelConfig(_Section):
     )
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     path: str | None = Field(None, description="JSONL or Parquet file of rows; each row needs 'prompt'.")
     generator: str | None = Field(
         "examples.envs:letters_rows",
@@ -64,7 +67,7 @@ class DataConfig(_Section):
         return self
 
 
-class GenerationConfig(_Section):
+class GenerationConfig(Section):
     group_size: int = Field(
         8, ge=1, description="Completions per prompt (G); training needs at least 2 (evaluation may use 1)."
     )
@@ -82,7 +85,7 @@ class GenerationConfig(_Section):
     max_in_flight: int = Field(64, ge=1, description="Bound on concurrent generation requests.")
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     name: str = Field(..., min_length=1, description="Name of the reward in tables and metrics.")
     fn: str | SkipJsonSchema[Callable[..., Any]] = Field(
         ...,
@@ -114,7 +117,7 @@ class RewardConfig(_Section):
         return _check_import_path(v) if isinstance(v, str) else v
 
 
-class ToolsConfig(_Section):
+class ToolsConfig(Section):
     tools: list[str | SkipJsonSchema[Callable[..., Any]]] = Field(
         default_factory=list,
         description="Tool functions, 'module:function' (from Python also the functions themselves).",
@@ -153,7 +156,7 @@ class ToolsConfig(_Section):
         return _check_import_path(v) if isinstance(v, str) else v
 
 
-class WarmupConfig(_Section):
+class WarmupConfig(Section):
     """Supervised fine-tuning before RL, for a model that never does what the reward needs (a model
     that never writes a tool call gets no tool-call signal to learn from). Run once per model and
     settings, cached under the store root; keep it short of saturation so RL has room to improve."""
@@ -181,7 +184,7 @@ class WarmupConfig(_Section):
         return self
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
         "grpo",
         description="Loss variant.",
@@ -283,7 +286,7 @@ class AlgorithmConfig(_Section):
     )
 
 
-class LearnerConfig(_Section):
+class LearnerConfig(Section):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
@@ -323,7 +326,7 @@ class LearnerConfig(_Section):
     )
 
 
-class InferenceConfig(_Section):
+class InferenceConfig(Section):
     url: str | None = Field(None, description="vLLM server URL; None starts an embedded server.")
     urls: list[str] = Field(
         default_factory=list,
@@ -364,7 +367,7 @@ class InferenceConfig(_Section):
         return list(self.urls) or ([self.url] if self.url else [])
 
 
-class SyncConfig(_Section):
+class SyncConfig(Section):
     backend: Literal["checkpoint"] = Field(
         "checkpoint",
         description="Weight push backend. Only 'checkpoint' today (safetensors written to the store, then "
@@ -385,7 +388,7 @@ class SyncConfig(_Section):
     )
 
 
-class ScaleConfig(_Section):
+class ScaleConfig(Section):
     ray_address: str | None = Field(
         None,
         description="Ray cluster for `executor: ray` rewards and tools: None = no Ray; 'local' = start "
@@ -401,7 +404,7 @@ class ScaleConfig(_Section):
     startup_timeout_s: float = Field(120.0, gt=0, description="Wait this long for a local Ray to start.")
 
 
-class StorageConfig(_Section):
+class StorageConfig(Section):
     root: str = Field("runs", description="Store root: rollouts, rewards, steps, checkpoints, weights.")
     compact_every: int = Field(
         100,
@@ -413,7 +416,7 @@ class StorageConfig(_Section):
     )
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_id: str | None = Field(None, description="Run name (None: generated); [A-Za-z0-9._-].")
     steps: int = Field(20, ge=1, description="Training steps of this run (total, including resumed).")
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.config import ConfigError, GRPOConfig, check_imports, load_config
 
@@ -17,10 +18,26 @@ def test_configs_exist():
     assert any(n.startswith("gpu-") for n in names)
 
 
+def _mismatches(given, got, beside: Path, where: str = "") -> list[str]:
+    """Dotted paths where the file's value is not the loaded config's (a relative path may have been
+    resolved next to the file)."""
+    if isinstance(given, dict):
+        return [m for k, v in given.items()
+                for m in _mismatches(v, got.get(k) if isinstance(got, dict) else None, beside, f"{where}.{k}")]  # fmt: skip
+    if isinstance(given, list) and isinstance(got, list) and len(given) == len(got):
+        return [m for i, (a, b) in enumerate(zip(given, got, strict=True))
+                for m in _mismatches(a, b, beside, f"{where}.{i}")]  # fmt: skip
+    if given == got or (isinstance(given, str) and got == str(beside / given)):
+        return []
+    return [f"{where.lstrip('.')}: file {given!r}, config {got!r}"]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_parses_and_imports(path):
     cfg = load_config(path)
-    assert isinstance(cfg, GRPOConfig)
+    assert cfg.config_dir == path.resolve().parent
+    # every value the file sets is the run's: no validator silently rewrote or dropped one
+    assert _mismatches(yaml.safe_load(path.read_text()), cfg.model_dump(), cfg.config_dir) == []
     check_imports(cfg)  # every reward/tool/env/generator import path resolves
 
 
@@ -59,6 +76,7 @@ def test_bad_values_name_the_field(override, field):
 def test_set_overrides_parse_yaml_values():
     cfg = load_config(None, ["generation.max_tokens=7", "data.shuffle=false", "run.run_id=abc-1"])
     assert cfg.generation.max_tokens == 7 and cfg.data.shuffle is False and cfg.run.run_id == "abc-1"
+    assert cfg.config_dir is None  # no file: relative paths are the working directory's only
 
 
 def test_missing_reward_import_is_named():
