@@ -13,7 +13,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
@@ -22,24 +22,6 @@ from tasks.imports import import_object
 from tasks.inference import InferenceUnavailableError, cache_salt_for
 from tasks.replicas import Servers
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
-
-
-class CompletionBackend(Protocol):
-    async def complete(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        n: int = 1,
-        stop=None,
-        stop_token_ids=None,
-        cache_salt: str | None = None,
-    ) -> list: ...
-
-    async def max_model_len(self) -> int: ...
 
 
 def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
@@ -117,21 +99,23 @@ class EnvPool:
 
 
 class RolloutSettings:
-    """What every rollout of one `generate_groups` call shares: the backend and tokenizer, the
-    generation and tools sections (tools resolved to callables), and the environment pool."""
+    """What every rollout of one `generate_groups` call shares: the servers and tokenizer, the
+    generation and tools sections (tools resolved to callables), and the environment pool. A group
+    runs on a copy bound to one server (`on`): that server's client and the version it serves."""
 
     def __init__(
         self,
-        backend,
+        servers: Servers,
         tokenizer,
         gen: GenerationConfig,
         tools: ToolsConfig,
         *,
         seed: int | None,
         parser: ToolCallParser,
-        version_fn: Callable[[], int],
     ):
-        self.backend, self.tok, self.gen, self.seed = backend, tokenizer, gen, seed
+        self.servers, self.tok, self.gen, self.seed = servers, tokenizer, gen, seed
+        self.backend: Any = None  # the bound server's client (`on`)
+        self.version_fn: Callable[[], int] = _unbound
         self.budget = gen.max_rollout_tokens or gen.max_tokens * gen.max_turns
         self.tools = [resolve_callable(t) for t in tools.tools]
         # tools.executor ray: plain sync tools run as Ray tasks, called by what the config names
@@ -143,11 +127,16 @@ class RolloutSettings:
         self.tool_cpus = tools.num_cpus
         factory = resolve_callable(tools.environment) if tools.environment is not None else None
         self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
-        self.parser, self.tool_timeout_s, self.version_fn = parser, tools.tool_timeout_s, version_fn
+        self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s
         self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
         self.max_len = 0
-        self.servers: Servers | None = None  # several servers: each group picks its own backend
+
+    def on(self, client: Any, version_fn: Callable[[], int]) -> RolloutSettings:
+        """These settings bound to one server: its client, and the version of the weights it serves."""
+        bound = copy.copy(self)
+        bound.backend, bound.version_fn = client, version_fn
+        return bound
 
     def tools_in_system_turn(self, schemas: list[dict]) -> bool:
         """`tools_in_system_turn` for this run's template, decided once (the tools do not change)."""
@@ -190,6 +179,10 @@ class RolloutSettings:
         if ended_with_eos and self.eos_text and glue.lstrip(" \t").startswith(self.eos_text):
             glue = glue.lstrip(" \t")[len(self.eos_text) :]
         return self.tok.encode(glue, add_special_tokens=False)
+
+
+def _unbound() -> int:
+    raise RuntimeError("RolloutSettings used before `on` bound it to a server")
 
 
 # Stands in for the assistant's text when rendering glue: plain ASCII with no whitespace, so no
@@ -360,35 +353,29 @@ async def generate_groups(
     rows: list[dict[str, Any]],
     prompt_indices: list[int],
     *,
-    backend: CompletionBackend | None = None,
-    servers: Servers | None = None,
+    servers: Servers,
     tokenizer,
     generation: GenerationConfig,
     tools: ToolsConfig | None = None,
     seed: int | None = None,
     tool_parser: ToolCallParser | None = None,
-    version_fn: Callable[[], int] = lambda: 0,
     split: str = "train",
 ) -> list[RolloutGroup]:
     """`generation.group_size` completions for each row, all groups concurrently under
     `generation.max_in_flight` requests; `tools` (functions and/or an environment) make them multi-turn.
-    `servers` (several vLLM servers) replaces `backend`: each group is routed to one of them."""
-    if (backend is None) == (servers is None):
-        raise ValueError("generate_groups needs a backend or servers (one of them)")
+    Each group is routed to one of the `servers` and records the version that server serves."""
     if len(rows) != len(prompt_indices):
         raise ValueError(f"{len(rows)} rows but {len(prompt_indices)} prompt indices")
     messages = [prompt_messages(row, i) for row, i in zip(rows, prompt_indices, strict=True)]
     r = RolloutSettings(
-        backend,
+        servers,
         tokenizer,
         generation,
         tools or ToolsConfig(),
         seed=seed,
         parser=tool_parser or HermesToolParser(),
-        version_fn=version_fn,
     )
-    r.servers = servers
-    r.max_len = await (servers or backend).max_model_len()
+    r.max_len = await servers.max_model_len()
     gate = asyncio.Semaphore(generation.max_in_flight)
 
     async def bounded(coro):
@@ -402,14 +389,9 @@ async def generate_groups(
 
 
 async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split: str) -> RolloutGroup:
-    """One row's group: one n=G request when single-turn, else G concurrent multi-turn rollouts. With
-    several servers the group runs on the least busy one, and again on another if that one fails."""
-    if r.servers is None:
-        comps = await _completions(r, row, index, msgs, bounded)
-        for c in comps:
-            c.server = getattr(r.backend, "base_url", None)
-    else:
-        comps = await _on_a_server(r, row, index, msgs, bounded)
+    """One row's group: one n=G request when single-turn, else G concurrent multi-turn rollouts, on the
+    least busy server, and again on another if that one fails."""
+    comps = await _on_a_server(r, row, index, msgs, bounded)
     failpoint("generate")
     first = comps[0]  # each completion carries its own prompt; the group shows sample 0's
     return RolloutGroup(
@@ -439,10 +421,10 @@ async def _on_a_server(r: RolloutSettings, row: dict, index: int, msgs, bounded)
     replicas = r.servers.replicas
     while True:
         rep = replicas.pick()
-        on = copy.copy(r)
-        on.backend, on.version_fn, on.servers = r.servers.clients[rep.index], rep.versions.get, None
         try:
-            comps = await _completions(on, row, index, msgs, bounded)
+            comps = await _completions(
+                r.on(r.servers.clients[rep.index], rep.versions.get), row, index, msgs, bounded
+            )
         except InferenceUnavailableError as e:
             replicas.done(rep, ok=False)
             replicas.down(rep, e)

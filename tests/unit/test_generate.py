@@ -16,6 +16,7 @@ import tasks.generate as gen
 from examples.envs import CounterEnv
 from tasks.config import GenerationConfig, ToolsConfig
 from tasks.inference import Choice
+from tasks.replicas import Replica, ReplicaSet, Servers
 from tasks.tiny_model import build_tokenizer
 from tasks.tools import HermesToolParser
 
@@ -63,6 +64,11 @@ class ScriptedBackend:
         return out
 
 
+def one_server(backend, version: int = 0) -> Servers:
+    """The run's servers: one, answered by the FAKE `backend`, serving weights `version`."""
+    return Servers(ReplicaSet([Replica(0, "http://scripted.invalid")], version=version), [backend])
+
+
 def call(name, **args):
     return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
@@ -80,11 +86,10 @@ def test_single_turn_group_and_masks(tok):
         gen.generate_groups(
             [{"prompt": "hi"}],
             [7],
-            backend=backend,
+            servers=one_server(backend, version=4),
             tokenizer=tok,
             generation=GenerationConfig(group_size=3, max_tokens=8),
             seed=1,
-            version_fn=lambda: 4,
         )
     )
     (g,) = groups
@@ -116,7 +121,7 @@ def test_multi_turn_trajectory_masks_and_logprobs_align(tok):
         gen.generate_groups(
             [{"prompt": "add 2 and 3"}],
             [0],
-            backend=backend,
+            servers=one_server(backend),
             tokenizer=tok,
             generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=3),
             tools=ToolsConfig(tools=[add]),
@@ -162,7 +167,7 @@ def test_max_turns_truncates(tok):
         gen.generate_groups(
             [{"prompt": "p"}],
             [0],
-            backend=ScriptedBackend(tok, script),
+            servers=one_server(ScriptedBackend(tok, script)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
             tools=ToolsConfig(tools=[ping]),
@@ -204,7 +209,7 @@ def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
         gen.generate_groups(
             [{"prompt": "p"}],
             [0],
-            backend=ScriptedBackend(tok, script, 8192),
+            servers=one_server(ScriptedBackend(tok, script, 8192)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=10, max_rollout_tokens=4000),
             tools=ToolsConfig(tools=[boom, hang], tool_timeout_s=0.3),
@@ -242,7 +247,7 @@ def test_slow_sync_tool_does_not_block_other_rollouts(tok):
         gen.generate_groups(
             rows,
             [0, 1],
-            backend=ScriptedBackend(tok, script),
+            servers=one_server(ScriptedBackend(tok, script)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=2),
             tools=ToolsConfig(tools=[slow, fast]),
@@ -261,7 +266,7 @@ def test_token_budget_and_max_model_len(tok):
         gen.generate_groups(
             [{"prompt": "p" * 40}],
             [0],
-            backend=backend,
+            servers=one_server(backend),
             tokenizer=tok,
             generation=GenerationConfig(group_size=2, max_tokens=100, max_rollout_tokens=30),
         )
@@ -272,7 +277,7 @@ def test_token_budget_and_max_model_len(tok):
         gen.generate_groups(
             [{"prompt": "p" * 200}],
             [0],
-            backend=backend,
+            servers=one_server(backend),
             tokenizer=tok,
             generation=GenerationConfig(group_size=2, max_tokens=10),
         )
@@ -286,7 +291,7 @@ def test_row_without_prompt_is_named(tok):
             gen.generate_groups(
                 [{"q": 1}],
                 [5],
-                backend=ScriptedBackend(tok, None),
+                servers=one_server(ScriptedBackend(tok, None)),
                 tokenizer=tok,
                 generation=GenerationConfig(group_size=2, max_tokens=4),
             )
@@ -311,7 +316,7 @@ def _counter_groups(tok):
         gen.generate_groups(
             [{"prompt": "count"}, {"prompt": "count more"}],
             [0, 1],
-            backend=ScriptedBackend(tok, _counter_script(), 8192),
+            servers=one_server(ScriptedBackend(tok, _counter_script(), 8192)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=4, max_tokens=64, max_turns=8, max_rollout_tokens=8000),
             tools=ToolsConfig(environment=CounterEnv, env_slots=3),
@@ -363,7 +368,7 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
         gen.generate_groups(
             [{"prompt": "reach the target"}],
             [0],
-            backend=ScriptedBackend(tok, script),
+            servers=one_server(ScriptedBackend(tok, script)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=3, max_tokens=16, max_turns=2),
             tools=ToolsConfig(environment=TargetEnv, env_slots=2),
@@ -410,7 +415,7 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
         gen.generate_groups(
             [{"prompt": "fill"}],
             [0],
-            backend=ScriptedBackend(tok, script),
+            servers=one_server(ScriptedBackend(tok, script)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=3, max_tokens=64, max_turns=3),
             tools=ToolsConfig(environment=ListEnv, env_slots=1, tool_timeout_s=0.2),
@@ -448,25 +453,25 @@ def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
     (each turn of a multi-turn rollout too) is salted with its version's salt, renewed by the push."""
     from tasks.inference import cache_salt_for, renew_cache_salt
 
-    version = [3]
-
-    def ping() -> str:
-        """Ping."""
-        version[0] = 4  # a push lands while the rollout waits for its tool
-        renew_cache_salt(4)
-        return "pong"
-
     async def script(text, k, seed):
         return call("ping") if "pong" not in text else "done"
 
     backend = ScriptedBackend(tok, script)
+    servers = one_server(backend, version=3)
+
+    def ping() -> str:
+        """Ping."""
+        servers.replicas.replicas[0].versions.set(4)  # a push lands while the rollout waits for its tool
+        renew_cache_salt(4)
+        return "pong"
+
     run(
-        gen.generate_groups([{"prompt": "p"}], [0], backend=backend, tokenizer=tok, generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=3), tools=ToolsConfig(tools=[ping]), version_fn=lambda: version[0])
+        gen.generate_groups([{"prompt": "p"}], [0], servers=servers, tokenizer=tok, generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=3), tools=ToolsConfig(tools=[ping]))
     )  # fmt: skip
     salts = [r["cache_salt"] for r in backend.requests]
     assert salts == [cache_salt_for(3), cache_salt_for(4)] and salts[0] != salts[1]
     single = ScriptedBackend(tok, script)
-    run(gen.generate_groups([{"prompt": "q"}], [1], backend=single, tokenizer=tok, generation=GenerationConfig(group_size=2, max_tokens=4), version_fn=lambda: 4))  # fmt: skip
+    run(gen.generate_groups([{"prompt": "q"}], [1], servers=one_server(single, version=4), tokenizer=tok, generation=GenerationConfig(group_size=2, max_tokens=4)))  # fmt: skip
     assert [r["cache_salt"] for r in single.requests] == [cache_salt_for(4)]
 
 

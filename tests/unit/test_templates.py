@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 import tasks.generate as gen
 from tasks.config import GenerationConfig, ToolsConfig
-from tests.unit.test_generate import ScriptedBackend
+from tests.unit.test_generate import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_multi_turn_glue_is_the_templates_own_text_and_masks_align(smollm2_token
         gen.generate_groups(
             [{"prompt": "What is 2 + 3?"}],
             [0],
-            backend=ScriptedBackend(tok, script, 4096),
+            servers=one_server(ScriptedBackend(tok, script, 4096)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
             tools=ToolsConfig(tools=[add]),
@@ -167,7 +167,7 @@ def test_a_template_that_drops_assistant_content_fails_with_a_clear_error(smollm
             gen.generate_groups(
                 [{"prompt": "p"}],
                 [0],
-                backend=ScriptedBackend(tok, script, 4096),
+                servers=one_server(ScriptedBackend(tok, script, 4096)),
                 tokenizer=tok,
                 generation=GenerationConfig(group_size=1, max_tokens=64, max_turns=2),
                 tools=ToolsConfig(tools=[add]),
@@ -206,7 +206,7 @@ def test_tools_are_stated_in_the_system_turn_when_smollm2s_template_ignores_them
         gen.generate_groups(
             [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]}],
             [0],
-            backend=ScriptedBackend(tok, script, 4096),
+            servers=one_server(ScriptedBackend(tok, script, 4096)),
             tokenizer=tok,
             generation=GenerationConfig(group_size=1, max_tokens=16, max_turns=2),
             tools=ToolsConfig(tools=[add], describe_tools=describe),
