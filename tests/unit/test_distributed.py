@@ -166,7 +166,7 @@ def test_fresh_moments_would_differ(two_steps, model_dir):
 
 
 def _wait_dead(pids: list[int], timeout: float = 30.0) -> bool:
-    from benchmarks.drill import alive
+    from storage.processes import alive
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
