@@ -24,8 +24,10 @@ import tempfile
 import time
 
 from flows.serve import start_server
+from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import VLLMClient
-from tasks.push import CheckpointWeightPush
+from tasks.push import push_version, weight_push
+from tasks.replicas import Replica, ReplicaSet
 from tasks.tiny_model import build_tiny_model
 
 
@@ -46,18 +48,21 @@ async def throughput(url: str, concurrency: int, requests: int, max_tokens: int)
     }
 
 
-async def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) -> dict:
+def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) -> dict:
+    """The run's push (tasks.push.push_version, sync's defaults: keep_last 2) of a model in this process."""
     from transformers import AutoModelForCausalLM
 
+    from tasks.weights import save_weights
+
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    pusher = weight_push(root, "bench", SyncConfig(), InferenceConfig())
+    servers = ReplicaSet([Replica(0, url)])
     totals, saves, loads = [], [], []
-    async with VLLMClient(url) as c:
-        pusher = CheckpointWeightPush(c, root, "bench", keep_last=2)  # sync.keep_last's default
-        for v in range(repeats):
-            m = await pusher.push(model, v + 1)
-            totals.append(m["sync/total_seconds"])
-            saves.append(m["sync/save_seconds"])
-            loads.append(m["sync/reload_seconds"])
+    for v in range(repeats):
+        stats = push_version(pusher, lambda d: save_weights(model, d), v + 1, servers)
+        totals.append(stats.total_seconds)
+        saves.append(stats.save_seconds)
+        loads.append(stats.reload_seconds)
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "push_seconds_median": round(statistics.median(totals), 3),
             "save_seconds_median": round(statistics.median(saves), 3),
@@ -79,7 +84,7 @@ def main() -> None:
             result["throughput"] = [
                 asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
             ]
-        result["weight_push_tiny"] = asyncio.run(push_seconds(server.url, tiny, root, args.repeats))
+        result["weight_push_tiny"] = push_seconds(server.url, tiny, root, args.repeats)
     print(json.dumps(result), flush=True)
     if args.smollm2:
         with start_server(
@@ -89,9 +94,7 @@ def main() -> None:
             if not args.push_only:
                 smol["throughput"] = [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens))
                                       for c in (1, 8, 32)]  # fmt: skip
-            smol["weight_push"] = asyncio.run(
-                push_seconds(server.url, Path(args.smollm2), root, args.repeats)
-            )
+            smol["weight_push"] = push_seconds(server.url, Path(args.smollm2), root, args.repeats)
         print(json.dumps(smol), flush=True)
 
 

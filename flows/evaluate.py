@@ -29,7 +29,7 @@ from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from tasks.replicas import Replica, ReplicaSet
-from tasks.steps import persist_step, rollout_batch
+from tasks.steps import persist, rollout_batch
 
 
 def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
@@ -84,17 +84,16 @@ def evaluate_model(
     """Generate and score `rows` with the model dir `model` on the server at `url` (first loaded into
     it when `load`), and persist them as step `step` of `eval_run` (split 'eval'); the groups."""
     if load:
-        from tasks.push import load_weights_sync
+        from tasks.push import load_version, weight_push
 
-        load_weights_sync(model, step, url=url, root=cfg.storage.root, run_id=eval_run,
-                          inference=cfg.inference, reload_timeout_s=cfg.sync.reload_timeout_s)  # fmt: skip
+        load_version(weight_push(cfg.storage.root, eval_run, cfg.sync, cfg.inference), url, model, step)
     cursor = list(range(len(rows)))
     job = rollout_job(cfg, ReplicaSet([Replica(0, url)], version=step), model)
     batch = rollout_batch(step, rows, cursor, quote(job))
     for g in batch.groups:
         g.split = "eval"
         g.group_id = g.group_id.replace("train-", "eval-")
-    persist_step(cfg.storage.root, eval_run, step, quote(batch.groups))
+    persist(cfg.storage.root, eval_run, step, quote(batch.groups))
     return batch.groups
 
 
@@ -125,7 +124,7 @@ def grpo_evaluate(
     eval_run = validate_run_id(eval_run or f"{run_id or cfg.run.run_id or 'base'}-eval")
     ray_log = Path(cfg.storage.root) / "logs" / f"ray-{eval_run}.log"
     with (
-        ray_cluster(cfg.scale, cfg._config_dir, ray_log),
+        ray_cluster(cfg.scale, cfg.config_dir, ray_log),
         inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server,
     ):
         groups = evaluate_model(cfg, model, step, eval_run, rows, server.url, load=server_url is not None)

@@ -20,6 +20,7 @@ from prefect.artifacts import (
 
 from flows.config import GRPOConfig
 from flows.runs import RunState
+from tasks.steps import StepRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
 
@@ -77,11 +78,14 @@ class StepReporter:
             self.bar.start()
             self.task = self.bar.add_task(run.run_id, total=self.total, completed=run.start_step, info="")
 
-    def step(self, step: int, m: dict[str, Any]) -> None:
-        row = {"step": step} | {k: _num(m.get(k)) for k in TABLE_KEYS}
+    def step(self, record: StepRecord) -> None:
+        m = record.row()
+        row = {"step": record.step} | {k: _num(m.get(k)) for k in TABLE_KEYS}
         self.rows.append(row)
-        loss = m.get("train/loss", float("nan"))
-        self._shows.submit(contextvars.copy_context().run, self._show, step, row, loss)  # in this flow run
+        loss = record.train.get("train/loss", float("nan"))
+        self._shows.submit(
+            contextvars.copy_context().run, self._show, record.step, row, loss
+        )  # in this flow run
 
     def _show(self, step: int, row: dict[str, Any], loss: float) -> None:
         reward = row["reward/mean"]

@@ -20,7 +20,7 @@ from typing import Any
 from storage.checkpoints import CheckpointStore
 from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from storage.rollouts import RolloutStore
-from tasks.config import InferenceConfig
+from tasks.config import InferenceConfig, SyncConfig
 
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
@@ -55,19 +55,17 @@ def load_into_server(
     server_url: str,
     root: str | Path,
     lineage: str,
-    inference: InferenceConfig,
+    inference: InferenceConfig | None,
+    sync: SyncConfig | None,
 ) -> float:
-    from tasks.push import load_weights_sync
+    """Load a version into the live server through the run's weight push (`sync.backend`, its
+    `reload_timeout_s`), dropping the server's whole prefix cache (the module doc)."""
+    from tasks.push import load_version, weight_push
 
-    return load_weights_sync(
-        path,
-        step or 0,
-        url=server_url,
-        root=root,
-        run_id=lineage,
-        inference=inference,
-        reset_prefix_cache=True,
+    pusher = weight_push(
+        root, lineage, sync or SyncConfig(), inference or InferenceConfig(), reset_prefix_cache=True
     )
+    return load_version(pusher, server_url, path, step or 0)
 
 
 def _announce(row: dict[str, Any]) -> None:
@@ -115,6 +113,7 @@ def promote(
     incumbent: dict[str, Any] | None,
     server_url: str | None,
     inference: InferenceConfig | None = None,
+    sync: SyncConfig | None = None,
     reason: str,
     scores: dict[str, Any] | None = None,
     flow_run_id: str | None = None,
@@ -127,7 +126,7 @@ def promote(
         try:
             if server_url:
                 load_into_server(candidate["path"], candidate["step"], server_url=server_url, root=root,
-                                 lineage=lineage, inference=inference or InferenceConfig())  # fmt: skip
+                                 lineage=lineage, inference=inference, sync=sync)  # fmt: skip
         except Exception:
             if candidate not in log.stack(lineage):
                 unpin(candidate["path"], lineage)
@@ -164,6 +163,7 @@ def rollback(
     *,
     server_url: str | None,
     inference: InferenceConfig | None = None,
+    sync: SyncConfig | None = None,
     flow_run_id: str | None = None,
 ) -> dict[str, Any]:
     """Serve the version promoted before the current one (the base model below the first), load it
@@ -185,7 +185,7 @@ def rollback(
             target = version(None, None, first["incumbent_path"])
         if server_url:
             load_into_server(target["path"], target["step"], server_url=server_url, root=root, lineage=lineage,
-                             inference=inference or InferenceConfig())  # fmt: skip
+                             inference=inference, sync=sync)  # fmt: skip
         name = "the base model" if target["run"] is None else f"{target['run']} step {target['step']}"
         row = log.record(lineage, "rolled_back", candidate=current, incumbent=target, serving=target,
                          reason=f"rolled back to {name}", server=server_url, flow_run_id=flow_run_id)  # fmt: skip

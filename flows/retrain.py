@@ -111,7 +111,7 @@ def grpo_retrain(
     decide = promote if better else reject
     decision = decide(root, lineage, candidate, incumbent=incumbent, server_url=server_url, reason=why,
                       scores=gate_scores, flow_run_id=_flow_run_id(),
-                      **({"inference": cfg.inference} if better else {}))  # fmt: skip
+                      **({"inference": cfg.inference, "sync": cfg.sync} if better else {}))  # fmt: skip
     print(f"lineage {lineage}: {decision['decision']}: {why}")
 
     meta = store.read_run_meta(run_id) or {}

@@ -1,10 +1,15 @@
-"""Weight push backends: get the learner's weights into the running vLLM server.
+"""The weight push: how a version of the learner's weights reaches the vLLM servers.
 
-`checkpoint` (default): save safetensors to `<root>/weights/<run>/v<NNNNNN>/` atomically, then
-pause(keep) -> reload_weights -> resume. With `mode=keep` requests in flight are frozen, not aborted,
-and continue under the new weights after resume. The server is always resumed, also when the pause
-itself or the reload fails or times out; a failed push raises WeightPushError naming the version and
-the weights path (and a failed resume, if any).
+One protocol, `WeightPush` (save a version, load a version into a server, forget the versions
+retention no longer keeps), selected by `sync.backend` (`weight_push`). Everything that puts weights
+into a server goes through it: the run's pushes (`push_version`: save once, load into every serving
+server at once), a revived server rejoining, grpo-evaluate, promotion and rollback (`load_version`).
+
+`checkpoint` (`CheckpointPush`, the default): safetensors in `<root>/weights/<run>/v<NNNNNN>/`, saved
+atomically, then pause(keep) -> reload_weights -> resume. With `mode=keep` requests in flight are
+frozen, not aborted, and continue under the new weights after resume. The server is always resumed,
+also when the pause itself or the reload fails or times out; a failed push raises WeightPushError
+naming the version and the weights path (and a failed resume, if any).
 
 A failed reload cannot simply be resumed from: vLLM 0.32 moves the model's layers to the meta device
 before it reads the new files, so after a failure the next forward pass crashes the server. The push
@@ -14,7 +19,8 @@ server must be restarted).
 
 `mode=keep` leaves vLLM's prefix cache as it is, so a successful reload draws a new prefix-cache salt
 for the version (`tasks.inference.renew_cache_salt`) before the version flips: requests salted with
-`cache_salt_for(version)` never reuse KV computed under other weights.
+`cache_salt_for(version)` never reuse KV computed under other weights. Promotion and rollback also
+drop the whole prefix cache (`reset_prefix_cache`): the live server's other clients salt nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from storage.checkpoints import weights_store
 from storage.faults import failpoint
@@ -38,8 +45,6 @@ from tasks.inference import (
     renew_cache_salt,
 )
 from tasks.replicas import Replica, ReplicaSet
-
-DEFAULT_RELOAD_TIMEOUT_S = SyncConfig.model_fields["reload_timeout_s"].default
 
 # Server URL -> the weights directory this process last loaded into it (the rollback target).
 _loaded: dict[str, str] = {}
@@ -55,47 +60,157 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
     retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
 
 
-class CheckpointWeightPush:
-    def __init__(
-        self,
-        client: VLLMClient,
-        root: str | Path,
-        run_id: str,
-        keep_last: int = 2,
-        on_reloaded: Callable[[int], None] | None = None,
-        reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
-    ):
-        self.client, self.run_id, self.keep_last = client, run_id, keep_last
-        self.reload_timeout_s = reload_timeout_s
-        self.weights = weights_store(root)
-        # Called after a successful reload and before resume: requests that finish after this point
-        # may carry new-version tokens, so the version must already read as the new one.
-        self.on_reloaded = on_reloaded
+class WeightPush(Protocol):
+    """How a version of the weights gets into a server (the module doc)."""
 
-    async def push(self, model: Any, version: int) -> dict[str, float]:
-        """Save `model` (a transformers model in this process) as `version` and load it."""
-        from tasks.learn import save_weights  # torch: imported when a model is pushed, not before
+    def save(self, write: Callable[[Path], None], version: int) -> str:
+        """Publish `version`, filled by `write(directory)` (the learner's `write_weights`); its path."""
+        ...
 
-        t0 = time.perf_counter()
-        path = await asyncio.to_thread(
-            self.weights.save, self.run_id, version, lambda d: save_weights(model, d), {"version": version},
-            None, self.keep_last,
-        )  # fmt: skip
-        t1 = time.perf_counter()
-        await self.load(path, version)
-        t2 = time.perf_counter()
-        self.weights.prune(self.run_id, self.keep_last)
+    async def load(
+        self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
+    ) -> None:
+        """Make the server at `url` serve `path` as `version`; `on_loaded(version)` runs once it does,
+        before new requests are admitted."""
+        ...
+
+    def forget(self) -> None:
+        """Drop the versions retention no longer keeps (never one a server serves)."""
+        ...
+
+
+@dataclass
+class PushStats:
+    """One push: where its time went, and how many servers took it."""
+
+    version: int
+    save_seconds: float
+    reload_seconds: float  # the slowest server's load
+    total_seconds: float
+    servers: int
+    failed_servers: int
+
+    def metrics(self) -> dict[str, float]:
+        """The `steps` table's sync/ columns."""
         return {
-            "sync/save_seconds": t1 - t0,
-            "sync/reload_seconds": t2 - t1,
-            "sync/total_seconds": time.perf_counter() - t0,
-            "sync/version": float(version),
+            "sync/save_seconds": self.save_seconds,
+            "sync/reload_seconds": self.reload_seconds,
+            "sync/total_seconds": self.total_seconds,
+            "sync/version": float(self.version),
+            "sync/servers": float(self.servers),
+            "sync/failed_servers": float(self.failed_servers),
         }
 
-    async def load(self, path: str | Path, version: int, *, reset_prefix_cache: bool = False) -> None:
-        """pause(keep) -> reload the model dir `path` -> resume, as the module doc says.
-        `reset_prefix_cache`: also drop the server's whole prefix cache before resuming (requests in
-        flight are recomputed under the new weights), for servers whose other clients salt nothing."""
+
+class CheckpointPush:
+    """The `checkpoint` backend: a model dir on disk, reloaded by vLLM (the module doc). `client(url)`
+    makes the control client (default: the `inference` section's key, retries and timeouts)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        run_id: str,
+        sync: SyncConfig,
+        inference: InferenceConfig,
+        *,
+        reset_prefix_cache: bool = False,
+        client: Callable[[str], VLLMClient] | None = None,
+    ):
+        self.root, self.run_id, self.sync = root, run_id, sync
+        self.reset_prefix_cache = reset_prefix_cache
+        self.client = client or (lambda url: client_for(url, inference))
+        self.weights = weights_store(root)
+
+    def save(self, write: Callable[[Path], None], version: int) -> str:
+        # keep_last is applied once the servers have loaded it, but a version it will then remove (never
+        # the one they serve) is recycled now: its weights file is overwritten in place.
+        return str(
+            self.weights.save(self.run_id, version, write, {"version": version}, recycle=self.sync.keep_last)
+        )
+
+    def forget(self) -> None:
+        self.weights.prune(self.run_id, self.sync.keep_last)
+
+    async def load(
+        self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
+    ) -> None:
+        async with self.client(url) as client:
+            await _Reload(client, self.run_id, self.sync.reload_timeout_s).run(
+                path, version, on_loaded, self.reset_prefix_cache
+            )
+
+
+BACKENDS: dict[str, type[CheckpointPush]] = {"checkpoint": CheckpointPush}
+
+
+def weight_push(
+    root: str | Path, run_id: str, sync: SyncConfig, inference: InferenceConfig, **options
+) -> WeightPush:
+    """The push backend `sync.backend` names, for run `run_id`'s versions under `root`."""
+    return BACKENDS[sync.backend](root, run_id, sync, inference, **options)
+
+
+def push_version(
+    pusher: WeightPush, write: Callable[[Path], None], version: int, replicas: ReplicaSet
+) -> PushStats:
+    """The run's push: save `version` once (`write` fills its directory), then every serving server
+    of `replicas` loads it at once (each one's version flips as its load ends). A server whose load
+    fails leaves the rotation (its reviver brings it back to these weights) while the others serve
+    them; when every server fails, the first error is raised, as for a single server."""
+    targets = replicas.begin_push()
+    done, path, failed = False, None, []
+    try:
+        if not targets:
+            raise InferenceUnavailableError(replicas.all_down())
+        t0 = time.perf_counter()
+        path = pusher.save(write, version)
+        t1 = time.perf_counter()
+
+        async def one(rep: Replica) -> float:
+            t = time.perf_counter()
+            await pusher.load(rep.url, path, version, rep.versions.set)
+            return time.perf_counter() - t
+
+        async def all_of() -> list:
+            return await asyncio.gather(*(one(r) for r in targets), return_exceptions=True)
+
+        results = asyncio.run(all_of())
+        failed = [(r, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
+        if len(failed) == len(targets):
+            raise failed[0][1]
+        pusher.forget()
+        done = True
+    finally:
+        replicas.end_push(version if done else None, path if done else None)
+    for rep, error in failed:
+        replicas.down(rep, error)
+    reloads = [x for x in results if not isinstance(x, BaseException)]
+    return PushStats(version, t1 - t0, max(reloads), time.perf_counter() - t0, len(reloads), len(failed))
+
+
+def load_version(
+    pusher: WeightPush,
+    url: str,
+    path: str | Path,
+    version: int,
+    on_loaded: Callable[[int], None] | None = None,
+) -> float:
+    """Load weights already on disk (a pushed version, a checkpoint's `model/`) into the server at
+    `url`, as a push does without saving a copy first; the seconds it took."""
+    t0 = time.perf_counter()
+    asyncio.run(pusher.load(url, str(Path(path).resolve()), version, on_loaded))
+    return time.perf_counter() - t0
+
+
+class _Reload:
+    """One checkpoint load into one server: pause(keep) -> reload -> resume, as the module doc says."""
+
+    def __init__(self, client: VLLMClient, run_id: str, reload_timeout_s: float):
+        self.client, self.run_id, self.reload_timeout_s = client, run_id, reload_timeout_s
+
+    async def run(
+        self, path: str, version: int, on_loaded: Callable[[int], None] | None, reset_prefix_cache: bool
+    ) -> None:
         stage = "pause the server"
         try:
             # A pause that fails or times out may still have taken effect on the server: it is inside
@@ -105,20 +220,20 @@ class CheckpointWeightPush:
             )
             failpoint("weight_push")
             stage = "reload the weights"
-            await self.client.reload_weights(str(path), timeout_s=self.reload_timeout_s)
-            _loaded[self.client.base_url] = str(path)
+            await self.client.reload_weights(path, timeout_s=self.reload_timeout_s)
+            _loaded[self.client.base_url] = path
             if reset_prefix_cache:
                 stage = "reset its prefix cache"
                 if not await self.client.reset_prefix_cache(running=True):
                     raise InferenceError("vLLM answered success=false")
             renew_cache_salt(version)  # before the version flips: no request of it may see old KV
-            if self.on_reloaded is not None:
-                self.on_reloaded(version)
+            if on_loaded is not None:
+                on_loaded(version)
         except InferenceError as e:
             message = f"weight push v{version} from {path} failed: vLLM could not {stage}: {e}"
             unavailable = stage == "pause the server" and isinstance(e, InferenceUnavailableError)
             if stage == "reload the weights":
-                restored, note = await self._roll_back(str(path))
+                restored, note = await self._roll_back(path)
                 message += f"; {note}"
                 unavailable = not restored
             resume_error = await self._resume()
@@ -177,129 +292,6 @@ def _push_error(message: str, resume_error: Exception | None, unavailable: bool 
         message += "; the server was resumed"
     unavailable = unavailable or isinstance(resume_error, InferenceUnavailableError)
     return (WeightPushUnavailableError if unavailable else WeightPushError)(message)
-
-
-def push_weights_sync(
-    model: Any,
-    version: int,
-    *,
-    url: str,
-    root: str | Path,
-    run_id: str,
-    sync: SyncConfig | None = None,
-    inference: InferenceConfig | None = None,
-    on_reloaded: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Blocking push for a training thread (runs its own event loop and client); `sync` gives the
-    versions kept and the reload timeout, `inference` the client's key, retries and timeouts."""
-    sync = sync or SyncConfig()
-
-    async def go() -> dict[str, float]:
-        async with client_for(url, inference or InferenceConfig()) as client:
-            pusher = CheckpointWeightPush(
-                client, root, run_id, sync.keep_last, on_reloaded, sync.reload_timeout_s
-            )
-            return await pusher.push(model, version)
-
-    return asyncio.run(go())
-
-
-def push_to_servers(
-    write_weights: Callable[[Path], None],
-    version: int,
-    *,
-    replicas: ReplicaSet,
-    root: str | Path,
-    run_id: str,
-    sync: SyncConfig | None = None,
-    inference: InferenceConfig | None = None,
-) -> dict[str, float]:
-    """Push to every serving server of `replicas` at once: the weights are saved once (`write_weights`
-    fills a directory with a model dir: the learner's `write_weights`), then each
-    server pauses, reloads and resumes on its own (its version flips as its reload ends). A server
-    whose load fails leaves the rotation (its reviver brings it back to these weights) while the others
-    serve them; when every server fails, the first error is raised, as for a single server."""
-    sync = sync or SyncConfig()
-    targets = replicas.begin_push()
-    done, path, failed = False, None, []
-    try:
-        if not targets:
-            raise InferenceUnavailableError(replicas.all_down())
-        store = weights_store(root)
-        t0 = time.perf_counter()
-        # keep_last is applied once the servers have loaded it, but a version it will then remove (never
-        # the one they serve) is recycled now: its file is overwritten in place (tasks.learn.save_weights).
-        path = store.save(run_id, version, write_weights, {"version": version}, recycle=sync.keep_last)
-        t1 = time.perf_counter()
-
-        async def one(rep: Replica) -> float:
-            async with client_for(rep.url, inference or InferenceConfig()) as client:
-                pusher = CheckpointWeightPush(client, root, run_id, sync.keep_last, rep.versions.set,
-                                              sync.reload_timeout_s)  # fmt: skip
-                t = time.perf_counter()
-                await pusher.load(path, version)
-                return time.perf_counter() - t
-
-        async def all_of() -> list[Any]:
-            return await asyncio.gather(*(one(r) for r in targets), return_exceptions=True)
-
-        results = asyncio.run(all_of())
-        failed = [(r, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
-        if len(failed) == len(targets):
-            raise failed[0][1]
-        store.prune(run_id, sync.keep_last)
-        done = True
-    finally:
-        replicas.end_push(version if done else None, str(path) if done else None)
-    for rep, error in failed:
-        replicas.down(rep, error)
-    reloads = [x for x in results if not isinstance(x, BaseException)]
-    return {
-        "sync/save_seconds": t1 - t0,
-        "sync/reload_seconds": max(reloads),
-        "sync/total_seconds": time.perf_counter() - t0,
-        "sync/version": float(version),
-        "sync/servers": float(len(reloads)),
-        "sync/failed_servers": float(len(failed)),
-    }
-
-
-def load_into(rep: Replica, path: str, version: int, *, root: str | Path, run_id: str,
-              inference: InferenceConfig | None = None, reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S) -> None:  # fmt: skip
-    """Load weights already on disk into one server of a set; its version flips as the reload ends
-    (a revived server rejoining at the version the others serve)."""
-
-    async def go() -> None:
-        async with client_for(rep.url, inference or InferenceConfig()) as client:
-            pusher = CheckpointWeightPush(client, root, run_id, on_reloaded=rep.versions.set,
-                                          reload_timeout_s=reload_timeout_s)  # fmt: skip
-            await pusher.load(path, version)
-
-    asyncio.run(go())
-
-
-def load_weights_sync(
-    path: str | Path,
-    version: int,
-    *,
-    url: str,
-    root: str | Path,
-    run_id: str,
-    inference: InferenceConfig | None = None,
-    reset_prefix_cache: bool = False,
-    reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
-) -> float:
-    """Load a model dir already on disk (a checkpoint's `model/`) into the server at `url`, as a push
-    does but without saving a copy first; the seconds it took."""
-    t0 = time.perf_counter()
-
-    async def go() -> None:
-        async with client_for(url, inference or InferenceConfig()) as client:
-            pusher = CheckpointWeightPush(client, root, run_id, reload_timeout_s=reload_timeout_s)
-            await pusher.load(Path(path).resolve(), version, reset_prefix_cache=reset_prefix_cache)
-
-    asyncio.run(go())
-    return time.perf_counter() - t0
 
 
 def _owner(run_id: str) -> str:

@@ -1,11 +1,14 @@
-"""The units of work of one training step, and their Prefect tasks.
+"""The units of work of one training step, each with one name, and the step's record.
 
-`rollout-batch` runs generation + scoring as a task; the learner's side (`train_step`: write, train,
-push) runs in the flow with `train-step` (`train_step_run`) as its task run beside it, so Prefect's
-per-run bookkeeping stays off the step's critical path (docs/architecture.md, section 2). Each unit
-takes its own config sections (through `RolloutJob` / `PushJob`, built once per run by the flow);
-`task.fn(...)` calls a task's plain function (tests do). Big objects (groups, the learner, the jobs)
-reach tasks wrapped in `quote(...)` so Prefect's argument walker never traverses token lists.
+generate -> score (`rollout_batch`, task `rollout-batch`), advantages (`assign_advantages`), update
+(`update`), persist (`persist`, task `persist-step`), push (`push_weights`, task `push-weights`),
+checkpoint (`save_checkpoint`, task `checkpoint`); `train_step` (task `train-step`) is the task run that
+records the learner's side of a step (update, persist, push) in the Prefect UI. How they run, as task
+runs or plain calls (`task.fn(...)`, as tests call them), is the flow's runner's choice
+(flows/runner.py). Each unit takes its own config sections (through `RolloutJob`, built once per run).
+Big objects (groups, the learner, the jobs) reach tasks wrapped in `quote(...)` so Prefect's argument
+walker never traverses token lists. A step's figures are one typed record, `StepRecord`: the `steps`
+row, the progress artifact and the step's log line are read from it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,15 +27,9 @@ from storage.checkpoints import CheckpointStore
 from storage.faults import failpoint
 from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
-from tasks.config import (
-    AlgorithmConfig,
-    GenerationConfig,
-    InferenceConfig,
-    RewardConfig,
-    SyncConfig,
-    ToolsConfig,
-)
+from tasks.config import AlgorithmConfig, GenerationConfig, InferenceConfig, RewardConfig, ToolsConfig
 from tasks.grpo import group_advantages
+from tasks.push import PushStats, WeightPush, push_version
 from tasks.replicas import ReplicaSet
 
 
@@ -216,17 +213,67 @@ def assign_advantages(
 
 
 @dataclass
-class PushJob:
-    """Where and how a run pushes weights: its servers (each serving one gets the push), its store,
-    the sync and client sections."""
+class StepTimes:
+    """Where a step's wall time went, in seconds."""
 
-    root: str
-    run_id: str
-    sync: SyncConfig
-    inference: InferenceConfig
-    servers: ReplicaSet
+    wall: float = 0.0  # since the previous step ended (its row write and report are in this step)
+    wait: float = 0.0  # the learner idling for generation
+    write: float = 0.0  # the step's rollouts and rewards, beside the update
+    prefect: float = 0.0  # Prefect's task runs on the step's critical path
+    checkpoint: float | None = None  # a checkpoint's save, when one was due
 
 
+@dataclass
+class StepRecord:
+    """One step's figures, each part filled by the unit that measured it; `row()` is the `steps`
+    table's row (and what the progress artifact and trackers read)."""
+
+    step: int
+    rollout: dict[str, float] = field(default_factory=dict)  # gen/, reward/, server health: the batch's
+    advantages: dict[str, float] = field(default_factory=dict)  # adv/, staleness: assign_advantages
+    train: dict[str, float] = field(default_factory=dict)  # train/: the learner's
+    push: PushStats | None = None  # when the step pushed
+    policy_version: int = 0  # what the servers serve once the step is done
+    server_restarts: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
+
+    def row(self) -> dict[str, float]:
+        t = self.times
+        out = self.rollout | self.advantages | self.train | {"write_seconds": t.write}
+        if self.push is not None:
+            out |= self.push.metrics()
+        out |= {
+            "sync_seconds": self.push.total_seconds if self.push is not None else 0.0,
+            "policy_version": self.policy_version,
+            "server_restarts": self.server_restarts,
+            "wall_seconds": t.wall,
+            "wait_seconds": t.wait,
+            "prefect_overhead_seconds": t.prefect,
+            "prefect_overhead_frac": t.prefect / t.wall if t.wall > 0 else 0.0,
+        }
+        if t.checkpoint is not None:
+            out["checkpoint_seconds"] = t.checkpoint
+        return out
+
+    def summary(self) -> str:
+        """What the learner's side of the step did, in one line (the train-step task run's log)."""
+        m = self.train
+        parts = [f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s"]
+        parts.insert(0, f"wrote rollouts + rewards in {self.times.write:.2f}s")
+        if self.push is not None:
+            parts.append(f"pushed version {self.push.version} in {self.push.total_seconds:.2f}s")
+        return "; ".join(parts)
+
+
+def update(learner, groups: list[RolloutGroup]) -> dict[str, float]:
+    """Train on the step's trained completions; the learner's train/ figures."""
+    from tasks.learn import samples_from_groups
+
+    failpoint("train")
+    return learner.train_step(samples_from_groups(groups))
+
+
+@task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def persist(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
     """Write the step's rollouts and rewards (atomic Parquet files); returns seconds."""
     t0 = time.perf_counter()
@@ -236,107 +283,27 @@ def persist(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> fl
     return time.perf_counter() - t0
 
 
-@task(name="persist-step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def persist_step(root: str, run_id: str, step: int, groups: list[RolloutGroup]) -> float:
-    """`persist` as its own task: evaluation's writes, and a training step's when the write inside its
-    train-step failed."""
-    return persist(root, run_id, step, groups)
-
-
-@dataclass
-class StepOutcome:
-    """What a train step did: the steps table's train/ metrics, `write_seconds` and, when it pushed,
-    the sync/ metrics; its wall time; and a write or push that failed, left for the flow to run again
-    as its own task."""
-
-    metrics: dict[str, float]
-    seconds: float
-    persist_error: Exception | None = None
-    push_error: Exception | None = None
-
-
-def train_step(
-    learner,
-    groups: list[RolloutGroup],
-    *,
-    step: int,
-    root: str,
-    run_id: str,
-    push: PushJob | None = None,
-    version: int | None = None,
-) -> StepOutcome:
-    """A training step's learner-side work: write the step's rollouts and rewards on a thread beside the
-    update, train on them, then push the new weights as `version` into `push`'s servers when given.
-    The flow runs it itself, with `train_step_run` as its task run in the Prefect UI.
-
-    A failed write or push does not fail the step, whose update has been applied: it comes back in
-    the outcome, and the flow runs it again as `persist-step` / `push-weights`, with their retries
-    and the recovery of dead servers."""
-    from tasks.learn import samples_from_groups
-
-    t0 = time.perf_counter()
-    outcome = StepOutcome({}, 0.0)
-    with ThreadPoolExecutor(1, thread_name_prefix="persist") as pool:
-        writer = pool.submit(persist, root, run_id, step, groups)
-        try:
-            failpoint("train")
-            outcome.metrics = learner.train_step(samples_from_groups(groups))
-            if push is not None:
-                try:
-                    outcome.metrics |= push_to(learner, version, push)
-                except Exception as e:  # any failure: the flow's push-weights retries it
-                    outcome.push_error = e
-        finally:
-            try:
-                outcome.metrics["write_seconds"] = writer.result()
-            except Exception as e:  # any failure: the flow's persist-step retries it
-                outcome.persist_error = e
-    outcome.seconds = time.perf_counter() - t0
-    return outcome
+@task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def push_weights(learner, version: int, pusher: WeightPush, servers: ReplicaSet) -> PushStats:
+    """Push the learner's weights into every serving server as `version` (tasks.push.push_version)."""
+    return push_version(pusher, learner.write_weights, version, servers)
 
 
 @task(name="train-step", cache_policy=NO_CACHE)
-def train_step_run(outcome: Future) -> StepOutcome:
-    """The Prefect task run of a train step that the flow runs itself (`train_step`): submitted as the
-    step starts, it ends with the step's outcome or its error.
+def train_step(outcome: Future) -> StepRecord:
+    """The Prefect task run of a step's learner side (update, persist, push), which the flow runs
+    itself: submitted as the step starts, it ends with the step's record or its error.
 
     A task run costs Prefect's engine milliseconds of the calling thread before its body starts and
     after it returns (the run's states, events and logs); here they are spent on the task runner's
     thread, beside the update, not on the step's critical path (BENCHMARKS.md, "Prefect's share of a
-    step"). The UI shows the run, its duration within those milliseconds,
-    its failure, and one log line of what the step wrote, trained and pushed."""
-    done = outcome.result()
-    _log_step(done)
-    return done
-
-
-def _log_step(outcome: StepOutcome) -> None:
-    """The task run's one line in the Prefect UI: what it wrote, trained and pushed, and how long each
-    took (failures are logged by the flow, which runs them again)."""
+    step"). The UI shows the run, its duration within those milliseconds, its failure, and one log
+    line of what the step wrote, trained and pushed."""
     from prefect.logging import get_run_logger
 
-    m = outcome.metrics
-    parts = [f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s"]
-    if "write_seconds" in m:
-        parts.insert(0, f"wrote rollouts + rewards in {m['write_seconds']:.2f}s")
-    if "sync/total_seconds" in m:
-        parts.append(f"pushed version {m['sync/version']:.0f} in {m['sync/total_seconds']:.2f}s")
-    get_run_logger().info("; ".join(parts))
-
-
-def push_to(learner, version: int, job: PushJob) -> dict[str, float]:
-    """Push the learner's weights into the servers as `version`."""
-    from tasks.push import push_to_servers
-
-    return push_to_servers(learner.write_weights, version, replicas=job.servers, root=job.root, run_id=job.run_id,
-                           sync=job.sync, inference=job.inference)  # fmt: skip
-
-
-@task(name="push-weights", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
-def push_weights(learner, version: int, job: PushJob) -> dict[str, float]:
-    """`push_to` as its own task: a run's first push, and a step's when the push inside its
-    train-step failed."""
-    return push_to(learner, version, job)
+    record = outcome.result()
+    get_run_logger().info(record.summary())
+    return record
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.serve import ServerStartError, start_server
+from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
-from tasks.push import CheckpointWeightPush
+from tasks.push import push_version, weight_push
+from tasks.replicas import Replica, ReplicaSet
+from tasks.weights import save_weights
 
 pytestmark = pytest.mark.integration
 
@@ -63,18 +67,19 @@ async def test_weight_push_while_a_request_is_in_flight(vllm_server, tiny_model_
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    version = {"v": 0}
+    servers = ReplicaSet([Replica(0, vllm_server.url)])  # the push flips its version
+    pusher = weight_push(tmp_path, "push-test", SyncConfig(), InferenceConfig())
     async with VLLMClient(vllm_server.url) as gen, VLLMClient(vllm_server.url) as ctl:
-        pusher = CheckpointWeightPush(ctl, tmp_path, "push-test", on_reloaded=lambda v: version.update(v=v))
         # A long request (temperature 1, EOS possible but 900 tokens allowed) runs across the push.
-        v_start = version["v"]
+        v_start = servers.replicas[0].versions.get()
         long = asyncio.create_task(gen.complete(ids, max_tokens=900, temperature=1.0, seed=3))
         await asyncio.sleep(0.3)
-        metrics = await pusher.push(perturbed, 1)
+        write = functools.partial(save_weights, perturbed)
+        stats = await asyncio.to_thread(push_version, pusher, write, 1, servers)
         (done,) = await long
-        v_end = version["v"]
+        v_end = servers.replicas[0].versions.get()
         assert done.token_ids and (v_start, v_end) == (0, 1)  # completed, and its span is recorded
-        assert metrics["sync/total_seconds"] >= metrics["sync/reload_seconds"] > 0
+        assert stats.total_seconds >= stats.reload_seconds > 0
         assert not await ctl.is_paused()
         (ch,) = await gen.complete(ids, max_tokens=16, temperature=0.0)
     lp, picked = hf_logprobs(perturbed, ids, ch.token_ids)

@@ -58,7 +58,8 @@ def test_promote_reject_rollback_on_a_live_server(
 
     from flows import cli
     from flows.retrain import grpo_retrain
-    from tasks.push import load_weights_sync
+    from tasks.config import InferenceConfig, SyncConfig
+    from tasks.push import load_version, weight_push
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     sets = [
@@ -74,9 +75,8 @@ def test_promote_reject_rollback_on_a_live_server(
     assert first["eval"]["reward_mean"] > first["incumbent_eval"]["reward_mean"]
     assert first["eval"]["rows"] == "eval"
     promoted_out = greedy(live_server.url, tok)
-    load_weights_sync(
-        first["decision"]["candidate_path"], 99, url=vllm_server.url, root=tmp_path, run_id="cmp"
-    )
+    pusher = weight_push(tmp_path, "cmp", SyncConfig(), InferenceConfig())
+    load_version(pusher, vllm_server.url, first["decision"]["candidate_path"], 99)
     assert greedy(vllm_server.url, tok) == promoted_out != base_out  # the live server serves the candidate
 
     # More data, and a deliberately worse retrain: a KL penalty 100x the reward pulls the policy back

@@ -1,18 +1,22 @@
 """The real vLLM CPU server: the prefix cache across weight pushes, and a reload that fails.
 
 Both tests drive the production code paths: the salt comes from `cache_salt_for(version)` (what
-generation passes), the push from `push_weights_sync` / `CheckpointWeightPush.push`.
+generation passes), the push is the run's (`push_version` through the `checkpoint` backend).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 from transformers import AutoModelForCausalLM
 
+from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import VLLMClient, cache_salt_for
-from tasks.push import CheckpointWeightPush, WeightPushError, push_weights_sync
+from tasks.push import CheckpointPush, WeightPushError, push_version
+from tasks.replicas import Replica, ReplicaSet
+from tasks.weights import save_weights
 
 pytestmark = pytest.mark.integration
 
@@ -37,9 +41,10 @@ async def test_no_request_after_a_push_reuses_kv_computed_under_the_old_weights(
         # Same salt again: served from the prefix cache (so caching is on and this test can fail).
         assert await cached_tokens(c, ids, cache_salt_for(0)) >= 2 * BLOCK
         model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
-        await asyncio.to_thread(
-            push_weights_sync, model, 1, url=vllm_server.url, root=tmp_path, run_id="salt"
-        )
+        pusher = CheckpointPush(tmp_path, "salt", SyncConfig(), InferenceConfig())
+        servers = ReplicaSet([Replica(0, vllm_server.url)])
+        write = functools.partial(save_weights, model)
+        await asyncio.to_thread(push_version, pusher, write, 1, servers)
         # pause(keep) + reload leave the prefix cache alone: the old salt still hits ...
         assert await cached_tokens(c, ids, cache_salt_for(0)) >= 2 * BLOCK
         # ... but a request of the new version computes its KV afresh, then caches it for its peers.
@@ -64,11 +69,13 @@ async def test_a_failed_reload_names_version_and_path_and_leaves_the_server_serv
     probe = long_prompt(seed=2, n=8)
     async with VLLMClient(vllm_server.url, retries=1, backoff_s=0.1) as c:
         (before,) = await c.complete(probe, max_tokens=6, temperature=0.0)
-        pusher = CheckpointWeightPush(c, tmp_path, "bad-reload", reload_timeout_s=60)
+        pusher = CheckpointPush(tmp_path, "bad-reload", SyncConfig(reload_timeout_s=60), InferenceConfig(),
+                                client=lambda url: VLLMClient(url, retries=1, backoff_s=0.1))  # fmt: skip
         # The saved directory is replaced by one that does not exist: the reload itself must fail.
-        pusher.weights.save = lambda *a, **k: missing
+        pusher.save = lambda write, version: str(missing)
+        servers = ReplicaSet([Replica(0, vllm_server.url)])
         with pytest.raises(WeightPushError) as e:
-            await pusher.push(object(), 3)
+            await asyncio.to_thread(push_version, pusher, lambda d: None, 3, servers)
         msg = str(e.value)
         assert "v3" in msg and str(missing) in msg and "rolled the server back" in msg, msg
         assert await c.is_paused() is False

@@ -199,6 +199,7 @@ async def fake_server():
         "/pause": {"status": "paused"},
         "/resume": {"status": "resumed"},
         "/collective_rpc": {"results": [None]},
+        "/reset_prefix_cache": {"success": True},
     }  # fmt: skip
 
     async def handler(request: web.Request) -> web.Response:
@@ -434,3 +435,32 @@ async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_ser
     assert [p for _, p in app["calls"]] == ["/pause", "/collective_rpc", "/resume"] * 2
     for salt in (before, first, second):  # what vLLM 0.32 accepts (validate_cache_salt)
         assert 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")
+
+
+async def test_promote_and_rollback_honour_the_reload_timeout_of_sync(fake_server, tmp_path):
+    """Promotion and rollback load through the run's weight push with the whole `sync` section: a reload
+    slower than `sync.reload_timeout_s` fails them (with the 300 s default it would succeed)."""
+    from flows.promote import promote, rollback
+    from storage.promotions import version
+
+    app, url = fake_server
+    app["mode"]["/collective_rpc"] = "slow"  # 0.6 s
+    base, v1, v2 = (
+        version(r, s, str(tmp_path / n))
+        for r, s, n in [(None, None, "base"), ("lin", 1, "a"), ("lin", 2, "b")]
+    )
+    promote(tmp_path, "lin", v1, incumbent=base, server_url=None, reason="first")
+    promote(tmp_path, "lin", v2, incumbent=v1, server_url=None, reason="second")
+    quick = SyncConfig(reload_timeout_s=0.2)
+    with pytest.raises(WeightPushError, match="could not reload the weights: .*TimeoutError"):
+        await asyncio.to_thread(
+            promote, tmp_path, "lin", v1, incumbent=v2, server_url=url, sync=quick, reason="again"
+        )
+    with pytest.raises(WeightPushError, match="could not reload the weights: .*TimeoutError"):
+        await asyncio.to_thread(rollback, tmp_path, "lin", server_url=url, sync=quick)
+    # A reload within the timeout goes through, and drops the server's prefix cache (promotion's way).
+    row = await asyncio.to_thread(
+        rollback, tmp_path, "lin", server_url=url, sync=SyncConfig(reload_timeout_s=5)
+    )
+    assert row["decision"] == "rolled_back" and str(tmp_path / "a") in app["reloads"]
+    assert ("POST", "/reset_prefix_cache") in app["calls"]
