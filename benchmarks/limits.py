@@ -15,7 +15,7 @@ Per workload, with one vLLM CPU server:
    which steps 1..k then find ready); the median over steps 1..N-1 and the whole run's mean are printed
    too.
 
-Each measure also prints where the cores went while it ran (`CpuMeter`, from /proc): core-seconds of
+Each measure also prints where the cores went while it ran (`CpuMeter`, from psutil): core-seconds of
 the whole machine, of the vLLM server's processes, and of this process (the learner, the flow, the
 rollout client), per batch or per step, and the machine's busy share of all its cores. A step that
 keeps every core busy cannot get shorter by overlapping more: only by doing less work.
@@ -47,19 +47,18 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`
 
-from benchmarks.drill import processes
 from benchmarks.workloads import WORKLOADS, med, prepare, rnd, run_steps, serve
+from storage.processes import cpu_seconds
 
 TARGET = 1.25
 
 
 # -- where the cores go ---------------------------------------------------------------------------
-
-
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class CpuMeter:
@@ -74,21 +73,10 @@ class CpuMeter:
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
 
     def sample(self) -> tuple[float, float, float, float]:
-        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        machine = (sum(cpu) - cpu[3] - cpu[4]) / TICK  # all but idle and iowait
-        procs = list(processes())
-        parents = {p.pid: p.ppid for p in procs}
-        seconds = {p.pid: p.cpu_seconds for p in procs}
-
-        def under(pid: int) -> bool:
-            while pid > 1:
-                if pid == self.server_pid:
-                    return True
-                pid = parents.get(pid, 0)
-            return False
-
-        server = sum(s for pid, s in seconds.items() if under(pid))
-        return time.time(), machine, server, seconds.get(os.getpid(), 0.0)
+        t = psutil.cpu_times()
+        machine = t.user + t.nice + t.system + t.irq + t.softirq + t.steal  # all but idle and iowait
+        server = cpu_seconds(self.server_pid, tree=True)
+        return time.time(), machine, server, cpu_seconds(os.getpid())
 
     def mark(self) -> float:
         """Sample now (a window's edge); returns the sample's time."""
@@ -216,7 +204,8 @@ def raw_train(
     cfg, model_dir: Path, samples, repeats: int, url: str, root: Path, meter: CpuMeter
 ) -> list[dict[str, Any]]:
     from flows.runs import RunState, build_learner
-    from tasks.push import push_weights_sync
+    from tasks.push import push_version, weight_push
+    from tasks.replicas import Replica, ReplicaSet
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
     learner = build_learner(cfg, run)
@@ -225,16 +214,11 @@ def raw_train(
     seconds = [learner.train_step(samples)["train/seconds"] for _ in range(repeats)]
     train_cpu = meter.window(t, meter.mark(), per=repeats)
     t = meter.mark()
+    sync = cfg.sync.model_copy(update={"keep_last": 1})
+    pusher = weight_push(str(root), "limits-raw", sync, cfg.inference)
+    servers = ReplicaSet([Replica(0, url)])
     pushes = [
-        push_weights_sync(
-            learner.model,
-            v + 1,
-            url=url,
-            root=str(root),
-            run_id="limits-raw",
-            sync=cfg.sync.model_copy(update={"keep_last": 1}),
-            inference=cfg.inference,
-        )["sync/total_seconds"]
+        push_version(pusher, learner.write_weights, v + 1, servers).total_seconds
         for v in range(repeats + 1)
     ]
     push_cpu = meter.window(t, meter.mark(), per=repeats + 1)

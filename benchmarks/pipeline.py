@@ -2,13 +2,13 @@
 
 Prints one JSON object per run: median seconds per step, median generation / scoring / train / sync
 seconds, overlap efficiency = step seconds / max(gen + score, train + sync) (1.0 = perfect overlap),
-and Prefect's overhead per step as the flow's StepTimer counts it. One vLLM server is started and
+and Prefect's overhead per step as the flow's StepRunner counts it. One vLLM server is started and
 shared by every run.
 
 `--tasks prefect plain` also runs each config with `run.step_task_runs: false` (the same work as plain
 calls, no task run per step; the flow run kept), interleaved `--rounds` times: the difference in s/step
 is what the step's task runs cost, the CPU they take from the learner and the server included (the
-StepTimer sees only the critical path). Each run also prints the CPU seconds per step of this process
+StepRunner's clock sees only the critical path). Each run also prints the CPU seconds per step of this process
 and of the Prefect API server it owns.
 
     .venv/bin/python benchmarks/pipeline.py [--config configs/tiny-letters.yaml] [--steps 12]
@@ -37,16 +37,16 @@ from benchmarks.workloads import serve
 
 def core_seconds() -> dict[str, float]:
     """CPU seconds so far of this process (flow, learner, rollout client, Prefect's engine) and of the
-    Prefect API server it owns (it records the task runs, their states and logs), from /proc."""
+    Prefect API server it owns (it records the task runs, their states and logs)."""
     import os
 
-    from benchmarks.drill import processes
+    from storage.processes import processes
 
     out = {"flow_process": 0.0, "prefect_api": 0.0}
     for p in processes():
         if p.pid == os.getpid():
             out["flow_process"] = p.cpu_seconds
-        elif p.ppid == os.getpid() and any(b"prefect.server.api.server:create_app" in a for a in p.argv):
+        elif p.ppid == os.getpid() and any("prefect.server.api.server:create_app" in a for a in p.argv):
             out["prefect_api"] = p.cpu_seconds
     return out
 

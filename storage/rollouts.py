@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -61,6 +62,31 @@ def atomic_publish(path: Path, write: Callable[[Path], None], point: str | None 
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def atomic_publish_dir(path: Path, write: Callable[[Path], None]) -> Path:
+    """Publish the directory `write(tmp)` fills as `path` (a model dir): readers see the old one or the
+    whole new one, never a part: filled under a hidden temp name, every file and the directory
+    fsynced, renamed into place (an existing one is moved aside first, then deleted)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    old = path.with_name(f".{path.name}.{uuid.uuid4().hex}.old")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as h:
+                    os.fsync(h.fileno())
+        fsync_dir(tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

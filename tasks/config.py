@@ -370,8 +370,9 @@ class InferenceConfig(Section):
 class SyncConfig(Section):
     backend: Literal["checkpoint"] = Field(
         "checkpoint",
-        description="Weight push backend. Only 'checkpoint' today (safetensors written to the store, then "
-        "vLLM's reload_weights); the field is the slot for future backends.",
+        description="Weight push backend (tasks/push.py: WeightPush): 'checkpoint' writes safetensors to "
+        "the store, then vLLM reloads them (reload_weights). Runs, server revival, evaluation, promotion "
+        "and rollback all load weights through it.",
     )
     sync_every: int = Field(
         1,

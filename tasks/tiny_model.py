@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from storage.rollouts import atomic_publish_dir
+
 # ChatML with Hermes-style tool schemas; the same shape Qwen2.5 uses, so tool-call parsing and
 # masking are exercised the way they are with real tool-use models.
 CHAT_TEMPLATE = (
@@ -75,7 +77,6 @@ def build_tiny_model(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     # Exactly the tokenizer size: every id the model can sample decodes to text.
     vocab_size = len(tokenizer)
@@ -99,6 +100,9 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = config.eos_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d, safe_serialization=True)
+        tokenizer.save_pretrained(d)
+
+    return atomic_publish_dir(out, write)

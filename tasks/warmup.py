@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from storage.rollouts import atomic_publish_dir
 from tasks.config import ToolsConfig, WarmupConfig
 from tasks.generate import (
     TemplateError,
@@ -159,13 +159,13 @@ def warm_up(
         "loss_first": round(losses[0], 4) if losses else None,
         "loss_last": round(losses[-1], 4) if losses else None,
     }
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(saved_dtype).save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "warmup.json").write_text(json.dumps(stats, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def write(d: Path) -> None:
+        model.to(saved_dtype).save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        (d / "warmup.json").write_text(json.dumps(stats, indent=1))
+
+    atomic_publish_dir(out, write)
     log(
         f"warm-up: {stats['steps']} SFT steps on {stats['n_examples']} examples in {stats['seconds']} s, "
         f"loss {stats['loss_first']} -> {stats['loss_last']}"

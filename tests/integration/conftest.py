@@ -37,10 +37,11 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
-    from tasks.push import load_weights_sync
+    from tasks.config import InferenceConfig, SyncConfig
+    from tasks.push import load_version, weight_push
 
-    root = tmp_path_factory.mktemp("restore")
-    load_weights_sync(server.model_dir, 0, url=server.url, root=root, run_id="restore")
+    pusher = weight_push(tmp_path_factory.mktemp("restore"), "restore", SyncConfig(), InferenceConfig())
+    load_version(pusher, server.url, server.model_dir, 0)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +50,7 @@ def _no_server_outlives_its_run():
     guard whose parent is gone is killed with its process group (the guard does this itself within a
     second; a failing assertion must never leak gigabytes of orphans into the rest of the suite)."""
     yield
-    from benchmarks.drill import alive, guarded, kill_tree
+    from storage.processes import alive, guarded, kill_tree
 
     for pid, parent in guarded():
         if not alive(parent):
