@@ -164,7 +164,7 @@ def check_serve(args) -> None:
     if not args.model and not args.lineage:
         raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
     if args.lineage:
-        from flows.serve import served_model_dir
+        from flows.policy_server import served_model_dir
         from storage.records import validate_run_id
 
         validate_run_id(args.lineage)  # a bad id is its own one-line error
@@ -177,7 +177,7 @@ def check_serve(args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from flows.serve import policy_server
+    from flows.policy_server import policy_server
 
     policy_server(
         model_dir=args.model,

@@ -1,4 +1,4 @@
-"""Start, supervise and stop the vLLM server; `policy-server` is the long-lived Prefect flow.
+"""Start, supervise and stop the vLLM server (the long-lived `policy-server` flow: flows/policy_server.py).
 
 The server runs from its own environment (`.venv-vllm`, or `GRPOFLOW_VLLM_PYTHON`): grpoflow never
 imports vllm, it only talks HTTP. Loopback by default; any other bind address needs an API key.
@@ -6,7 +6,6 @@ imports vllm, it only talks HTTP. Loopback by default; any other bind address ne
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ipaddress
 import os
@@ -21,8 +20,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-from prefect import flow, get_run_logger
 
 from storage.processes import forget_process, record_process, stop_stale
 from tasks.config import InferenceConfig
@@ -293,17 +290,6 @@ def _server_env(
     return env
 
 
-async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
-    from tasks.inference import InferenceError, VLLMClient
-    from tasks.push import release_abandoned_pause
-
-    try:
-        async with VLLMClient(url, api_key=api_key, retries=0) as client:
-            return await release_abandoned_pause(client)
-    except InferenceError:  # a server mid-restart: the health check deals with it
-        return None
-
-
 def core_shares(n: int, cores=None) -> list[frozenset[int]]:
     """This process's cores cut into `n` contiguous shares, one per embedded replica; with fewer cores
     than replicas, replicas share cores round-robin."""
@@ -413,104 +399,3 @@ def inference_server(inference: InferenceConfig, model_dir: str | Path, root: st
     one = inference.model_copy(update={"urls": [], "replicas": 1})
     with inference_servers(one, model_dir, root, name) as (server,):
         yield server
-
-
-def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | None) -> str:
-    """What a policy server of `lineage` serves: the version its promotion log says (a promoted
-    checkpoint, or the base model it rolled back to), else `model_dir`."""
-    if lineage is not None:
-        from storage.promotions import PromotionLog
-        from storage.records import validate_run_id
-
-        serving = PromotionLog(root).serving(validate_run_id(lineage))
-        if serving is not None:
-            return serving["path"]
-    if model_dir is None:
-        raise ValueError(f"policy-server: lineage {lineage!r} has no promotion under {root}; give model_dir")
-    return model_dir
-
-
-@flow(name="policy-server", log_prints=True)
-def policy_server(
-    model_dir: str | None = None,
-    lineage: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_model_len: int | None = None,
-    max_restarts: int = 3,
-    check_every_s: float = 5.0,
-    run_for_s: float | None = None,
-    stop_file: str | None = None,
-    root: str = "runs",
-) -> dict:
-    """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
-    dies while still starting. `lineage`: serve what the lineage's promotion log says it serves (its
-    promoted version, or the base model it rolled back to); `model_dir` until it has a decision."""
-    log = get_run_logger()
-    from tasks.allowlist import check_path
-
-    check_path(root, "root")
-    model_dir = served_model_dir(root, lineage, model_dir)
-    if lineage is not None:
-        log.info("lineage %s serves %s", lineage, model_dir)
-    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
-    cmd, env, url = server_command(
-        model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
-    )
-    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first
-    pid_file = (Path(root), f"serve-{port}")
-    stop_stale(*pid_file)
-    handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
-    supervisor = Supervisor(handle, api_key, max_restarts)
-    supervisor.bring_up()
-    log.info("vLLM server up at %s", handle.url)
-    try:
-        supervisor.watch(check_every_s, run_for_s, stop_file)
-    finally:
-        handle.stop()
-    return {"url": handle.url, "restarts": handle.restarts}
-
-
-class Supervisor:
-    """Keeps a server up: restarts it when it dies or fails its health check (at most
-    `max_restarts` times, with backoff), and resumes a pause whose owner's lease ran out."""
-
-    def __init__(self, handle: ServerHandle, api_key: str | None, max_restarts: int):
-        self.handle, self.api_key, self.max_restarts = handle, api_key, max_restarts
-        self.log = get_run_logger()
-
-    def restart_or_give_up(self, why: str) -> None:
-        h = self.handle
-        if h.restarts >= self.max_restarts:
-            raise RuntimeError(
-                f"vLLM server died {h.restarts + 1} times ({why}); giving up. Log tail:\n{_tail(h.log_path)}"
-            )
-        h.restarts += 1
-        self.log.warning("vLLM server down (%s); restart %d/%d", why, h.restarts, self.max_restarts)
-        h.stop()
-        time.sleep(min(30.0, 2.0 ** (h.restarts - 1)))
-
-    def bring_up(self) -> None:
-        """Start the server; one that dies while still starting counts as a restart."""
-        while True:
-            try:
-                self.handle.start()
-                return
-            except ServerStartError as e:
-                self.restart_or_give_up(str(e).splitlines()[0])
-
-    def watch(self, check_every_s: float, run_for_s: float | None, stop_file: str | None) -> None:
-        """Check every `check_every_s` until `run_for_s` passes or `stop_file` exists (None: forever)."""
-        h, started = self.handle, time.monotonic()
-        while run_for_s is None or time.monotonic() - started < run_for_s:
-            time.sleep(check_every_s)
-            if stop_file and Path(stop_file).exists():
-                return
-            if h.alive() and h.healthy():
-                owner = asyncio.run(_release_abandoned_pause(h.url, self.api_key))
-                if owner is not None:
-                    self.log.warning("vLLM server was left paused by %s past its lease; resumed it", owner)
-                continue
-            self.restart_or_give_up("not alive" if not h.alive() else "health check failed")
-            self.bring_up()

@@ -146,10 +146,12 @@ def test_bad_run_id_is_one_line_before_any_flow_runs(capsys, tmp_path, monkeypat
 
 @pytest.mark.unit
 def test_serving_off_loopback_without_a_key_is_one_line(capsys, monkeypatch, no_prefect_api):
-    import flows.serve
+    import flows.policy_server
 
     monkeypatch.delenv("GRPOFLOW_API_KEY", raising=False)
-    monkeypatch.setattr(flows.serve, "policy_server", lambda **kw: pytest.fail("the flow must not run"))
+    monkeypatch.setattr(
+        flows.policy_server, "policy_server", lambda **kw: pytest.fail("the flow must not run")
+    )
     assert cli.main(["serve", "--model", "m", "--host", "0.0.0.0"]) == 2
     assert capsys.readouterr().err.startswith("error: --host 0.0.0.0: refusing to serve off loopback")
 

@@ -123,7 +123,7 @@ def test_the_gate(cand, inc, margin, promoted):
 
 
 def test_a_lineages_server_starts_from_what_it_serves(root):
-    from flows.serve import served_model_dir
+    from flows.policy_server import served_model_dir
 
     assert served_model_dir(root, "lin", "base-dir") == "base-dir"  # nothing decided yet
     with pytest.raises(ValueError, match="lineage 'lin' has no promotion"):
