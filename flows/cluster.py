@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.serve import ServerHandle, free_port, guarded_command
-from flows.vllm_plugins.grpoflow_guard import session_pids
+from storage.processes import session_pids
 from tasks.config import ScaleConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,13 +1,13 @@
 """Kill drills. The named-point drill (KILL_DRILL): one SIGKILL per failpoint of a step. The random-moment
 drill: SIGKILL `grpoflow train` at seeded random moments, resume after each, then check the store and
-the process table. Both are run by the slow tests (a few kills) and by benchmarks/faults.py (many).
+the process table. Both are run by the slow tests (a few kills) and by benchmarks/faults.py (many), so
+they live here, in the package both import.
 
 Only the run's own process is killed, as the kernel's OOM killer does: no cleanup code runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -15,9 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+
+from storage.processes import guarded_children, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,71 +33,6 @@ KILL_DRILL = {
     "after_checkpoint": "checkpoint_done@2:kill",  # step 3's checkpoint published: its steps row must be too
 }
 KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_staleness=1")
-
-
-class Proc(NamedTuple):
-    pid: int
-    state: str
-    ppid: int
-    pgid: int
-    cpu_seconds: float  # user + system, all its threads
-    argv: list[bytes]
-
-
-def processes() -> Iterator[Proc]:
-    """Every process readable in /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        f = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may contain spaces
-        yield Proc(int(proc.name), f[0], int(f[1]), int(f[2]), (int(f[11]) + int(f[12])) / tick, argv)
-
-
-def guarded() -> list[tuple[int, int]]:
-    """(pid, parent pid it watches) of every live process started under grpoflow's guard."""
-    return [
-        (p.pid, int(p.argv[2]))
-        for p in processes()
-        if p.state not in ("Z", "X")
-        and len(p.argv) > 2
-        and p.argv[1].endswith(b"grpoflow_guard.py")
-        and p.argv[2].isdigit()
-    ]
-
-
-def guarded_children(parent_pid: int) -> list[int]:
-    """Live processes started under grpoflow's guard by `parent_pid`, and their process groups."""
-    leaders = [pid for pid, parent in guarded() if parent == parent_pid]
-    return sorted({*leaders, *(p for g in leaders for p in group_members(g))})
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a zombie holds nothing but its exit status)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
-
-
-def group_members(pgid: int) -> list[int]:
-    return [p.pid for p in processes() if p.pgid == pgid and p.state not in ("Z", "X")]
-
-
-def kill_tree(pids: list[int]) -> None:
-    """Last-resort cleanup (tests' teardown): SIGKILL leftover groups so a failure leaks nothing."""
-    for p in pids:
-        if p <= 0:  # kill(0 or -1) would signal this process's group or every process
-            continue
-        for fn in (os.killpg, os.kill):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                fn(p, signal.SIGKILL)
 
 
 def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:
@@ -152,6 +87,15 @@ def clean_store(steps: int) -> dict:
                      "superseded_files": [], "status": "completed"}  # fmt: skip
 
 
+def _left_behind(pid: int, within_s: float) -> list[int]:
+    """What `pid` started under the guard and is still alive once its guards have had `within_s` seconds
+    to take their groups down (they notice a dead parent within 0.5 s)."""
+    deadline = time.monotonic() + within_s
+    while (left := guarded_children(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def random_kill_drill(
     root: Path,
     run_id: str,
@@ -187,8 +131,7 @@ def random_kill_drill(
             proc.wait()
         figures["kills"] += 1
         figures["kill_moments_s"].append(round(moment, 2))
-        time.sleep(3.0)  # the guards notice within 0.5 s; give the groups time to go
-        left = guarded_children(proc.pid)
+        left = _left_behind(proc.pid, within_s=3.0)
         figures["orphans"] += len(left)
         kill_tree(left)
         meta = root / "runs" / f"{run_id}.json"

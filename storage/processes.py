@@ -1,9 +1,15 @@
-"""Which process owns what in the store: identities in run metadata and pid files under `<root>/pids/`.
+"""Processes: the one place that reads them (alive, parent, group, session, CPU seconds, argv), kills
+what a failure left over, watches a parent, and records which process owns what in the store.
 
 A pid alone says nothing once its process is gone (pids are reused), so an identity is (host, boot id,
 pid, the kernel's start time of that pid). A process is "dead" only when it is on this host and no
 process with that pid and start time exists; on another host we cannot tell, and say so. No signal is
 ever sent to a pid whose identity does not match.
+
+Two ways in: imported as `storage.processes`, and loaded by its path by
+flows/vllm_plugins/grpoflow_guard.py inside the vLLM server's own environment, which has psutil (a vLLM
+dependency) but none of grpoflow's packages. So only the standard library and psutil are imported at
+the top; the one grpoflow import waits inside the function that writes a pid file.
 """
 
 from __future__ import annotations
@@ -13,11 +19,134 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from storage.rollouts import atomic_write_text
+import psutil
+
+GUARD_SCRIPT = "grpoflow_guard.py"  # flows/vllm_plugins: `python GUARD PARENT_PID MODULE [ARGS...]`
+
+
+# -- reading processes ----------------------------------------------------------------------------
+
+
+class Proc(NamedTuple):
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    cpu_seconds: float  # user + system, all its threads
+    argv: list[str]
+
+
+def processes() -> Iterator[Proc]:
+    """Every live process this user can read; zombies left out (a zombie holds nothing but its exit
+    status)."""
+    for p in psutil.process_iter(["ppid", "status", "cmdline", "cpu_times"]):
+        info = p.info
+        if info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, None) or info["cpu_times"] is None:
+            continue
+        try:
+            pgid, sid = os.getpgid(p.pid), os.getsid(p.pid)
+        except OSError:  # gone meanwhile
+            continue
+        times = info["cpu_times"]
+        yield Proc(p.pid, info["ppid"], pgid, sid, times.user + times.system, info["cmdline"] or [])
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid`."""
+    return [p.pid for p in processes() if p.pgid == pgid]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid`."""
+    return [p.pid for p in processes() if p.sid == sid]
+
+
+def cpu_seconds(pid: int, *, tree: bool = False) -> float:
+    """User + system CPU seconds of `pid` (all its threads), with its live descendants' when `tree`;
+    0.0 once it is gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)] if tree else [root]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def guarded() -> list[tuple[int, int]]:
+    """(pid, parent pid it watches) of every live process started under grpoflow's guard."""
+    return [
+        (p.pid, int(p.argv[2]))
+        for p in processes()
+        if len(p.argv) > 2 and p.argv[1].endswith(GUARD_SCRIPT) and p.argv[2].isdigit()
+    ]
+
+
+def guarded_children(parent_pid: int) -> list[int]:
+    """Live processes started under grpoflow's guard by `parent_pid`, and their process groups."""
+    leaders = [pid for pid, parent in guarded() if parent == parent_pid]
+    return sorted({*leaders, *(p for g in leaders for p in group_members(g))})
+
+
+# -- ending processes -----------------------------------------------------------------------------
+
+
+def kill_tree(pids: list[int]) -> None:
+    """Last-resort cleanup (tests' teardown, drills): SIGKILL each pid and the group it leads, so a
+    failure leaks nothing."""
+    for p in pids:
+        if p <= 0:  # kill(0 or -1) would signal this process's group or every process
+            continue
+        for fn in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                fn(p, signal.SIGKILL)
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5, whole_session: bool = False) -> None:
+    """Start a daemon thread that SIGKILLs this process once `parent_pid` is no longer its parent (this
+    process was re-parented: its parent died, maybe by SIGKILL or the OOM killer, which run no cleanup
+    code), with its process group when it leads one, so that what it spawned goes too. With
+    `whole_session` (and this process leading its session) every process of the session goes first:
+    Ray's raylet puts each worker in a process group of its own, inside the session.
+
+    `PR_SET_PDEATHSIG` is not used: it fires when the *thread* that spawned the child exits, and runs
+    start servers from short-lived task threads."""
+
+    def loop() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        me = os.getpid()
+        if whole_session and os.getsid(0) == me:
+            for pid in session_pids(me):
+                if pid != me:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+        if os.getpgrp() == me:
+            os.killpg(me, signal.SIGKILL)
+        os.kill(me, signal.SIGKILL)
+
+    threading.Thread(target=loop, name="grpoflow-parent-watchdog", daemon=True).start()
+
+
+# -- identities and pid files ---------------------------------------------------------------------
 
 
 def _boot_id() -> str:
@@ -28,7 +157,10 @@ def _boot_id() -> str:
 
 
 def _start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), None if no such process."""
+    """The kernel's start time of `pid` (clock ticks since boot), None if no such process.
+
+    Read from /proc, not psutil: identities already stored hold these ticks, and psutil gives seconds
+    since the epoch, offset by a boot time the kernel recomputes from the wall clock."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -57,6 +189,8 @@ def _pid_file(root: str | Path, name: str) -> Path:
 
 def record_process(root: str | Path, name: str, pid: int, **extra: Any) -> None:
     """Write `<root>/pids/<name>.json` for a process this run started (a group leader)."""
+    from storage.rollouts import atomic_write_text  # here, not at the top: see the module doc
+
     path = _pid_file(root, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({**identity(pid), "owner": identity(), **extra}, indent=2))
@@ -77,9 +211,9 @@ def stop_stale(root: str | Path, name: str, grace_s: float = 10.0) -> bool:
         rec = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    alive = is_alive(rec)
-    if alive is not True:
-        if alive is False:
+    alive_now = is_alive(rec)
+    if alive_now is not True:
+        if alive_now is False:
             forget_process(root, name)
         return False
     if is_alive(rec.get("owner")) is not False:

@@ -26,6 +26,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from storage.faults import failpoint
+from storage.processes import watch_parent
 from storage.records import RewardCell, RewardStatus, RolloutGroup
 from tasks.config import RewardConfig
 from tasks.imports import import_object
@@ -253,22 +254,12 @@ def _process_pool() -> cf.ProcessPoolExecutor:
             _PROCESS_POOL = cf.ProcessPoolExecutor(
                 max_workers=2,
                 mp_context=mp.get_context("spawn"),
-                initializer=_exit_with_parent,
+                # a worker stuck in a hung reward never reads its queue again, so it would
+                # outlive a killed run: the watchdog ends it once its parent is gone
+                initializer=watch_parent,
                 initargs=(os.getpid(),),
             )
         return _PROCESS_POOL
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Pool worker initializer: a worker stuck in a hung reward never reads its queue again, so it
-    would outlive a killed run; a watchdog thread ends it once its parent is gone."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="grpoflow-pool-watchdog", daemon=True).start()
 
 
 def _recycle_process_pool(pool: cf.ProcessPoolExecutor) -> None:

@@ -2,66 +2,45 @@
 
     python grpoflow_guard.py PARENT_PID MODULE [ARGS...]
 
-Servers a run starts (the vLLM server with its engine and workers, Prefect's API server) must not
-outlive the run, however the run dies: SIGKILL and the OOM killer run no cleanup code. A watchdog
-thread here notices that the parent is gone (this process was re-parented) and kills this process's
-whole process group: the caller starts it as a group leader, so the engine and worker processes the
-module spawns go with it. `PR_SET_PDEATHSIG` is not used: it fires when the *thread* that spawned
-the child exits, and runs start servers from short-lived task threads.
+Servers a run starts (the vLLM server with its engine and workers, Prefect's API server, a local Ray)
+must not outlive the run, however the run dies: SIGKILL and the OOM killer run no cleanup code. The
+caller starts this process as a group leader; `storage.processes.watch_parent` kills its whole process
+group once the parent is gone, so the engine and worker processes the module spawns go with it. With
+GRPOFLOW_GUARD_SESSION=1 it kills the whole session first (a local Ray's workers lead groups of their
+own).
 
-Standard library only: it runs in the vLLM environment as well as grpoflow's.
+This script runs in the vLLM environment as well as grpoflow's, and the vLLM one has none of grpoflow's
+packages (only psutil, which vLLM depends on). So it loads storage/processes.py by its path, as a
+module of its own, instead of importing `storage`: the one watchdog that the process-pool reward
+workers use too, and no package of grpoflow's shadowing a name on the server's import path.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import runpy
-import signal
 import sys
-import threading
-import time
+from pathlib import Path
+from types import ModuleType
+
+# flows/vllm_plugins/ -> the folder holding the packages, the repository or site-packages alike
+PROCESSES = Path(__file__).resolve().parents[2] / "storage" / "processes.py"
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` (Linux /proc), zombies left out."""
-    out = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            out.append(int(name))
-    return out
-
-
-def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Start a daemon thread that kills this process (and its group, if it leads one) once
-    `parent_pid` is no longer its parent. With GRPOFLOW_GUARD_SESSION=1 it kills its whole session
-    first: Ray's raylet puts each worker in a process group of its own, inside this session."""
-
-    def loop() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        if os.environ.get("GRPOFLOW_GUARD_SESSION") == "1" and os.getsid(0) == os.getpid():
-            for pid in session_pids(os.getpid()):
-                if pid != os.getpid():
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=loop, name="grpoflow-parent-watchdog", daemon=True).start()
+def load_processes() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grpoflow_processes", PROCESSES)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     if len(sys.argv) < 3:
         sys.exit("usage: grpoflow_guard.py PARENT_PID MODULE [ARGS...]")
-    watch_parent(int(sys.argv[1]))
+    whole_session = os.environ.get("GRPOFLOW_GUARD_SESSION") == "1"
+    load_processes().watch_parent(int(sys.argv[1]), whole_session=whole_session)
     module = sys.argv[2]
     sys.argv = [module, *sys.argv[3:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from storage.sql import query
-from tests.integration.test_train_flow import tiny_cfg
+from tests.support import tiny_cfg
 
 pytestmark = pytest.mark.integration
 

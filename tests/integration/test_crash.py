@@ -9,34 +9,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from benchmarks.drill import (
-    alive,
-    clean_store,
-    group_members,
-    guarded_children,
-    kill_tree,
-    random_kill_drill,
-    store_check,
-)
+from flows.drill import clean_store, random_kill_drill, store_check
+from storage.processes import alive, group_members, guarded_children, kill_tree
 from storage.sql import run_status
+from tests.support import REPO, unpause, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _unpause(url: str) -> None:
-    from tasks.inference import VLLMClient
-
-    async def go():
-        async with VLLMClient(url) as c:
-            await c.resume()
-
-    asyncio.run(go())
 
 
 def test_random_moment_kills_then_resume_leave_every_table_exactly_once(
@@ -59,7 +40,7 @@ def test_random_moment_kills_then_resume_leave_every_table_exactly_once(
             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip
     finally:  # a kill mid-push leaves the shared server paused; later tests need it serving
-        _unpause(vllm_server.url)
+        unpause(vllm_server.url)
     assert fig["completed"], fig["final_output"]
     assert fig["kills"] + fig["finished_early"] >= 1 and fig["orphans"] == 0
     # The status tells the truth after every kill: never `running` with a dead owner. A kill can land
@@ -81,24 +62,22 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     pid_file = tmp_path / "pids" / "vllm-orphan.json"
     seen: list[int] = []
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            seen = guarded_children(proc.pid)
-            vllm = json.loads(pid_file.read_text())["pid"] if pid_file.is_file() else None
-            # both guarded servers up, and vLLM's engine process spawned into its group
-            if vllm and len(group_members(vllm)) >= 2 and len([p for p in seen if p != vllm]) >= 1:
-                break
-            time.sleep(0.5)
+
+    def servers_up() -> bool:
+        nonlocal seen
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        seen = guarded_children(proc.pid)
+        vllm = json.loads(pid_file.read_text())["pid"] if pid_file.is_file() else None
+        # both guarded servers up, and vLLM's engine process spawned into its group
+        return bool(vllm) and len(group_members(vllm)) >= 2 and len([p for p in seen if p != vllm]) >= 1
+
+    try:
+        wait_for(servers_up, 300, "the run's Prefect API and vLLM server with its engine", interval_s=0.5)
         seen = guarded_children(proc.pid)
         assert len(seen) >= 3, seen  # Prefect API, vLLM API server, vLLM engine
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        deadline = time.monotonic() + 15
-        while guarded_children(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert guarded_children(proc.pid) == []
+        wait_for(lambda: not guarded_children(proc.pid), 15, "the killed run's guarded servers to go")
         assert not any(alive(p) for p in seen)
     finally:
         kill_tree(seen)

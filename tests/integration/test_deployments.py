@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from flows.serve import free_port, is_healthy
 from storage.records import RolloutCompletion, RolloutGroup
 from storage.rollouts import RolloutStore
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +33,12 @@ def prefect_server(tmp_path):
                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     procs = [server]
     try:
-        deadline = time.time() + 180
-        while not is_healthy(api):
-            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[
-                -2000:
-            ]
-            time.sleep(0.5)
+
+        def up() -> bool:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            return is_healthy(api)
+
+        wait_for(up, 180, "Prefect's server", 0.5, why=lambda: (tmp_path / "server.log").read_text()[-2000:])
         yield api, env, procs
     finally:
         for p in reversed(procs):
@@ -123,7 +123,7 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
-    from benchmarks.drill import alive, group_members, kill_tree
+    from storage.processes import alive, group_members, kill_tree
     from storage.sql import run_status
 
     with open(tmp_path / "gpu-worker.log", "w") as wlog:
@@ -137,22 +137,21 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
             run = run_deployment("grpo-train/grpo-train", parameters={"config": config}, timeout=0)
-            deadline = time.time() + 300
-            while not (
-                pid_file.is_file() and len(group_members(json.loads(pid_file.read_text())["pid"])) >= 2
-            ):
-                assert time.time() < deadline, (tmp_path / "gpu-worker.log").read_text()[-3000:]
-                time.sleep(0.5)
+            worker_log = lambda: (tmp_path / "gpu-worker.log").read_text()[-3000:]  # noqa: E731
+            wait_for(
+                lambda: pid_file.is_file() and len(group_members(json.loads(pid_file.read_text())["pid"])) >= 2,
+                300, "the run's embedded server and its engine", 0.5, why=worker_log,
+            )  # fmt: skip
             server = group_members(json.loads(pid_file.read_text())["pid"])
             client.set_flow_run_state(run.id, Cancelling(), force=True)
-            deadline = time.time() + 180
-            while not client.read_flow_run(run.id).state.is_cancelled():
-                assert time.time() < deadline, (tmp_path / "gpu-worker.log").read_text()[-3000:]
-                time.sleep(1)
-        deadline = time.time() + 30
-        while any(alive(p) for p in server) and time.time() < deadline:
-            time.sleep(0.5)
-        assert not any(alive(p) for p in server), "the embedded server outlived the cancel"
+            wait_for(
+                lambda: client.read_flow_run(run.id).state.is_cancelled(),
+                180,
+                "the cancel",
+                1,
+                why=worker_log,
+            )
+        wait_for(lambda: not any(alive(p) for p in server), 30, "the embedded server to die with the cancel")
     finally:
         kill_tree(server)
     assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "cancelled"

@@ -1,7 +1,8 @@
 """`executor: ray` on a real local Ray: rewards and tools match the thread executor cell for cell
 (a good one, one that raises, one that hangs and has its worker killed), the user's modules beside
 their config reach the workers, and a local Ray has no dashboard, a capped store, and dies with its
-run even on SIGKILL. One local Ray serves the whole session (starting one costs seconds)."""
+run even on SIGKILL. One local Ray serves the module (starting one costs seconds). No vLLM server:
+integration for the Ray cluster and the SIGKILLed process tree (tests/unit runs no servers)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, load_config
-from flows.vllm_plugins.grpoflow_guard import session_pids
+from flows.config import load_config
+from storage.processes import alive, processes, session_pids
 from tasks.config import RewardConfig
 from tasks.imports import import_object
 from tasks.score import score_groups_async
 from tasks.tools import ParsedCall, ToolBox
-from tests.unit.test_score import make_groups
+from tests.support import REPO, make_groups, wait_for
 
-pytestmark = pytest.mark.unit
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 USER_FNS = '''
 """A user's reward and tool functions, in a module beside their config."""
@@ -89,7 +88,7 @@ def cluster(tmp_path_factory):
     (project / "config.yaml").write_text(CONFIG)
     (project / "ray_user_fns.py").write_text(USER_FNS)
     cfg = load_config(project / "config.yaml")
-    with ray_cluster(cfg.scale, cfg._config_dir) as c:
+    with ray_cluster(cfg.scale, cfg.config_dir) as c:
         _score([RewardConfig(name="length", fn="ray_user_fns:length", executor="ray")])  # warm workers
         yield c, project
 
@@ -108,21 +107,6 @@ def _table(groups) -> list:
         for g in groups
         for c in g.completions
     ]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def _wait_gone(pids, within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    return [p for p in pids if _alive(p)]
 
 
 def _specs(executor: str, pid_dir: Path, timeout_s: float = 5.0) -> list[RewardConfig]:
@@ -163,7 +147,7 @@ def test_ray_rewards_match_threads_and_a_hung_worker_is_killed(cluster, tmp_path
 
     [worker] = [int(p.name) for p in on_ray.iterdir()]  # the Ray worker that ran the hung reward
     assert worker != os.getpid()
-    assert _wait_gone([worker], within_s=15) == []  # force-cancelled: killed, nothing stays occupied
+    wait_for(lambda: not alive(worker), 15, "the hung reward's worker to be killed")  # nothing stays occupied
     after = _score([RewardConfig(name="length", fn="ray_user_fns:length", executor="ray")])
     assert [c.reward for g in after for c in g.completions] == [1.0, 2.0, 3.0] * 2  # a fresh worker
 
@@ -195,7 +179,8 @@ def test_ray_tools_match_threads(cluster, tmp_path):
     assert by_ray[1].failed and by_ray[1].error == "ValueError: bad tool"
     assert by_ray[2].failed and by_ray[2].error == "tool tool_hang timed out after 5.0s"
     workers = [int(p.name) for p in tmp_path.iterdir() if int(p.name) != os.getpid()]
-    assert len(workers) == 1 and _wait_gone(workers, within_s=15) == []
+    assert len(workers) == 1
+    wait_for(lambda: not alive(workers[0]), 15, "the hung tool's worker to be killed")
     assert threads.timed_out and not ray_box.timed_out  # the killed worker held no local state
 
 
@@ -227,13 +212,6 @@ with ray_cluster(ScaleConfig(ray_address="local", num_cpus=1, object_store_mb=10
 """
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:  # gone meanwhile
-        return b""
-
-
 def test_local_ray_has_no_dashboard_a_capped_store_and_dies_with_its_run():
     pytest.importorskip("ray")
     child = subprocess.Popen(
@@ -241,16 +219,18 @@ def test_local_ray_has_no_dashboard_a_capped_store_and_dies_with_its_run():
     )
     try:
         guard, temp_dir, store, log = child.stdout.readline().split()
+
         # Read the cluster while its run lives: Ray starts its head process after init returns, and
         # once the run is killed the guard kills them all.
-        deadline = time.monotonic() + 60
-        while True:
-            members = session_pids(int(guard))  # raylet, GCS, agents, workers: all in the guard's session
-            cmds = [_cmdline(p) for p in members]
-            heads = [c for c in cmds if b"dashboard/dashboard.py" in c]
-            if heads or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        def head_processes():
+            nonlocal members
+            sid = int(guard)  # raylet, GCS, agents, workers: all in the guard's session
+            procs = [p for p in processes() if p.sid == sid]
+            members = [p.pid for p in procs]
+            return [" ".join(p.argv) for p in procs if any("dashboard/dashboard.py" in a for a in p.argv)]
+
+        members: list[int] = []
+        heads = wait_for(head_processes, 60, "Ray's head process", interval_s=0.5)
     finally:
         os.kill(child.pid, signal.SIGKILL)  # the run dies without any cleanup
         child.wait()
@@ -260,42 +240,8 @@ def test_local_ray_has_no_dashboard_a_capped_store_and_dies_with_its_run():
         assert len(members) >= 3
         # Ray keeps a head process even without a dashboard; it must run with the UI and its
         # modules off, on loopback
-        assert heads and all(b"--disable-frontend" in c and b"--host=127.0.0.1" in c for c in heads)
-        assert _wait_gone(members, within_s=15) == []
+        assert all("--disable-frontend" in c and "--host=127.0.0.1" in c for c in heads)
+        wait_for(lambda: not any(alive(p) for p in members), 15, "the killed run's Ray processes to go")
         assert session_pids(int(guard)) == []
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # SIGKILL ran no cleanup; the processes are gone
-
-
-def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
-    with pytest.raises(ConfigError, match=r"rewards\[0\]\.executor is 'ray' but scale\.ray_address"):
-        load_config(cfg)
-    cfg.write_text("tools: {executor: ray}\n")
-    with pytest.raises(ConfigError, match=r"tools\.executor is 'ray' but scale\.ray_address"):
-        load_config(cfg)
-
-
-def test_ray_is_not_imported_unless_asked():
-    code = textwrap.dedent(
-        """
-        import asyncio, sys
-        import flows.train, flows.evaluate
-        from flows.cluster import ray_cluster
-        from flows.config import GRPOConfig
-        from tasks.score import score_groups
-        from tasks.tools import ParsedCall, ToolBox
-        from tests.unit.test_score import make_groups
-
-        cfg = GRPOConfig()
-        with ray_cluster(cfg.scale) as c:
-            assert c is None
-            score_groups(make_groups(), cfg.rewards)
-            box = ToolBox({"f": lambda: 1})
-            asyncio.run(box.call(ParsedCall("f", {}, "{}"), turn=1))
-        assert "ray" not in sys.modules, "ray was imported"
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]

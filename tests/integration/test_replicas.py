@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,12 +16,14 @@ import pytest
 from examples.rewards import letter_fraction
 from storage.processes import is_alive
 from storage.sql import query
-from tests.integration.test_train_flow import REPO
+from tasks.replicas import ReplicaSet
+from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration
 
 KILL_AFTER_STEP, STEPS = 2, 14
 killed, rejoined = threading.Event(), threading.Event()
+served: list[tuple[int, int]] = []  # (replica index, version it serves) each time one rejoins
 
 
 def gated_letter(completions, **kw):
@@ -53,22 +54,19 @@ def _kill_then_watch(root: Path, name: str, errors: list, seen: list) -> None:
     server process record it sees goes to `seen`."""
     try:
         marker = root / "steps" / "run_id=rep" / f"step-{KILL_AFTER_STEP:06d}.parquet"
-        deadline = time.monotonic() + 600
-        while not marker.exists():
-            assert time.monotonic() < deadline, "the run never reached the kill step"
-            time.sleep(0.1)
+        wait_for(marker.exists, 600, f"the run to store step {KILL_AFTER_STEP}")
         rec = _record(root, name)
         seen += [rec, _record(root, "vllm-rep")]
         killed.set()
         os.killpg(int(rec["pid"]), signal.SIGKILL)
-        while True:  # a new process, answering: the reviver restarted it (it loads weights next)
-            assert time.monotonic() < deadline, "the killed replica was never restarted"
+
+        def restarted() -> dict | None:  # a new process, answering: the reviver restarted it
             now = _record(root, name)
-            if now and now["pid"] != rec["pid"] and _healthy(now["url"]):
-                seen.append(now)
-                break
-            time.sleep(0.5)
-        time.sleep(3.0)  # its weight load (~1 s for the tiny model)
+            return now if now and now["pid"] != rec["pid"] and _healthy(now["url"]) else None
+
+        seen.append(wait_for(restarted, 600, "the killed replica's restart", interval_s=0.5))
+        # then it loads the weights the other serves and rejoins the rotation at their version
+        wait_for(lambda: any(index == 1 for index, _ in served), 300, "r1 to rejoin at the served version")
     except BaseException as e:
         errors.append(e)
     finally:
@@ -76,7 +74,9 @@ def _kill_then_watch(root: Path, name: str, errors: list, seen: list) -> None:
 
 
 @pytest.mark.slow
-def test_two_replicas_survive_a_sigkill_and_the_killed_one_rejoins(tmp_path, tiny_model_dir, prefect_api):
+def test_two_replicas_survive_a_sigkill_and_the_killed_one_rejoins(
+    tmp_path, tiny_model_dir, prefect_api, monkeypatch
+):
     from flows.config import load_config
     from flows.train import grpo_train
 
@@ -93,6 +93,16 @@ def test_two_replicas_survive_a_sigkill_and_the_killed_one_rejoins(tmp_path, tin
         "kwargs: {target_letter: a}, timeout_s: 600}]",
     ]
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", sets)
+    rejoin = ReplicaSet._rejoin
+
+    def noting_rejoin(self, rep):
+        """The reviver's last step: True once `rep` serves the current version and is back in the rotation."""
+        back = rejoin(self, rep)
+        if back:
+            served.append((rep.index, rep.versions.get()))
+        return back
+
+    monkeypatch.setattr(ReplicaSet, "_rejoin", noting_rejoin)
     errors, seen = [], []
     watcher = threading.Thread(
         target=_kill_then_watch, args=(tmp_path, "vllm-rep-r1", errors, seen), daemon=True

@@ -4,6 +4,7 @@ an API key, which must guard every endpoint but /health)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,27 +12,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from benchmarks.drill import group_members, kill_tree
 from flows.serve import free_port, is_healthy
+from storage.processes import group_members, kill_tree
 from tasks.inference import InferenceUnavailableError, VLLMClient
+from tests.support import REPO, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(pred, timeout: float, what: str, proc=None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: supervisor exited with {proc.returncode}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+def healthy_while_running(url: str, proc: subprocess.Popen):
+    """A condition for wait_for: the server at `url` answers; fails at once if `proc` (the supervisor)
+    exited."""
+
+    def check() -> bool:
+        assert proc.poll() is None, f"the supervisor exited with {proc.returncode}"
+        return is_healthy(url)
+
+    return check
 
 
 def server_pid_or_none(port: int) -> int:
@@ -58,7 +58,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        wait_for(lambda: is_healthy(url), 400, "first start", proc)
+        wait_for(healthy_while_running(url, proc), 400, "the server's first start", interval_s=0.5)
         first = server_pid(port)
         # With a key, every endpoint but /health needs it, the control ones (weight reload) included,
         # and the key never appears on a command line.
@@ -81,7 +81,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
                 return time.perf_counter() - t0
 
         assert asyncio.run(in_flight_then_kill()) < 10  # bounded retries, then a clear error
-        wait_for(lambda: is_healthy(url), 400, "restart by the policy-server flow", proc)
+        wait_for(healthy_while_running(url, proc), 400, "restart by the policy-server flow", interval_s=0.5)
         second = server_pid(port)  # the guarded API server leads its group: engine and workers too
         assert second != first
 
@@ -100,9 +100,9 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         except subprocess.TimeoutExpired:
             proc.kill()
         group = second if "second" in locals() else server_pid_or_none(port)
-        deadline = time.monotonic() + 10  # a group being killed right now gets a moment
-        while group_members(group) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        if group > 0:  # a group being killed right now gets a moment; what is left is asserted below
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: not group_members(group), 10, "the server's group to go")
         left = group_members(group) if group > 0 else []
         if group > 0:
             kill_tree([group])
@@ -131,9 +131,8 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
     killed = []
 
     def killer():
-        deadline = time.time() + 600
-        while time.time() < deadline and len(store.steps_written("steps", "phoenix")) < 3:
-            time.sleep(0.2)
+        with contextlib.suppress(AssertionError):  # not within 600 s: nothing killed, the test fails
+            wait_for(lambda: len(store.steps_written("steps", "phoenix")) >= 3, 600, "step 2 stored")
         out = subprocess.run(["pgrep", "-f", f"api_server --model {model}"], capture_output=True, text=True)
         for pid in out.stdout.split():
             os.killpg(int(pid), signal.SIGKILL)

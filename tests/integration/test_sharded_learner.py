@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.drill import clean_store, processes, random_kill_drill, store_check
+from flows.drill import clean_store, random_kill_drill, store_check
+from storage.processes import processes
 from storage.sql import query
-from tests.integration.test_crash import _unpause
-from tests.integration.test_train_flow import tiny_cfg
+from tests.support import tiny_cfg, unpause
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ SHARDED = {
 
 def ranks_alive() -> list[int]:
     """Live processes of learner ranks (Ray names an actor's worker process after its class)."""
-    return [p.pid for p in processes() if p.argv and p.argv[0].startswith(b"ray::LearnerRank")]
+    return [p.pid for p in processes() if p.argv and p.argv[0].startswith("ray::LearnerRank")]
 
 
 def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny_model_dir, prefect_api):
@@ -68,7 +68,7 @@ def test_random_moment_kills_of_a_two_rank_run(tmp_path, vllm_server, tiny_model
             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip
     finally:
-        _unpause(vllm_server.url)
+        unpause(vllm_server.url)
     assert fig["completed"], fig["final_output"]
     assert fig["orphans"] == 0 and ranks_alive() == [], fig
     check = store_check(tmp_path, "drill", steps, per_step)

@@ -17,23 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.drill import KILL_DRILL, KILL_DRILL_SETS
-from flows.config import load_config
+from flows.drill import KILL_DRILL, KILL_DRILL_SETS
 from storage.rollouts import RolloutStore
 from storage.sql import query
+from tests.support import tiny_cfg
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
-    overrides = [
-        f"storage.root={root}",
-        f"model.path={model_dir}",
-        f"inference.url={url}",
-    ] + [f"{k}={v}" for k, v in sets.items()]
-    return load_config(REPO / "configs" / "tiny-letters.yaml", overrides)
 
 
 def task_runs(flow_run_id: str, steps: int, timeout_s: float = 60.0) -> tuple[list, list]:
@@ -205,7 +196,7 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
-# SIGKILL at each named point of a step (benchmarks/drill.py: KILL_DRILL), then `grpoflow train --resume`.
+# SIGKILL at each named point of a step (flows/drill.py: KILL_DRILL), then `grpoflow train --resume`.
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from storage.sql import query
-from tests.unit.test_user_project import _project
+from tests.support import user_project
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ def test_train_with_a_users_own_reward_tool_and_data_beside_the_config(
 ):
     from prefect.settings import PREFECT_API_URL
 
-    _, elsewhere = _project(tmp_path)
+    _, elsewhere = user_project(tmp_path)
     root = tmp_path / "runs"
     sets = [
         f"model.path={tiny_model_dir}",

@@ -27,6 +27,7 @@ from storage.compact import compact_run
 from storage.layout import list_parts, select
 from storage.rollouts import RolloutStore
 from storage.sql import query
+from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -110,7 +111,8 @@ def test_sql_during_compactions_and_kills_counts_every_step_exactly_once(tmp_pat
                 killed["failpoint" if kind != "random" else "random"] += 1
         final = subprocess.run([*cmd, str(STEPS)], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert final.returncode == 0, final.stderr[-3000:]
-        time.sleep(0.2)  # a few answers on the finished store too
+        n = len(answers)  # two whole rounds (2 tables each) on the finished store too
+        wait_for(lambda: len(answers) >= n + 4, 30, "the reader's answers on the finished store")
     finally:
         stop.set()
         reader.join()

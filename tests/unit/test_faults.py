@@ -42,10 +42,23 @@ def test_spec_parsing_and_clear_errors():
         faults.parse("score:explode")
 
 
-def test_failpoints_are_inert_without_the_variable(monkeypatch):
-    monkeypatch.delenv(faults.ENV, raising=False)
-    for p in faults.POINTS:
-        faults.failpoint(p)  # nothing happens, nothing is counted
+def test_failpoints_are_inert_without_the_variable():
+    out = run_py(
+        f"""
+        import os
+        from storage.faults import ENV, failpoint
+        for p in {faults.POINTS!r}:
+            failpoint(p)
+            failpoint(p)
+        print("inert", flush=True)
+        os.environ[ENV] = "score@1:kill"
+        failpoint("score")  # its 1st counted call: the ones without the variable were not counted
+        print("not killed", flush=True)
+        """,
+        **{faults.ENV: ""},
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    assert out.stdout.split() == ["inert"]
 
 
 def test_kill_fires_at_exactly_the_configured_hit():

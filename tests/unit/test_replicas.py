@@ -6,7 +6,6 @@ tests run two real ones)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from flows.config import ConfigError, load_config
 from flows.serve import core_shares
 from tasks.inference import InferenceUnavailableError
 from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
+from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -23,10 +23,7 @@ def servers(n: int, **kw) -> ReplicaSet:
 
 
 def wait_until(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+    wait_for(cond, timeout_s, "the replica set's threads", interval_s=0.01)
 
 
 def test_groups_go_to_the_server_with_the_fewest_in_flight():
@@ -61,14 +58,14 @@ def test_a_down_server_leaves_the_rotation_and_none_left_is_a_clear_error():
 
 def test_an_external_server_rejoins_when_it_answers_at_the_current_weights():
     s = servers(2, version=3, weights_path="/w/v3")
-    answering, loads = threading.Event(), []
-    s.is_healthy = lambda url: answering.is_set()
+    answering, loads, polls = threading.Event(), [], []
+    s.is_healthy = lambda url: polls.append(url) or answering.is_set()
     s.load = lambda rep, path, version: (loads.append((rep.index, path, version)), rep.versions.set(version))
     s.poll_s = 0.01
     rep = s.replicas[1]
     rep.versions.set(2)  # it missed a push
     s.down(rep, InferenceUnavailableError("gone"))
-    time.sleep(0.1)
+    wait_until(lambda: len(polls) >= 3)
     assert not rep.healthy and loads == []  # not answering: polled, nothing loaded
     answering.set()
     wait_until(lambda: rep.healthy)
@@ -78,14 +75,15 @@ def test_an_external_server_rejoins_when_it_answers_at_the_current_weights():
 
 def test_a_server_rejoins_only_after_a_push_under_way_and_at_its_version():
     s = servers(2, version=1, weights_path="/w/v1")
-    s.is_healthy = lambda url: True
-    loads = []
+    polls, loads = [], []
+    s.is_healthy = lambda url: polls.append(url) or True
     s.load = lambda rep, path, version: (loads.append(version), rep.versions.set(version))
     s.poll_s = 0.01
     targets = s.begin_push()  # a push to the servers up now
     assert [r.index for r in targets] == [0, 1]
+    s.replicas[1].versions.set(0)  # behind: rejoining during the push would load v1 (`loads` shows it)
     s.down(s.replicas[1], InferenceUnavailableError("reload failed"))
-    time.sleep(0.1)
+    wait_until(lambda: polls)  # the reviver found it answering
     assert not s.replicas[1].healthy  # it waits for the push to end
     s.end_push(2, "/w/v2")
     wait_until(lambda: s.replicas[1].healthy)

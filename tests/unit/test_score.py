@@ -6,40 +6,18 @@ import asyncio
 import math
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from storage.records import RolloutCompletion, RolloutGroup, reward_rows
+from storage.processes import alive
+from storage.records import reward_rows
 from storage.rollouts import RolloutStore
 from storage.sql import query, run_canned
 from tasks.config import RewardConfig
 from tasks.score import RewardImportError, resolve_reward, score_groups, score_groups_async
+from tests.support import make_groups, wait_for
 
 pytestmark = pytest.mark.unit
-
-
-def make_groups(n_groups: int = 2, size: int = 3) -> list[RolloutGroup]:
-    return [
-        RolloutGroup(
-            group_id=f"g{g}",
-            prompt_index=g,
-            prompt=f"<prompt {g}>",
-            prompt_ids=[1, 2],
-            completions=[
-                RolloutCompletion(
-                    sample_index=i,
-                    completion="a" * (i + 1),
-                    completion_ids=[3] * (i + 1),
-                    completion_mask=[1] * (i + 1),
-                    logprobs=[-1.0] * (i + 1),
-                )
-                for i in range(size)
-            ],
-            row={"prompt": f"raw {g}", "answer": g},
-        )
-        for g in range(n_groups)
-    ]
 
 
 # --- one reward function per failure kind ----------------------------------------------------
@@ -315,15 +293,6 @@ def test_leave_one_out_advantages_leave_imputed_values_out_of_other_baselines():
 # --- process executor: hung workers are killed, the pool recovers -------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")  # a killed worker not yet reaped is a zombie: dead
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="checks workers through /proc")
 def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
     # timeout_s generous for the good reward: a fresh worker imports prefect (seconds on a busy box)
     good = RewardConfig(name="good", fn="tests.unit.reward_fns:length", executor="process", timeout_s=30)
@@ -345,10 +314,7 @@ def test_hung_process_rewards_are_killed_and_the_pool_recovers(tmp_path):
     assert [c.reward_cells[0].status for c in groups[0].completions] == ["valid"] * 3
     pids = [int(p.name) for p in tmp_path.iterdir()]
     assert pids
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    wait_for(lambda: not any(alive(p) for p in pids), 30, f"the hung workers {pids} to be killed")
 
 
 def test_a_good_process_reward_survives_a_hang_that_recycles_the_pool(tmp_path):

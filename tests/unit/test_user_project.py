@@ -10,46 +10,9 @@ import textwrap
 
 import pytest
 
+from tests.support import USER_CONFIG, user_project
+
 pytestmark = pytest.mark.unit
-
-TASK = '''
-import json as _json  # the standard library's, not a user file named json.py
-
-
-def exact(prompts, completions, answer, **_):
-    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
-
-
-def lookup(key: str) -> str:
-    """Look a key up.
-
-    Args:
-        key: the key
-    """
-    return _json.dumps({"key": key})
-'''
-
-CONFIG = """
-data:
-  path: data.jsonl
-rewards:
-  - {name: exact, fn: "task:exact"}
-  - {name: exact_in_a_process, fn: "task:exact", executor: process}
-tools:
-  tools: ["task:lookup"]
-"""
-
-
-def _project(tmp_path):
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    (proj / "task.py").write_text(TASK)
-    (proj / "data.jsonl").write_text('{"prompt": "1+1?", "answer": 2}\n{"prompt": "2+2?", "answer": 4}\n')
-    (proj / "cfg.yaml").write_text(CONFIG)
-    (proj / "json.py").write_text("raise SystemExit('a user file shadowed the standard library')\n")
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    return proj, elsewhere
 
 
 def _run(code: str, cwd) -> subprocess.CompletedProcess:
@@ -65,7 +28,7 @@ def _run(code: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path):
-    proj, elsewhere = _project(tmp_path)
+    proj, elsewhere = user_project(tmp_path)
     out = _run(
         f"""
         from flows.config import load_config
@@ -104,15 +67,15 @@ def _preflight_error(cfg_path, cwd) -> str:
 
 
 def test_a_module_that_cannot_be_imported_names_the_directories_searched(tmp_path):
-    proj, elsewhere = _project(tmp_path)
-    (proj / "cfg.yaml").write_text(CONFIG.replace("task:exact", "no_such_task:exact"))
+    proj, elsewhere = user_project(tmp_path)
+    (proj / "cfg.yaml").write_text(USER_CONFIG.replace("task:exact", "no_such_task:exact"))
     error = _preflight_error(proj / "cfg.yaml", elsewhere)
     assert "rewards[0].fn" in error and "no_such_task" in error
     assert str(proj) in error and str(elsewhere) in error
 
 
 def test_a_missing_data_file_names_both_places_looked(tmp_path):
-    proj, elsewhere = _project(tmp_path)
-    (proj / "cfg.yaml").write_text(CONFIG.replace("data.jsonl", "gone.jsonl"))
+    proj, elsewhere = user_project(tmp_path)
+    (proj / "cfg.yaml").write_text(USER_CONFIG.replace("data.jsonl", "gone.jsonl"))
     error = _preflight_error(proj / "cfg.yaml", elsewhere)
     assert str(elsewhere / "gone.jsonl") in error and str(proj / "gone.jsonl") in error

@@ -1,0 +1,49 @@
+"""`executor: ray` without a cluster: a config error that names the field, and Ray never imported unless
+a config asks for it. The tests with a real local Ray are tests/integration/test_ray.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flows.config import ConfigError, load_config
+from tests.support import REPO
+
+pytestmark = pytest.mark.unit
+
+
+def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.executor is 'ray' but scale\.ray_address"):
+        load_config(cfg)
+    cfg.write_text("tools: {executor: ray}\n")
+    with pytest.raises(ConfigError, match=r"tools\.executor is 'ray' but scale\.ray_address"):
+        load_config(cfg)
+
+
+def test_ray_is_not_imported_unless_asked():
+    code = textwrap.dedent(
+        """
+        import asyncio, sys
+        import flows.train, flows.evaluate
+        from flows.cluster import ray_cluster
+        from flows.config import GRPOConfig
+        from tasks.score import score_groups
+        from tasks.tools import ParsedCall, ToolBox
+        from tests.support import make_groups
+
+        cfg = GRPOConfig()
+        with ray_cluster(cfg.scale) as c:
+            assert c is None
+            score_groups(make_groups(), cfg.rewards)
+            box = ToolBox({"f": lambda: 1})
+            asyncio.run(box.call(ParsedCall("f", {}, "{}"), turn=1))
+        assert "ray" not in sys.modules, "ray was imported"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
