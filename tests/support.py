@@ -7,9 +7,19 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from storage.records import RolloutCompletion, RolloutGroup
+from storage.records import (
+    RewardCell,
+    RolloutCompletion,
+    RolloutGroup,
+    TaggedMessage,
+    ToolCallRecord,
+    TurnRecord,
+)
+
+if TYPE_CHECKING:
+    from tasks.learn import Learner
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -122,3 +132,62 @@ def user_project(tmp_path: Path) -> tuple[Path, Path]:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     return proj, elsewhere
+
+
+def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
+    comps = []
+    for i in range(n):
+        comps.append(
+            RolloutCompletion(
+                sample_index=i,
+                completion=f"<tool_call>x</tool_call> héllo {i}",
+                completion_ids=[5, 6, 7, i],
+                completion_mask=[1, 1, 0, 1],
+                logprobs=[-0.5, -1.25, 0.0, -2.0],
+                messages=[TaggedMessage("assistant", "call", True), TaggedMessage("tool", "42", False)],
+                turns=[TurnRecord(10, 2, 0.25, "stop"), TurnRecord(13, 1, 0.5, "length")],
+                tool_calls=[
+                    ToolCallRecord(0, "calc", '{"e": "6*7"}', "42", False, None, 0.01),
+                    ToolCallRecord(1, "calc", "{bad", "Error: x", True, "malformed", 0.0),
+                ],
+                truncated=i == 1,
+                truncation_reason="max_tokens" if i == 1 else None,
+                finish_reason="length" if i == 1 else "stop",
+                policy_version=3,
+                policy_version_end=4,
+                gen_seconds=0.75,
+                reward=None if i == 1 else 1.5,
+                reward_valid=i == 0,
+                invalid_reason="acc: failed: boom" if i == 1 else None,
+                reward_cells=[
+                    RewardCell(
+                        "acc",
+                        1.5 if i == 0 else None,
+                        "valid" if i == 0 else "failed",
+                        "" if i == 0 else "boom",
+                        1.0,
+                        0.125,
+                    )
+                ],
+                advantage=0.5 if i == 0 else 0.0,
+                trained=i == 0,
+                drop_reason=None if i == 0 else "reward invalid",
+            )
+        )
+    return RolloutGroup(gid, 3, "<prompt>", [1, 2, 3], comps, split="train", policy_version=3)
+
+
+def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
+                 **fields) -> Learner:  # fmt: skip
+    """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
+    (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
+    from tasks.config import AlgorithmConfig, LearnerConfig  # torch: imported by the tests that train
+    from tasks.learn import Learner
+    from tasks.learner_api import LearnerRun
+
+    algorithm = {"correction": "none"} | {
+        k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
+    }
+    run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path)
+    return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), run,
+                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.learn import Learner, TrainSample
-from tasks.learner_api import LearnerRun
 from tasks.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
 from tasks.tiny_model import build_tiny_model
+from tests.support import make_learner
 
 pytestmark = pytest.mark.unit
 
@@ -17,18 +16,6 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
-
-
-def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
-                 **fields) -> Learner:  # fmt: skip
-    """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
-    (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
-    algorithm = {"correction": "none"} | {
-        k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
-    }
-    run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path)
-    return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), run,
-                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip
 
 
 def samples() -> list[TrainSample]:

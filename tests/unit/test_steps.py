@@ -18,8 +18,7 @@ from tasks.push import weight_push
 from tasks.replicas import Replica, ReplicaSet
 from tasks.steps import RolloutBatch, persist, push_weights
 from tasks.tiny_model import build_tiny_model
-from tests.unit.test_learn import make_learner
-from tests.unit.test_store import rich_group
+from tests.support import make_learner, rich_group
 
 pytestmark = pytest.mark.unit
 

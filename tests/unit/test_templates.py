@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 import tasks.generate as gen
 from tasks.config import GenerationConfig, ToolsConfig
-from tests.unit.test_generate import ScriptedBackend, one_server
+from tests.unit.scripted import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit
 
