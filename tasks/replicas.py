@@ -172,14 +172,17 @@ class ReplicaSet:
 
     def _rejoin(self, rep: Replica) -> bool:
         """Load the current weights into `rep` until it holds them with no push under way; then it
-        serves again."""
+        serves again. What a server that was down serves is unknown (a restarted one serves the
+        model it starts with, whatever version it last held), so the load is never skipped."""
+        loaded = None  # the version this revival loaded into it
         for _ in range(5):
             with self._lock:
                 while self._pushing and not self._stop.is_set():
                     self._lock.wait(1.0)
                 version, path = self.version, self.weights_path
-            if path is not None and rep.versions.get() != version:
+            if path is not None and loaded != version:
                 self.load(rep, path, version)  # sets rep.versions on success
+                loaded = version
             elif path is None:
                 rep.versions.set(version)  # the model it starts with: the run's first weights
             with self._lock:

@@ -160,14 +160,9 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
     from flows.runs import RunState, build_learner, load_rows, rollout_job, rows_for_step
     from flows.train import grpo_train
+    from tasks.push import weight_push
     from tasks.replicas import Replica, ReplicaSet
-    from tasks.steps import (
-        PushJob,
-        assign_advantages,
-        push_weights,
-        rollout_batch,
-        train_step,
-    )
+    from tasks.steps import assign_advantages, persist, push_weights, rollout_batch, update
 
     steps = 3
     sets = {"run.steps": steps, "algorithm.max_staleness": 0, "run.run_id": "flow0"}
@@ -179,8 +174,9 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     run = RunState("plain", 0, 0, str(tiny_model_dir), str(tiny_model_dir), None, False)
     learner = build_learner(cfg, run)
     servers = ReplicaSet([Replica(0, vllm_server.url)])  # the push flips its version
-    push = PushJob(str(tmp_path / "b"), "plain", cfg.sync, cfg.inference, servers)
-    push_weights.fn(learner, 0, push)
+    root = str(tmp_path / "b")
+    pusher = weight_push(root, "plain", cfg.sync, cfg.inference)
+    push_weights.fn(learner, 0, pusher, servers)
     job = rollout_job(cfg, servers, str(tiny_model_dir))
     rows, plain_losses = load_rows(cfg), []
     for step in range(steps):
@@ -189,10 +185,9 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
         )
         batch = rollout_batch.fn(step, batch_rows, cursor, job)
         assign_advantages(batch.groups, step=step, algorithm=cfg.algorithm)
-        done = train_step(learner, batch.groups, step=step, root=push.root, run_id="plain", push=push,
-                             version=step + 1)  # fmt: skip
-        assert done.push_error is None and done.persist_error is None
-        plain_losses.append(done.metrics["train/loss"])
+        persist.fn(root, "plain", step, batch.groups)
+        plain_losses.append(update(learner, batch.groups)["train/loss"])
+        assert push_weights.fn(learner, step + 1, pusher, servers).failed_servers == 0
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 

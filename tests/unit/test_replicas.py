@@ -111,6 +111,20 @@ def test_an_embedded_server_is_restarted_and_given_up_on_after_its_restarts():
     s.close()
 
 
+def test_a_restarted_server_loads_the_current_weights_even_at_its_old_version():
+    """A restarted embedded server serves the model it starts with: that its version box still reads
+    the current version (no push while it was down) must not skip the load."""
+    s = servers(2, version=4, weights_path="/w/v4")
+    loads = []
+    s.load = lambda rep, path, version: (loads.append((rep.index, path, version)), rep.versions.set(version))
+    s.poll_s = 0.01
+    s.replicas[0].restart = lambda: None
+    s.down(s.replicas[0], InferenceUnavailableError("killed"))
+    wait_until(lambda: s.replicas[0].healthy)
+    assert loads == [(0, "/w/v4", 4)] and s.replicas[0].restarts == 1
+    s.close()
+
+
 def test_wait_any_up_says_no_when_every_server_is_given_up():
     s = servers(1)
     s.poll_s = 0.01
