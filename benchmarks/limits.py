@@ -218,8 +218,7 @@ def raw_train(
     pusher = weight_push(str(root), "limits-raw", sync, cfg.inference)
     servers = ReplicaSet([Replica(0, url)])
     pushes = [
-        push_version(pusher, learner.write_weights, v + 1, servers).total_seconds
-        for v in range(repeats + 1)
+        push_version(pusher, learner.write_weights, v + 1, servers).total_seconds for v in range(repeats + 1)
     ]
     push_cpu = meter.window(t, meter.mark(), per=repeats + 1)
     tokens = sum(sum(s.completion_mask) for s in samples)

@@ -25,7 +25,7 @@ from storage.processes import forget_process, record_process, stop_stale
 from tasks.config import InferenceConfig
 
 REPO = Path(__file__).resolve().parent.parent
-PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server, stdlib only
+PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server: stdlib + psutil
 GUARD = PLUGINS / "grpoflow_guard.py"  # runs the server and kills its process group if we die
 
 

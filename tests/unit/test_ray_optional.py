@@ -1,5 +1,6 @@
-"""`executor: ray` without a cluster: a config error that names the field, and Ray never imported unless
-a config asks for it. The tests with a real local Ray are tests/integration/test_ray.py."""
+"""Ray without a cluster: `executor: ray` and `learner.world_size` > 1 without `scale.ray_address` are
+config errors that name the fields, and Ray is never imported unless a config asks for it. The tests
+with a real local Ray are tests/integration/test_ray.py and test_distributed.py."""
 
 from __future__ import annotations
 
@@ -47,3 +48,11 @@ def test_ray_is_not_imported_unless_asked():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_world_size_above_one_needs_a_ray_address(tmp_path):
+    from flows.config import ConfigError, load_config
+
+    (tmp_path / "c.yaml").write_text("learner: {world_size: 2}\n")
+    with pytest.raises(ConfigError, match=r"learner\.world_size is 2 .* but scale\.ray_address is not set"):
+        load_config(tmp_path / "c.yaml")

@@ -18,7 +18,7 @@ from tasks.learn import Learner, TrainSample
 from tasks.learner_api import LearnerRun
 from tasks.tiny_model import build_tiny_model
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 LR = 1e-3
 # The ranks sum the same gradients in another order (float32), and Adam's first steps move every
@@ -203,14 +203,6 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
     assert _wait_dead(pids), pids
     with pytest.raises(LearnerRankError, match="stopped after rank"):
         d.train_step(batch(1))
-
-
-def test_world_size_above_one_needs_a_ray_address(tmp_path):
-    from flows.config import ConfigError, load_config
-
-    (tmp_path / "c.yaml").write_text("learner: {world_size: 2}\n")
-    with pytest.raises(ConfigError, match=r"learner\.world_size is 2 .* but scale\.ray_address is not set"):
-        load_config(tmp_path / "c.yaml")
 
 
 def test_sigkill_of_a_rank_from_outside(cluster, model_dir):
