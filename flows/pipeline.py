@@ -12,6 +12,7 @@ from flows.config import GRPOConfig
 from flows.runner import StepRunner
 from flows.runs import RunState, rows_for_step
 from flows.serve import Server, is_healthy
+from tasks.inference import InferenceUnavailableError
 from tasks.push import WeightPush, load_version
 from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
@@ -60,8 +61,6 @@ class RolloutPipeline:
     def next_batch(self, step: int) -> RolloutBatch:
         """Step `step`'s batch (generated -> scored), once the steps up to `max_staleness` ahead of it
         are submitted; the learner's wait goes to the runner; recovers from dead embedded servers."""
-        from tasks.inference import InferenceUnavailableError
-
         while (
             self.next_step < self.cfg.run.steps and self.next_step <= step + self.cfg.algorithm.max_staleness
         ):

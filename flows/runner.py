@@ -39,9 +39,9 @@ from tasks.steps import (
 )
 
 
-def _quoted(args: tuple) -> tuple:
+def _quote(a: Any) -> Any:
     # Prefect walks task arguments (for the UI and futures); token lists and learners are not for it.
-    return tuple(a if isinstance(a, int | float | str | None) else quote(a) for a in args)
+    return a if isinstance(a, int | float | str | None) else quote(a)
 
 
 class StepRunner:
@@ -72,10 +72,10 @@ class StepRunner:
         """A per-step unit run ahead of the loop (a rollout batch): its task run, or a plain call on a
         thread of this flow run's context."""
         t0 = time.perf_counter()
-        if self.pool is not None:
-            future = self.pool.submit(contextvars.copy_context().run, task.fn, *args)
+        if self.task_runs:
+            future = task.submit(*map(_quote, args))
         else:
-            future = task.submit(*_quoted(args))
+            future = self.pool.submit(contextvars.copy_context().run, task.fn, *args)
         self.record.times.prefect += time.perf_counter() - t0
         return future
 
@@ -92,7 +92,7 @@ class StepRunner:
         """An occasional unit whose body returns its seconds, as its own task run, always; the rest of
         the call counts as Prefect's."""
         t0 = time.perf_counter()
-        seconds = task(*_quoted(args), **dict(zip(kwargs, _quoted(tuple(kwargs.values())), strict=True)))
+        seconds = task(*map(_quote, args), **{k: _quote(v) for k, v in kwargs.items()})
         self.record.times.prefect += max(0.0, time.perf_counter() - t0 - seconds)
         return seconds
 
@@ -171,9 +171,9 @@ class StepUnits:
 
     def _as_task(self, task: Task, *args: Any) -> Any:
         try:
-            return task(*_quoted(args))
+            return task(*map(_quote, args))
         except InferenceUnavailableError as e:  # no server took it: bring them back, then again
             if self.recover is None:
                 raise
             self.recover(e)
-            return task(*_quoted(args))
+            return task(*map(_quote, args))

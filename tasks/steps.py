@@ -258,8 +258,10 @@ class StepRecord:
     def summary(self) -> str:
         """What the learner's side of the step did, in one line (the train-step task run's log)."""
         m = self.train
-        parts = [f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s"]
-        parts.insert(0, f"wrote rollouts + rewards in {self.times.write:.2f}s")
+        parts = [
+            f"wrote rollouts + rewards in {self.times.write:.2f}s",
+            f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s",
+        ]
         if self.push is not None:
             parts.append(f"pushed version {self.push.version} in {self.push.total_seconds:.2f}s")
         return "; ".join(parts)

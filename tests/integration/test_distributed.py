@@ -17,6 +17,7 @@ from tasks.config import AlgorithmConfig, LearnerConfig
 from tasks.learn import Learner, TrainSample
 from tasks.learner_api import LearnerRun
 from tasks.tiny_model import build_tiny_model
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -165,15 +166,10 @@ def test_fresh_moments_would_differ(two_steps, model_dir):
     assert max((a[k] - b[k]).abs().max().item() for k in a) > 10 * WEIGHT_ATOL
 
 
-def _wait_dead(pids: list[int], timeout: float = 30.0) -> bool:
+def _wait_dead(pids: list[int]) -> None:
     from storage.processes import alive
 
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(alive(p) for p in pids):
-            return True
-        time.sleep(0.2)
-    return False
+    wait_for(lambda: not any(alive(p) for p in pids), 30.0, f"the ranks {pids} to exit", interval_s=0.2)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +196,7 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
     assert took < 5.0 + 25.0, took  # the timeout, plus the error's way back; never the 120 s sleep
     assert re.search(says, str(e.value) + repr(e.value.__cause__)), (str(e.value), repr(e.value.__cause__))
     # Every rank is gone (none left waiting in a collective), and the learner refuses further work.
-    assert _wait_dead(pids), pids
+    _wait_dead(pids)
     with pytest.raises(LearnerRankError, match="stopped after rank"):
         d.train_step(batch(1))
 
@@ -216,4 +212,4 @@ def test_sigkill_of_a_rank_from_outside(cluster, model_dir):
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(LearnerRankError, match="rank 1 failed while running a train step"):
         d.train_step(batch(1))
-    assert _wait_dead(pids)
+    _wait_dead(pids)
