@@ -19,6 +19,7 @@ from tasks.config import (
     GenerationConfig,
     InferenceConfig,
     LearnerConfig,
+    LoraConfig,
     ModelConfig,
     RewardConfig,
     RunConfig,
@@ -39,6 +40,7 @@ __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from the
     "GenerationConfig",
     "InferenceConfig",
     "LearnerConfig",
+    "LoraConfig",
     "ModelConfig",
     "RewardConfig",
     "RunConfig",
@@ -129,6 +131,25 @@ class GRPOConfig(Section):
                     f"{asks[0]} but scale.ray_address is not set: set it to 'local' (a Ray started for "
                     "the run on this machine) or to a cluster's address"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_pushes_adapters(self) -> GRPOConfig:
+        lora, backend = self.learner.lora is not None, self.sync.backend
+        if lora and self.learner.world_size > 1:
+            raise ValueError(
+                f"learner.lora: the sharded learner (learner.world_size {self.learner.world_size}) does not "
+                "train adapters; set learner.world_size 1 or leave learner.lora unset"
+            )
+        if backend == "checkpoint" and lora:
+            raise ValueError(
+                "sync.backend 'checkpoint' pushes the whole model, but learner.lora trains an adapter: "
+                "set sync.backend 'lora' or leave it unset"
+            )
+        if backend == "lora" and not lora:
+            raise ValueError("sync.backend 'lora' pushes an adapter, but learner.lora is not set")
+        if backend is None:
+            self.sync.backend = "lora" if lora else "checkpoint"
         return self
 
     @model_validator(mode="after")

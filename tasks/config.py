@@ -286,6 +286,36 @@ class AlgorithmConfig(Section):
     )
 
 
+# The projections of a Llama/Qwen/Mistral-style decoder's attention and MLP blocks.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The adapter ranks vLLM serves (its --max-lora-rank takes one of these).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraConfig(Section):
+    """A LoRA adapter trained instead of the whole model (peft); the base model stays frozen."""
+
+    rank: int = Field(16, ge=1, le=VLLM_LORA_RANKS[-1], description="Adapter rank r (vLLM serves up to 512).")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input while training (0: the learner's logprobs are "
+        "deterministic, as the importance ratio assumes).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Module names (suffixes, as peft matches them) that get an adapter; default: the "
+        "attention and MLP projections. Each must name a linear layer of the model.",
+    )
+
+    def served_rank(self) -> int:
+        """The smallest rank vLLM's --max-lora-rank takes that holds this adapter."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
+
 class LearnerConfig(Section):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -324,6 +354,12 @@ class LearnerConfig(Section):
         description="With world_size > 1: a collective (and the ranks' start-up) waiting longer than "
         "this fails the step instead of hanging it; a rank that dies fails it at once.",
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train a LoRA adapter (peft) instead of every weight: only the adapter gets gradients "
+        "and optimizer state, the KL reference is the base model with the adapter disabled, and each push "
+        "sends only the adapter (sync.backend 'lora'). None: full fine-tuning.",
+    )
 
 
 class InferenceConfig(Section):
@@ -350,6 +386,12 @@ class InferenceConfig(Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request.")
     retries: int = Field(4, ge=0, description="Retries on connection errors, timeouts and 5xx.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="With learner.lora: adapters one batch of an embedded server may mix (the current "
+        "version, stale versions still generating, other lineages' adapters); more cost memory.",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_name_servers(self) -> InferenceConfig:
@@ -368,11 +410,13 @@ class InferenceConfig(Section):
 
 
 class SyncConfig(Section):
-    backend: Literal["checkpoint"] = Field(
-        "checkpoint",
+    backend: Literal["checkpoint", "lora"] | None = Field(
+        None,
         description="Weight push backend (tasks/push.py: WeightPush): 'checkpoint' writes safetensors to "
-        "the store, then vLLM reloads them (reload_weights). Runs, server revival, evaluation, promotion "
-        "and rollback all load weights through it.",
+        "the store, then vLLM reloads them (reload_weights); 'lora' writes the adapter (PEFT format) and "
+        "vLLM loads it as an adapter named for the version, which requests then name. None: 'lora' when "
+        "learner.lora is set, else 'checkpoint'. Runs, server revival, evaluation, promotion and rollback "
+        "all load weights through it.",
     )
     sync_every: int = Field(
         1,
