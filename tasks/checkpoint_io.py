@@ -1,8 +1,9 @@
 """A learner's resumable state on disk, beside its model dir: the optimizer (torch.distributed.
 checkpoint shards, loadable at any world size), the LR schedule, the RNG state, the tokenizer.
 
-Layout of a checkpoint dir: `model/` (a complete model dir, written by the learner), `optimizer/`,
-`trainer_state.pt`, `learner.json`. Every rank of a sharded learner calls `save_optimizer` and
+Layout of a checkpoint dir: `model/` (a complete model dir, written by the learner) or, for a LoRA
+learner, `adapter/` (the adapter in PEFT's format; `learner.json` names the base model it goes on),
+`optimizer/` (for LoRA: the adapter's optimizer state alone), `trainer_state.pt`, `learner.json`. Every rank of a sharded learner calls `save_optimizer` and
 `load_trainer_state`; rank 0 alone calls `save_trainer_state`.
 """
 
@@ -18,6 +19,8 @@ from tasks.fsdp import one_process_dcp
 
 # The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
 OPTIMIZER_DIR = "optimizer"
+MODEL_DIR = "model"  # a full fine-tuning checkpoint's model
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter
 
 
 def save_optimizer(model, optimizer, directory: Path, world_size: int) -> None:
@@ -32,13 +35,17 @@ def save_optimizer(model, optimizer, directory: Path, world_size: int) -> None:
         )
 
 
-def save_trainer_state(directory: Path, scheduler, world_size: int, tokenizer_path: str) -> None:
+def save_trainer_state(
+    directory: Path, scheduler, world_size: int, tokenizer_path: str, base_model: str | None = None
+) -> None:
     """The schedule, the RNG state and the tokenizer (into `model/`, so the checkpoint's model dir is
-    a complete model dir: vLLM and resume can load it alone)."""
+    a complete model dir: vLLM and resume can load it alone). `base_model`: a LoRA checkpoint's base,
+    recorded in `learner.json` (its adapter dir holds no tokenizer: the base model's is the one)."""
     from transformers import AutoTokenizer
 
     directory = Path(directory)
-    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory / "model")
+    if base_model is None:
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory / MODEL_DIR)
     torch.save(
         {
             "scheduler": scheduler.state_dict(),
@@ -48,7 +55,14 @@ def save_trainer_state(directory: Path, scheduler, world_size: int, tokenizer_pa
         },
         directory / "trainer_state.pt",
     )
-    (directory / "learner.json").write_text(json.dumps({"tokenizer": tokenizer_path}))
+    info = {"tokenizer": tokenizer_path} | ({"base_model": base_model} if base_model is not None else {})
+    (directory / "learner.json").write_text(json.dumps(info))
+
+
+def learner_info(directory: Path) -> dict:
+    """A checkpoint's `learner.json`: its tokenizer, and for a LoRA checkpoint its base model."""
+    path = Path(directory) / "learner.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_size: int, lr: float) -> None:

@@ -119,12 +119,12 @@ class Learner:
         self.model_path = str(model_path)
         self.tokenizer_path = str(run.tokenizer_path or model_path)
         dtype = model.dtype if model is not None else "auto"
-        self._load_models(learner.device, dtype, run.ref_model_path or model_path)
+        self._load_models(learner.device, dtype, run.ref_model_path or model_path, run.adapter_path)
         # The schedule counts optimizer steps: every training step takes num_iterations x mini_batches.
         self._make_optimizer(run.total_steps * algorithm.num_iterations * learner.mini_batches)
         self.micro_batch_size = learner.micro_batch_size
         self.pad_id = self.model.config.pad_token_id or 0
-        self.skip_zero_advantage = skip_zero_advantage and self.ref_model is None
+        self.skip_zero_advantage = skip_zero_advantage and algorithm.beta == 0
         # Completions of one group share their prompt: its forward runs once and its KV cache is
         # repeated for the group (gradients flow through it), instead of once per completion. Pays
         # once the model is big enough for FLOPs, not per-call overhead, to dominate (None: auto).
@@ -132,7 +132,10 @@ class Learner:
         share = big if learner.share_prompt is None else learner.share_prompt
         self.share_prompt = share and not learner.gradient_checkpointing
 
-    def _load_models(self, device: str, dtype: str, ref_path: str | Path) -> None:
+    def _load_models(self, device: str, dtype: str, ref_path: str | Path, adapter: str | Path | None) -> None:
+        """The policy (with `learner.lora`: the base model plus a trainable adapter, new or the one
+        saved under `adapter`) and, with `algorithm.beta` > 0, the frozen reference: a second model
+        for full fine-tuning, the policy with its adapter disabled for LoRA (no second copy)."""
         from transformers import AutoModelForCausalLM
 
         if device == "auto":
@@ -148,9 +151,17 @@ class Learner:
         self.aliases = aliases(self.model)  # left out of gathered full weights
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.lora = self.config.lora
+        if self.lora is not None:
+            from tasks.lora import attach
+
+            if self.config.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
+                self.model.enable_input_require_grads()
+            self.model = attach(self.model, self.lora, adapter).to(self.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
         self.ref_model = None
-        if self.algorithm.beta > 0:
+        if self.algorithm.beta > 0 and self.lora is None:
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=self.dtype).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         if self.world_size > 1:
@@ -162,7 +173,7 @@ class Learner:
         from transformers import get_scheduler
 
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, weight_decay=c.weight_decay)
         name = {"constant": "constant_with_warmup"}.get(c.lr_schedule, c.lr_schedule)
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=c.warmup_steps, num_training_steps=total_steps
@@ -211,7 +222,7 @@ class Learner:
             for j, part in enumerate(parts):
                 self.optimizer.zero_grad(set_to_none=True)
                 m = self._accumulate(part, j, old, refs)
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.max_grad_norm)
                 m["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
                 self.scheduler.step()
@@ -269,10 +280,9 @@ class Learner:
             if old is not None:  # several updates: pi_old is kept; the first forward of all provides it
                 old_lp = old.setdefault((j, k), logprobs.detach())
             ref = None
-            if self.ref_model is not None:
+            if self.algorithm.beta > 0:
                 if (j, k) not in refs:
-                    with torch.no_grad():
-                        refs[(j, k)] = self._micro_batch(self.ref_model, mb).logprobs
+                    refs[(j, k)] = self._reference_logprobs(mb)
                 ref = refs[(j, k)]
             loss, m = compute_loss(
                 logprobs,
@@ -292,11 +302,19 @@ class Learner:
                 pieces.append((len(mb) / part.work_samples, 1.0, m))
         if not part.micro:
             # All advantages 0: the loss and gradient are 0, and Adam still steps on its moments.
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
+            for p in self.trainable:
+                p.grad = torch.zeros_like(p)
             return {"loss": 0.0}
         return fold(pieces, ("loss",))
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: list[TrainSample]) -> torch.Tensor:
+        """The KL reference's logprobs: the frozen reference model's, or for LoRA the policy's with its
+        adapter disabled (the base model)."""
+        if self.ref_model is not None:
+            return self._micro_batch(self.ref_model, mb).logprobs
+        with self.model.disable_adapter():
+            return self._micro_batch(self.model, mb).logprobs
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process (`PolicyLearner.close`)."""
@@ -305,8 +323,13 @@ class Learner:
 
     def write_weights(self, directory: Path) -> None:
         """The full weights as a model dir vLLM's reload and `from_pretrained` take (model.safetensors
-        + config.json). A sharded learner gathers them onto rank 0, which writes; every rank calls it."""
-        if self.world_size == 1:
+        + config.json); for LoRA the adapter in PEFT's format, as vLLM loads it. A sharded learner
+        gathers them onto rank 0, which writes; every rank calls it."""
+        if self.lora is not None:
+            from tasks.lora import write_adapter
+
+            write_adapter(self.model, Path(directory))
+        elif self.world_size == 1:
             save_weights(self.model, Path(directory))
         else:
             write_gathered_weights(self.model, Path(directory), rank=self.rank, skip=self.aliases)
@@ -316,13 +339,21 @@ class Learner:
         torch.distributed.checkpoint format, which loads at any world size), the schedule and the RNG
         state into `directory`. Every rank of a sharded learner calls it; rank 0 writes the rest."""
         directory = Path(directory)
-        if self.world_size == 1:
-            self.model.save_pretrained(directory / "model", safe_serialization=True)
+        if self.lora is not None:
+            self.write_weights(directory / checkpoint_io.ADAPTER_DIR)
+        elif self.world_size == 1:
+            self.model.save_pretrained(directory / checkpoint_io.MODEL_DIR, safe_serialization=True)
         else:
-            self.write_weights(directory / "model")
+            self.write_weights(directory / checkpoint_io.MODEL_DIR)
         checkpoint_io.save_optimizer(self.model, self.optimizer, directory, self.world_size)
         if self.rank == 0:
-            checkpoint_io.save_trainer_state(directory, self.scheduler, self.world_size, self.tokenizer_path)
+            checkpoint_io.save_trainer_state(
+                directory, self.scheduler, self.world_size, self.tokenizer_path, base_model=self._base()
+            )
+
+    def _base(self) -> str | None:
+        """The base model a LoRA checkpoint's adapter goes on (None: the checkpoint holds the model)."""
+        return self.model_path if self.lora is not None else None
 
     def load_trainer_state(self, directory: Path) -> None:
         """Restore optimizer, scheduler and RNG from a checkpoint written by `save`, at this learner's

@@ -1,8 +1,8 @@
 """What a run asks of its learner, and what it tells one beside its config sections.
 
-`PolicyLearner` is the in-process `tasks.learn.Learner`, the sharded `tasks.distributed.DistributedLearner`
-and any later variant (e.g. one training a LoRA adapter) alike. Imports nothing heavy: flows and
-weight-push backends type against it without loading torch.
+`PolicyLearner` is the in-process `tasks.learn.Learner` (full fine-tuning or a LoRA adapter) and the
+sharded `tasks.distributed.DistributedLearner` alike. Imports nothing heavy: flows and weight-push
+backends type against it without loading torch.
 """
 
 from __future__ import annotations
@@ -48,3 +48,4 @@ class LearnerRun:
     seed: int = 0  # torch's seed before the model loads
     ref_model_path: str | Path | None = None  # the frozen reference (algorithm.beta > 0); None: the model's
     tokenizer_path: str | Path | None = None  # saved into checkpoints; None: the model dir's
+    adapter_path: str | Path | None = None  # learner.lora: the adapter to continue (a checkpoint's)

@@ -178,7 +178,7 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
 
 
 def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
-                 **fields) -> Learner:  # fmt: skip
+                 adapter_path=None, **fields) -> Learner:  # fmt: skip
     """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
     (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
     from tasks.config import AlgorithmConfig, LearnerConfig  # torch: imported by the tests that train
@@ -188,6 +188,6 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
     algorithm = {"correction": "none"} | {
         k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
     }
-    run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path)
+    run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path, adapter_path=adapter_path)
     return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), run,
                    skip_zero_advantage=skip_zero_advantage)  # fmt: skip
