@@ -1,5 +1,5 @@
-"""`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, compact, report,
-config, make-tiny-model."""
+"""`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, compact, export,
+report, config, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -116,6 +116,15 @@ def cmd_runs(args) -> int:
 
     cols, rows = list_runs(_root(args))
     print(format_result(cols, rows, args.format))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from flows.export import export_checkpoint
+
+    done = export_checkpoint(_root(args), args.run, args.out, args.step, args.merge)
+    what = {"model": "model", "adapter": "LoRA adapter (PEFT)", "merged": "merged model"}[done.kind]
+    print(f"{args.run} step {done.step}: {what} -> {done.out}")
     return 0
 
 
@@ -413,7 +422,7 @@ def _flow_commands(sub) -> None:
 
 
 def _store_commands(sub) -> None:
-    """The commands that read the store or the config: sql, runs, compact, config, make-tiny-model."""
+    """The commands that read the store or the config: sql, runs, compact, export, config, make-tiny-model."""
     s = sub.add_parser("sql", help="read-only SQL over rollouts, rewards, steps, tool_calls, promotions")
     s.add_argument("query", nargs="?", help="SQL text, or @file.sql to read it from a file")
     s.add_argument(
@@ -435,6 +444,15 @@ def _store_commands(sub) -> None:
                    help="compaction unit in steps (default: the run's storage.compact_every, else 100)")  # fmt: skip
     k.add_argument("--root", help=ROOT_HELP)
     k.set_defaults(fn=cmd_compact)
+
+    e = sub.add_parser("export", help="a run's checkpoint as a model dir (or LoRA adapter) other tools load")
+    e.add_argument("run", help="run id")
+    e.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    e.add_argument("--merge", action="store_true",
+                   help="LoRA runs: merge the adapter into the base model (a standalone model dir)")  # fmt: skip
+    e.add_argument("--out", required=True, help="output directory (new, or empty)")
+    e.add_argument("--root", help=ROOT_HELP)
+    e.set_defaults(fn=cmd_export)
 
     c = sub.add_parser("config", help="show a resolved config, its JSON schema, or the reference docs")
     csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION", help="one of:")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints import ADAPTER_DIR, MODEL_DIR, CheckpointStore
 from storage.records import held_out, row_id_of, validate_run_id
 from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
@@ -34,10 +34,11 @@ class RunState:
     run_id: str
     start_step: int  # first step this invocation trains
     policy_version: int  # version of the weights the learner starts with
-    model_path: str  # weights the learner loads (base model or checkpoint/model)
+    model_path: str  # weights the learner loads and the servers start with (base model or checkpoint/model)
     base_model: str  # the run's original model dir (reference model, tokenizer)
     checkpoint: Path | None  # checkpoint dir resumed from
     resumed: bool
+    adapter: str | None = None  # learner.lora: the checkpoint's adapter the learner continues
 
 
 def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]]:
@@ -49,6 +50,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
     check_imports(cfg)  # reward / tool / environment / generator import paths
     rows, _ = split_rows(cfg, load_rows(cfg))
+    check_lora_installed(cfg)
     if cfg.model.path != "tiny":
         if not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path: not found: {where_searched(cfg, cfg.model.path)}")
@@ -64,6 +66,29 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     elif cfg.run.run_id and store.read_run_meta(cfg.run.run_id) is not None:
         raise ConfigError(f"run.run_id: run {cfg.run.run_id!r} already exists; use --resume {cfg.run.run_id}")
     return rows
+
+
+def check_lora_installed(cfg: GRPOConfig) -> None:
+    """learner.lora needs peft, an optional extra."""
+    import importlib.util
+
+    if cfg.learner.lora is not None and importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "learner.lora: LoRA needs peft, which is not installed: pip install 'grpoflow[lora]' "
+            "(make install installs it)"
+        )
+
+
+def check_lora_targets(cfg: GRPOConfig, model: Path) -> None:
+    """learner.lora.target_modules must name linear layers of `model` (read from its config alone)."""
+    if cfg.learner.lora is None:
+        return
+    from tasks.lora import LoraTargetError, check_targets
+
+    try:
+        check_targets(model, cfg.learner.lora)
+    except LoraTargetError as e:
+        raise ConfigError(str(e)) from None
 
 
 def confine(cfg: GRPOConfig, **servers: str | None) -> None:
@@ -103,6 +128,7 @@ def prepare_model(cfg: GRPOConfig) -> Path:
             build_tiny_model(base, seed=cfg.run.seed)
     else:
         base = check_model_dir(Path(cfg.model.path))
+    check_lora_targets(cfg, base)  # before any server starts or warm-up runs
     return warmed_model(cfg, base) if cfg.warmup.steps else base
 
 
@@ -255,6 +281,7 @@ def open_run(cfg: GRPOConfig, resume: str | None, base_model: Path) -> RunState:
         return RunState(run_id, 0, 0, str(base_model), str(base_model), None, True)
     state = CheckpointStore(root).load_state(ckpt)
     last = int(state["step"])
+    adapter = _checkpoint_adapter(cfg, ckpt)
     # Steps after the checkpoint are redone: remove their files so no row is counted twice.
     store.delete_steps_after(run_id, last)
     return RunState(
@@ -263,11 +290,26 @@ def open_run(cfg: GRPOConfig, resume: str | None, base_model: Path) -> RunState:
         # A checkpoint after step s holds weights with s + 1 updates: that is their version, whatever
         # was last pushed (with sync_every > 1 the server may have been behind).
         policy_version=last + 1,
-        model_path=str(ckpt / "model"),
+        # LoRA: the base model again (the servers start with it), the adapter continued on it.
+        model_path=str(base_model) if adapter else str(ckpt / MODEL_DIR),
         base_model=str(base_model),
         checkpoint=ckpt,
         resumed=True,
+        adapter=adapter,
     )
+
+
+def _checkpoint_adapter(cfg: GRPOConfig, ckpt: Path) -> str | None:
+    """The adapter a LoRA checkpoint holds (None for a full model's); a resume must train what the
+    checkpoint holds."""
+    adapter = ckpt / ADAPTER_DIR
+    if adapter.is_dir() != (cfg.learner.lora is not None):
+        held = "a LoRA adapter" if adapter.is_dir() else "a full model"
+        raise ConfigError(
+            f"learner.lora: the checkpoint {ckpt} holds {held}; resume it with learner.lora "
+            f"{'set as the run had it' if adapter.is_dir() else 'unset'}"
+        )
+    return str(adapter) if adapter.is_dir() else None
 
 
 def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> None:
@@ -307,7 +349,13 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
         run.model_path,
         cfg.learner,
         cfg.algorithm,
-        LearnerRun(cfg.run.steps, cfg.run.seed, ref_model_path=run.base_model, tokenizer_path=run.base_model),
+        LearnerRun(
+            cfg.run.steps,
+            cfg.run.seed,
+            ref_model_path=run.base_model,
+            tokenizer_path=run.base_model,
+            adapter_path=run.adapter,
+        ),
         cfg.generation,
         cfg.model,
     )

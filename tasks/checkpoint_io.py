@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 
+from storage.checkpoints import MODEL_DIR
 from tasks.fsdp import one_process_dcp
 
 # The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
 OPTIMIZER_DIR = "optimizer"
-MODEL_DIR = "model"  # a full fine-tuning checkpoint's model
-ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter
 
 
 def save_optimizer(model, optimizer, directory: Path, world_size: int) -> None:

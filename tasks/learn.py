@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from storage.checkpoints import ADAPTER_DIR, MODEL_DIR
 from tasks import checkpoint_io
 from tasks.fsdp import aliases, process_group, shard, write_gathered_weights
 from tasks.grpo import compute_loss
@@ -340,11 +341,11 @@ class Learner:
         state into `directory`. Every rank of a sharded learner calls it; rank 0 writes the rest."""
         directory = Path(directory)
         if self.lora is not None:
-            self.write_weights(directory / checkpoint_io.ADAPTER_DIR)
+            self.write_weights(directory / ADAPTER_DIR)
         elif self.world_size == 1:
-            self.model.save_pretrained(directory / checkpoint_io.MODEL_DIR, safe_serialization=True)
+            self.model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
         else:
-            self.write_weights(directory / checkpoint_io.MODEL_DIR)
+            self.write_weights(directory / MODEL_DIR)
         checkpoint_io.save_optimizer(self.model, self.optimizer, directory, self.world_size)
         if self.rank == 0:
             checkpoint_io.save_trainer_state(
