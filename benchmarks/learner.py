@@ -107,6 +107,10 @@ MODEL_SHAPES: dict[str, tuple[str, int, int, int, int, int, int]] = {
     "1.5b": ("qwen2", 151936, 1536, 28, 12, 2, 8960),  # Qwen2.5-1.5B
 }
 
+# --lora's target modules: tasks.config.LORA_TARGETS (the attention and MLP projections), restated here
+# because the random-model path runs without pydantic (a bare GPU worker).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 # bf16 dense tensor-core peak (TFLOP/s, no sparsity) by device name; the first key found in
 # torch.cuda.get_device_name() wins, so the more specific names come first.
 PEAK_BF16_TFLOPS: dict[str, float] = {
@@ -128,6 +132,7 @@ LEARNER_VALUES = {
     "lr_schedule": "constant",
     "max_grad_norm": 1.0,
     "torch_threads": None,  # torch's default
+    "lora": None,  # full fine-tuning; --lora R trains a rank-R adapter instead
 }
 ALGORITHM_VALUES = {
     "loss_type": "dapo",
@@ -150,6 +155,7 @@ def make_configs(
     mini_batches: int = 1,
     num_iterations: int = 1,
     torch_threads: int | None = None,
+    lora_rank: int | None = None,
     prefer_pydantic: bool = True,
 ):
     """(learner config, algorithm config, "pydantic" | "namespace"): tasks.config's classes when they
@@ -163,6 +169,10 @@ def make_configs(
     }
     if torch_threads is not None:
         learner["torch_threads"] = torch_threads
+    # A LoRA adapter as tasks.config.LoraConfig's defaults make it: alpha 2r, no dropout, the attention
+    # and MLP projections.
+    lora = None if lora_rank is None else {"rank": lora_rank, "alpha": 2.0 * lora_rank, "dropout": 0.0,
+                                           "target_modules": list(LORA_TARGETS)}  # fmt: skip
     algorithm = ALGORITHM_VALUES | {"num_iterations": num_iterations}
     if prefer_pydantic:
         try:
@@ -170,7 +180,12 @@ def make_configs(
         except ImportError:
             pass
         else:
-            return LearnerConfig(**learner), AlgorithmConfig(**algorithm), "pydantic"
+            return (
+                LearnerConfig(**learner, **({"lora": lora} if lora else {})),
+                AlgorithmConfig(**algorithm),
+                "pydantic",
+            )
+    learner["lora"] = types.SimpleNamespace(**lora) if lora else None
     return types.SimpleNamespace(**learner), types.SimpleNamespace(**algorithm), "namespace"
 
 
@@ -298,12 +313,14 @@ def forward_cost(mb, share_prompt: bool, dims: dict[str, int]) -> tuple[float, i
 
 def step_cost(learner, samples, dims: dict[str, int]) -> tuple[float, int]:
     """(model FLOPs, tokens forwarded) of one `train_step(samples)`: every update's forward + backward
-    (3x a forward) on the micro-batches the learner forms, plus the no-grad pi_old forward of the
-    parts after the first when the step takes several updates."""
+    (3x a forward; 2x for LoRA, whose frozen base weights get no gradient: the adapter's own FLOPs are
+    left out) on the micro-batches the learner forms, plus the no-grad pi_old forward of the parts
+    after the first when the step takes several updates."""
     parts = learner.plan(samples)
     per_part = [[forward_cost(mb, learner.share_prompt, dims) for mb in p.micro] for p in parts]
     iterations = learner.algorithm.num_iterations
-    flops = 3 * iterations * sum(f for costs in per_part for f, _ in costs)
+    passes = 2 if getattr(learner, "lora", None) is not None else 3
+    flops = passes * iterations * sum(f for costs in per_part for f, _ in costs)
     tokens = iterations * sum(n for costs in per_part for _, n in costs)
     if iterations * len(parts) > 1:
         flops += sum(f for costs in per_part[1:] for f, _ in costs)
@@ -404,6 +421,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         mini_batches=v["mini_batches"],
         num_iterations=v["num_iterations"],
         torch_threads=v.get("threads"),
+        lora_rank=args.lora,
     )
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # as the Learner resolves "auto"
     memory_kind = reset_peak_memory(torch.device(auto if args.device == "auto" else args.device))
@@ -435,6 +453,8 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         "configs": source,
         "params": dims["params"],
         "params_non_embedding": dims["params_non_embedding"],
+        "lora_rank": args.lora,
+        "trainable_params": sum(p.numel() for p in learner.trainable),
         "vocab": dims["vocab"],
         "share_prompt_requested": v["share_prompt"],
         "share_prompt": learner.share_prompt,  # gradient checkpointing turns it off
@@ -537,6 +557,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="alone: on; default off")  # fmt: skip
     ap.add_argument("--world-size", type=int, nargs="+",
                     help="the baseline at each of these learner world sizes (first: 1), ranks on a local Ray")  # fmt: skip
+    ap.add_argument("--lora", type=int, metavar="RANK",
+                    help="train a rank-RANK LoRA adapter (peft) in every variant; peak memory is the "
+                    "process's, so compare LoRA with full fine-tuning in two runs")  # fmt: skip
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="with --world-size: torch threads in all, split evenly over the ranks")  # fmt: skip
     args = ap.parse_args(argv)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.config import ConfigError
-from storage.checkpoints import ADAPTER_DIR, MODEL_DIR, CheckpointStore
+from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore, atomic_publish_dir
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 
 
 @dataclass

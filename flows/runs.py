@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
-from storage.checkpoints import ADAPTER_DIR, MODEL_DIR, CheckpointStore
+from storage.checkpoints import CheckpointStore
 from storage.records import held_out, row_id_of, validate_run_id
 from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 
 if TYPE_CHECKING:
     from tasks.learner_api import PolicyLearner

@@ -21,10 +21,6 @@ from storage.records import validate_run_id
 from storage.rollouts import fsync_dir
 
 STATE_FILE = "state.json"
-# What a checkpoint dir holds beside its state: a full fine-tuning run's model dir, or a LoRA run's
-# adapter (PEFT format; its learner.json names the base model).
-MODEL_DIR = "model"
-ADAPTER_DIR = "adapter"
 PIN_FILE = (
     "PINNED"  # `PINNED-<lineage>` files: a promoted version or a rollback target (storage/promotions.py)
 )

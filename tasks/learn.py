@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from storage.checkpoints import ADAPTER_DIR, MODEL_DIR
 from tasks import checkpoint_io
 from tasks.fsdp import aliases, process_group, shard, write_gathered_weights
 from tasks.grpo import compute_loss
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 from tasks.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
 from tasks.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
 from tasks.weights import save_weights

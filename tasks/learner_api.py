@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from tasks.learn import TrainSample
 
 
+# What a learner's checkpoint dir holds beside its optimizer and state: a full fine-tuning learner's
+# model dir, or a LoRA learner's adapter (PEFT format; its learner.json names the base model).
+MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
+
+
 class PolicyLearner(Protocol):
     """The policy being trained, its optimizer and schedule, as the training loop drives them."""
 

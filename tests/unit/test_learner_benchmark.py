@@ -37,7 +37,7 @@ KEYS = {
     "micro_batch_size", "num_iterations", "mini_batches", "micro_batches", "samples",
     "zero_advantage_samples", "prompt_tokens", "completion_tokens", "forwarded_tokens",
     "seconds_per_step", "completion_tokens_per_s", "tokens_per_s", "step_tflop", "achieved_tflops",
-    "peak_bf16_tflops", "mfu", "peak_memory_mib", "peak_memory_kind",
+    "peak_bf16_tflops", "mfu", "peak_memory_mib", "peak_memory_kind", "lora_rank", "trainable_params",
 }  # fmt: skip
 
 
@@ -74,6 +74,17 @@ def test_tiny_random_model_runs_without_pydantic_prefect_or_pyarrow():
     prompts = sum(s.prompt_len for s in samples[::2])
     assert on["forwarded_tokens"] == prompts + on["completion_tokens"]
     assert off["forwarded_tokens"] == 2 * prompts + on["completion_tokens"]
+
+
+def test_lora_variant_trains_the_adapter_alone_without_pydantic():
+    args = ["--random-model", "tiny", "--device", "cpu", "--repeats", "1", "--prompts", "2", "--group", "2",
+            "--prompt-tokens", "6", "10", "--completion-tokens", "4", "8", "--lora", "8"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, row = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert row["lora_rank"] == 8 and 0 < row["trainable_params"] < row["params"] / 10
 
 
 def _config_reads(path: Path, names: tuple[str, ...] = ("learner", "c", "algorithm", "a")) -> set[str]:
