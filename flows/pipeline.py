@@ -20,7 +20,8 @@ from tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
 
 def replica_set(servers: list[Server], run: RunState, pusher: WeightPush) -> ReplicaSet:
     """The run's servers as a ReplicaSet: embedded ones restart through their handles; a revived
-    server loads the weights the others serve through the run's weight push."""
+    server loads the weights the others serve through the run's weight push, and requests name the
+    model the push serves each version as."""
     reps = [Replica(i, s.url) for i, s in enumerate(servers)]
     for rep, s in zip(reps, servers, strict=True):
         if s.handle is not None:
@@ -28,6 +29,7 @@ def replica_set(servers: list[Server], run: RunState, pusher: WeightPush) -> Rep
     out = ReplicaSet(reps, version=run.policy_version)
     out.is_healthy = is_healthy
     out.load = lambda rep, path, version: load_version(pusher, rep.url, path, version, rep.versions.set)
+    out.model_name = pusher.model_name  # requests name the version they run under (lora: its adapter)
     return out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.processes import forget_process, record_process, stop_stale
-from tasks.config import InferenceConfig
+from tasks.config import InferenceConfig, LoraConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server: stdlib + psutil
@@ -206,9 +206,13 @@ def server_command(
     extra_args: tuple[str, ...] = (),
     python: str | None = None,
     cores: frozenset[int] | None = None,
+    lora_rank: int | None = None,
+    max_loras: int = 4,
 ) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
-    cores its engine binds to on a CPU-only machine (default: all this process may use)."""
+    cores its engine binds to on a CPU-only machine (default: all this process may use).
+    `lora_rank`: the server loads LoRA adapters at runtime (`/v1/load_lora_adapter`) up to this rank
+    (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch."""
     if not _is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
@@ -217,6 +221,9 @@ def server_command(
     port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
     args = _vllm_args(model_dir, host, port, served_model_name, max_model_len)
     cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
+    if lora_rank is not None:
+        # One batch mixes the current version's adapter with stale versions still generating.
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
     cmd += list(extra_args)
     # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
     cmd += ["--middleware", "grpoflow_lease.PauseLease"]
@@ -226,7 +233,10 @@ def server_command(
         # last, it is the outermost: the lease endpoint is guarded too.
         cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return cmd, _server_env(api_key, kv_cache_gb, cores), f"http://{connect_host}:{port}"
+    env = _server_env(api_key, kv_cache_gb, cores)
+    if lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the load/unload routes exist only with it
+    return cmd, env, f"http://{connect_host}:{port}"
 
 
 def _vllm_args(
@@ -359,10 +369,18 @@ def replica_names(name: str, inference: InferenceConfig) -> list[str]:
 
 
 @contextlib.contextmanager
-def inference_servers(inference: InferenceConfig, model_dir: str | Path, root: str | Path, name: str):
+def inference_servers(
+    inference: InferenceConfig,
+    model_dir: str | Path,
+    root: str | Path,
+    name: str,
+    lora: LoraConfig | None = None,
+):
     """The run's generation servers: `inference.urls` / `inference.url` as they are, or
     `inference.replicas` embedded servers (each on its own share of the cores, started together,
-    always stopped). Servers a dead attempt of the same names left behind are stopped first."""
+    always stopped). Servers a dead attempt of the same names left behind are stopped first. With
+    `lora` (a LoRA learner's), embedded servers load adapters of its rank (`inference.max_loras` per
+    batch); external ones must have been started so (the first push says so if not)."""
     root, names = Path(root), replica_names(name, inference)
     for n in names:
         stop_stale(root, n)
@@ -378,7 +396,8 @@ def inference_servers(inference: InferenceConfig, model_dir: str | Path, root: s
         log.parent.mkdir(parents=True, exist_ok=True)
         cmd, env, url = server_command(model_dir, host=i.host, port=i.port if len(names) == 1 else None,
                                        max_model_len=i.max_model_len, kv_cache_gb=i.kv_cache_gb,
-                                       api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores)  # fmt: skip
+                                       api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores,
+                                       lora_rank=lora and lora.served_rank(), max_loras=i.max_loras)  # fmt: skip
         handle = ServerHandle(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)
         return handle.start()

@@ -19,7 +19,7 @@ from storage.faults import failpoint
 from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
 from tasks.config import GenerationConfig, ToolsConfig
 from tasks.imports import import_object
-from tasks.inference import InferenceUnavailableError, cache_salt_for
+from tasks.inference import Choice, InferenceHTTPError, InferenceUnavailableError, cache_salt_for
 from tasks.replicas import Servers
 from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
@@ -194,19 +194,31 @@ class TemplateError(ValueError):
     """The tokenizer's chat template cannot support multi-turn rollouts."""
 
 
+async def _complete(r: RolloutSettings, ids: list[int], **params: Any) -> tuple[list[Choice], int]:
+    """One request under the version the bound server serves now, and that version. It names the
+    version's model (`Servers.model_name`: its LoRA adapter, or the server's own) and prefix-cache
+    salt, so it is served wholly by that version and never reuses KV computed under other weights.
+
+    An adapter the server no longer holds answers 404: a push retired the version while the request
+    was on its way (or being retried). It is asked again under the version served by then."""
+    while True:
+        version = r.version_fn()
+        model = r.servers.model_name(version)
+        try:
+            out = await r.backend.complete(ids, model=model, cache_salt=cache_salt_for(version), **params)
+            return out, version
+        except InferenceHTTPError as e:
+            if model is None or e.status != 404 or r.version_fn() == version:
+                raise
+
+
 async def _single_turn_group(
     r: RolloutSettings, index: int, prompt_ids: list[int], g: int
 ) -> list[RolloutCompletion]:
     t0 = time.perf_counter()
-    v0 = r.version_fn()
     limit = min(r.gen.max_tokens, r.budget, r.max_len - len(prompt_ids))
-    choices = await r.backend.complete(
-        prompt_ids,
-        max_tokens=limit,
-        n=g,
-        seed=_seed(r.seed, index, 0, 0),
-        cache_salt=cache_salt_for(v0),  # never prefix-cache KV computed under other weights
-        **r.sample_kwargs(),
+    choices, v0 = await _complete(
+        r, prompt_ids, max_tokens=limit, n=g, seed=_seed(r.seed, index, 0, 0), **r.sample_kwargs()
     )
     v1, dt = r.version_fn(), time.perf_counter() - t0
     out = []
@@ -332,10 +344,8 @@ async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[
 async def _turn(r: RolloutSettings, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
     """One generation request of a multi-turn rollout, recorded in `turns`."""
     t0 = time.perf_counter()
-    salt = cache_salt_for(r.version_fn())  # each turn: the weights may have changed in between
-    (ch,) = await r.backend.complete(
-        ids, max_tokens=limit, n=1, seed=seed, cache_salt=salt, **r.sample_kwargs()
-    )
+    # Each turn reads the version anew: the server's weights may have changed in between.
+    (ch,), _ = await _complete(r, ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
     turns.append(
         TurnRecord(
             len(ids),

@@ -34,7 +34,8 @@ class InferenceError(RuntimeError):
 
 
 class InferenceHTTPError(InferenceError):
-    """The server answered with a non-retryable status (4xx other than 408/429)."""
+    """The server answered with a status the call does not retry (4xx other than 408/429, or a 5xx
+    the call treats as final, e.g. a 500 to an adapter load)."""
 
     def __init__(self, status: int, body: str, url: str):
         super().__init__(f"{url} answered HTTP {status}: {body[:2000]}")
@@ -50,7 +51,7 @@ class InferenceProtocolError(InferenceError):
     JSON without the expected fields): a proxy in the way, or an incompatible server version."""
 
 
-RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 _NO_GATE = contextlib.nullcontext()  # supports `async with`, and is reusable
@@ -186,8 +187,10 @@ class VLLMClient:
         retries: int | None = None,
         limited: bool = False,
         headers: dict[str, str] | None = None,
+        retry_status: frozenset[int] = RETRY_STATUS,
     ) -> str:
-        """The body of a 2xx answer, as text (callers that need JSON parse it with `_json_object`)."""
+        """The body of a 2xx answer, as text (callers that need JSON parse it with `_json_object`).
+        An answer whose status is not in `retry_status` raises InferenceHTTPError with its body."""
         session = self._get_session()
         url = f"{self.base_url}{path}"
         attempts = (self.retries if retries is None else retries) + 1
@@ -211,7 +214,7 @@ class VLLMClient:
                     text = await resp.text()
                     if resp.status < 400:
                         return text
-                    if resp.status not in RETRY_STATUS:
+                    if resp.status not in retry_status:
                         raise InferenceHTTPError(resp.status, text, url)
                     last = f"HTTP {resp.status}: {text[:300]}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
@@ -243,6 +246,7 @@ class VLLMClient:
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
         **sampling: Any,
     ) -> tuple[list[Choice], Usage]:
         """`n` completions of one token-id prompt, plus the request's token usage (e.g. how many
@@ -250,11 +254,14 @@ class VLLMClient:
 
         `cache_salt`: requests share prefix-cache blocks only with requests of the same salt; pass
         `cache_salt_for(version)` so that no request reuses KV computed under other weights.
+        `model`: the model the request names instead of the client's (a LoRA adapter's name).
         Further keyword arguments are vLLM sampling parameters passed through as they are (e.g.
         `ignore_eos=True`, `min_tokens`, `repetition_penalty`)."""
         body = self._completion_body(
             prompt_ids, max_tokens, temperature, top_p, n, seed, stop, stop_token_ids, cache_salt, sampling
         )
+        if model is not None:
+            body["model"] = model
         text = await self._request(
             "POST", "/v1/completions", json_body=body, timeout=self.gen_timeout, limited=True
         )
@@ -390,6 +397,23 @@ class VLLMClient:
                 f"GET {self.base_url}/is_paused: 'is_paused' is not a bool: {text!r:.300}"
             )
         return value
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in `path` under `name` (requests naming `name` are served by it).
+
+        vLLM answers a name it already holds with 400 and a failed load with 500 (the adapter's files,
+        or a server that cannot take it): both are final, raised as InferenceHTTPError with vLLM's
+        message; a route the server lacks (started without VLLM_ALLOW_RUNTIME_LORA_UPDATING) is a 404.
+        Retried only on connection errors, timeouts and the other retryable statuses."""
+        body = {"lora_name": name, "lora_path": str(path)}
+        await self._request(
+            "POST", "/v1/load_lora_adapter", json_body=body, retry_status=RETRY_STATUS - {500}
+        )
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Remove `name` from the server's adapters: new requests naming it are refused (404), requests
+        already running keep it. A name the server does not hold answers 404 (InferenceHTTPError)."""
+        await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
 
     async def reload_weights(self, path: str, *, timeout_s: float | None = None) -> Any:
         """Load the weights under `path` into the running model (the server should be paused).

@@ -76,6 +76,9 @@ class ReplicaSet:
         # The flow's: load weights (path, version) into a replica, and ask whether a server answers.
         self.load: Callable[[Replica, str, int], None] | None = None
         self.is_healthy: Callable[[str], bool] = lambda url: False
+        # The model a request under a version names (the weight push's `model_name`): None for the
+        # server's own model (a checkpoint push replaces its weights), else a LoRA adapter's name.
+        self.model_name: Callable[[int], str | None] = lambda version: None
         self.poll_s = 2.0
         self._stop = threading.Event()
         # Replicas a reviver is bringing back; under the lock, and cleared in the same critical section
@@ -236,6 +239,10 @@ class Servers:
 
     def __init__(self, replicas: ReplicaSet, clients: list):
         self.replicas, self.clients = replicas, clients
+
+    def model_name(self, version: int) -> str | None:
+        """What a request generated under `version` names as its model (None: the client's own)."""
+        return self.replicas.model_name(version)
 
     async def max_model_len(self) -> int:
         """The context length the servers share (one model): asked of the first that answers."""
