@@ -181,7 +181,7 @@ def make_configs(
             pass
         else:
             return (
-                LearnerConfig(**learner, **({"lora": lora} if lora else {})),
+                LearnerConfig(**learner | {"lora": lora}),
                 AlgorithmConfig(**algorithm),
                 "pydantic",
             )

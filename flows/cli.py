@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     from flows.config import ConfigError
     from storage.records import InvalidRunIdError
     from storage.sql import QueryError
+    from tasks.push import LoraUnsupportedError
 
     try:
         if not getattr(args, "runs_flows", False):
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_prefect_task_logs(not args.verbose)
         with owned_prefect_api():  # Prefect's temporary API server dies with this process
             return args.fn(args)
-    except (ConfigError, QueryError, InvalidRunIdError) as e:
+    except (ConfigError, QueryError, InvalidRunIdError, LoraUnsupportedError) as e:
         # Bad input: one clear line, no traceback. Any other error is a bug and keeps its traceback.
         print(f"error: {e}", file=sys.stderr)
         return 2

