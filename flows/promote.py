@@ -21,6 +21,7 @@ from storage.checkpoints import CheckpointStore
 from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from storage.rollouts import RolloutStore
 from tasks.config import InferenceConfig, SyncConfig
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
@@ -33,7 +34,13 @@ def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -
         step = steps[-1]
     elif step not in steps:
         raise PromotionError(f"run {run_id!r} has no checkpoint at step {step} (it has {steps})")
-    return version(run_id, step, str((store.dirs.path(run_id, step) / "model").resolve()))
+    ckpt = store.dirs.path(run_id, step)
+    if (ckpt / ADAPTER_DIR).is_dir():
+        raise PromotionError(
+            f"run {run_id!r} trained a LoRA adapter: promoting, rolling back and gating adapters is not "
+            f"built yet; `grpoflow export {run_id} --merge --out DIR` makes a model dir `grpoflow serve` serves"
+        )
+    return version(run_id, step, str((ckpt / MODEL_DIR).resolve()))
 
 
 def base_version(root: str | Path, run_id: str) -> dict[str, Any] | None:

@@ -98,6 +98,12 @@ def test_bad_versions_are_named(root):
         checkpoint_version(root, "other")
 
 
+def test_a_lora_runs_checkpoint_is_refused_with_the_export_that_serves_it(root):
+    CheckpointStore(root).save("adapters", 0, lambda d: (d / "adapter").mkdir(), {"step": 0})
+    with pytest.raises(PromotionError, match=r"LoRA adapter.*grpoflow export adapters --merge"):
+        checkpoint_version(root, "adapters")
+
+
 def test_promotions_view_and_canned_history(root):
     promote(root, "lin", checkpoint_version(root, "lin", 1), incumbent=base_version(root, "lin"),
             server_url=None, reason="first")  # fmt: skip
