@@ -7,12 +7,15 @@ sample), so two models evaluated with one config see identical prompts and sampl
 
 Evaluation runs on its own embedded vLLM server, or on `server_url` (a server the caller keeps for
 evaluation: its weights are replaced), never on the training config's `inference.url`, which may be
-the server users are served from. Eval rollouts are written with `split='eval'` under the run id
-`<run>-eval` (or `eval_run`), step = the checkpoint's step.
+the server users are served from. A LoRA run's checkpoint (or a PEFT adapter dir) is evaluated as
+its base model with the adapter: its own server starts on the base with LoRA enabled, the adapter is
+loaded through the `lora` weight push, and requests name it. Eval rollouts are written with
+`split='eval'` under the run id `<run>-eval` (or `eval_run`), step = the checkpoint's step.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -28,26 +31,56 @@ from flows.runs import confine, load_rows, prepare_model, rollout_job, split_row
 from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
+from tasks.config import LoraConfig
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from tasks.push import adapter_rank
 from tasks.replicas import Replica, ReplicaSet
 from tasks.steps import persist, rollout_batch
 
 
 def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
-    """(model dir, step) of `checkpoint` (a checkpoint dir, or a plain model dir: step 0), else of
-    run `run_id`'s latest checkpoint, else of the config's base model (step 0)."""
+    """(model dir or LoRA adapter dir, step) of `checkpoint` (a checkpoint dir, or a plain model or
+    adapter dir: step 0), else of run `run_id`'s latest checkpoint, else of the config's base model
+    (step 0)."""
     if checkpoint:
         p = Path(checkpoint)
-        if (p / "model" / "config.json").is_file():
-            return str(p / "model"), int(CheckpointStore.load_state(p).get("step", 0))
-        if (p / "config.json").is_file():
+        for held in (p / MODEL_DIR, p / ADAPTER_DIR):
+            if _servable(held):
+                return str(held), int(CheckpointStore.load_state(p).get("step", 0))
+        if _servable(p):
             return str(p), 0
-        raise ConfigError(f"checkpoint: {p} is neither a checkpoint dir nor a model dir (no config.json)")
+        raise ConfigError(
+            f"checkpoint: {p} is neither a checkpoint dir nor a model or adapter dir (no config.json, "
+            "no adapter_config.json)"
+        )
     if run_id:
         latest = CheckpointStore(cfg.storage.root).latest(validate_run_id(run_id))
         if latest is None:
             raise ConfigError(f"run {run_id!r} has no checkpoint under {cfg.storage.root}")
-        return str(latest / "model"), int(CheckpointStore.load_state(latest)["step"])
+        held = latest / ADAPTER_DIR if (latest / ADAPTER_DIR).is_dir() else latest / MODEL_DIR
+        return str(held), int(CheckpointStore.load_state(latest)["step"])
     return str(prepare_model(cfg)), 0
+
+
+def _servable(d: Path) -> bool:
+    return (d / "config.json").is_file() or (d / "adapter_config.json").is_file()
+
+
+def adapter_base(cfg: GRPOConfig, model: str) -> tuple[str, LoraConfig] | None:
+    """For a LoRA adapter dir: the base model it goes on (its checkpoint's learner.json, else PEFT's
+    `base_model_name_or_path` when that dir exists, else the config's model) and a LoraConfig of its
+    rank (for the server); None for a model dir."""
+    rank = adapter_rank(model)
+    if rank is None:
+        return None
+    from tasks.checkpoint_io import learner_info
+
+    base = learner_info(Path(model).parent).get("base_model")
+    if base is None:
+        peft = json.loads((Path(model) / "adapter_config.json").read_text())
+        named = peft.get("base_model_name_or_path")
+        base = named if named and Path(named).is_dir() else str(prepare_model(cfg))
+    return base, LoraConfig(rank=rank)
 
 
 def eval_rows(cfg: GRPOConfig, prompts: int | None) -> tuple[list[dict[str, Any]], str]:
@@ -80,15 +113,22 @@ def evaluate_model(
     url: str,
     *,
     load: bool,
+    tokenizer: str | None = None,
 ) -> list:
-    """Generate and score `rows` with the model dir `model` on the server at `url` (first loaded into
-    it when `load`), and persist them as step `step` of `eval_run` (split 'eval'); the groups."""
+    """Generate and score `rows` with the model dir or LoRA adapter `model` on the server at `url`
+    (first loaded into it when `load`: through the backend that loads what `model` holds), and persist
+    them as step `step` of `eval_run` (split 'eval'); the groups. `tokenizer`: default `model`'s."""
+    replicas = ReplicaSet([Replica(0, url)], version=step)
     if load:
         from tasks.push import load_version, weight_push
 
-        load_version(weight_push(cfg.storage.root, eval_run, cfg.sync, cfg.inference), url, model, step)
+        backend = "checkpoint" if adapter_rank(model) is None else "lora"
+        sync = cfg.sync.model_copy(update={"backend": backend})
+        pusher = weight_push(cfg.storage.root, eval_run, sync, cfg.inference)
+        load_version(pusher, url, model, step)
+        replicas.model_name = pusher.model_name  # an adapter: requests name it
     cursor = list(range(len(rows)))
-    job = rollout_job(cfg, ReplicaSet([Replica(0, url)], version=step), model)
+    job = rollout_job(cfg, replicas, tokenizer or model)
     batch = rollout_batch(step, rows, cursor, quote(job))
     for g in batch.groups:
         g.split = "eval"
@@ -121,13 +161,16 @@ def grpo_evaluate(
     check_imports(cfg)
     rows, source = eval_rows(cfg, prompts)
     model, step = model_for(cfg, run_id, checkpoint)
+    # A LoRA adapter: the server starts on its base (able to load it), and the adapter is always loaded.
+    base, lora = adapter_base(cfg, model) or (model, None)
     eval_run = validate_run_id(eval_run or f"{run_id or cfg.run.run_id or 'base'}-eval")
     ray_log = Path(cfg.storage.root) / "logs" / f"ray-{eval_run}.log"
     with (
         ray_cluster(cfg.scale, cfg.config_dir, ray_log),
-        inference_server(cfg.inference, model, cfg.storage.root, f"vllm-{eval_run}") as server,
+        inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{eval_run}", lora) as server,
     ):
-        groups = evaluate_model(cfg, model, step, eval_run, rows, server.url, load=server_url is not None)
+        groups = evaluate_model(cfg, model, step, eval_run, rows, server.url,
+                                load=server_url is not None or lora is not None, tokenizer=base)  # fmt: skip
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 
 

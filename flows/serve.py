@@ -412,9 +412,16 @@ def inference_servers(
 
 
 @contextlib.contextmanager
-def inference_server(inference: InferenceConfig, model_dir: str | Path, root: str | Path, name: str):
-    """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped); a
-    server a dead attempt of the same name left behind is stopped first."""
+def inference_server(
+    inference: InferenceConfig,
+    model_dir: str | Path,
+    root: str | Path,
+    name: str,
+    lora: LoraConfig | None = None,
+):
+    """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped; with
+    `lora`, one that loads adapters of its rank); a server a dead attempt of the same name left behind
+    is stopped first."""
     one = inference.model_copy(update={"urls": [], "replicas": 1})
-    with inference_servers(one, model_dir, root, name) as (server,):
+    with inference_servers(one, model_dir, root, name, lora) as (server,):
         yield server

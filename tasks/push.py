@@ -48,6 +48,7 @@ import asyncio
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,6 +198,8 @@ class LoraPush:
         self.grace_s = inference.request_timeout_s if unload_grace_s is None else unload_grace_s
         # Per server URL: the versions this push loaded into it, oldest first (retention keeps the last
         # few loaded), and the versions it holds as far as this process knows (their files stay).
+        # Under the lock: a reviver thread may load while the run's push forgets.
+        self._lock = threading.Lock()
         self.loaded: dict[str, list[int]] = {}
         self.held: dict[str, set[int]] = {}
         self.unloaded_at: dict[int, float] = {}  # version -> monotonic time of its last unload
@@ -218,14 +221,13 @@ class LoraPush:
         """The last `keep_last` versions stay on disk, and so does every version a server holds or
         unloaded less than `unload_grace_s` ago (a request that named it may still run)."""
         now = time.monotonic()
-        protected = set().union(*self.held.values()) | {
-            v for v, t in self.unloaded_at.items() if now - t < self.grace_s
-        }
-        done = self.weights.list(self.run_id)
-        # prune keeps a newest-first suffix: keep from the oldest protected version on.
-        oldest = min((i for i, v in enumerate(done) if v in protected), default=len(done))
-        self.weights.prune(self.run_id, max(self.sync.keep_last, len(done) - oldest))
-        self.unloaded_at = {v: t for v, t in self.unloaded_at.items() if now - t < self.grace_s}
+        with self._lock:
+            self.unloaded_at = {v: t for v, t in self.unloaded_at.items() if now - t < self.grace_s}
+            protected = set().union(*self.held.values(), self.unloaded_at)
+            done = self.weights.list(self.run_id)
+            # prune keeps a newest-first suffix: keep from the oldest protected version on.
+            oldest = min((i for i, v in enumerate(done) if v in protected), default=len(done))
+            self.weights.prune(self.run_id, max(self.sync.keep_last, len(done) - oldest))
 
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
@@ -243,19 +245,20 @@ class LoraPush:
                     raise InferenceError("it answered success=false to the prefix-cache reset")
             except InferenceError as e:
                 raise _lora_error(e, url, name, path, version, rank) from e
-            self.held.setdefault(url, set()).add(version)
+            with self._lock:
+                self.held.setdefault(url, set()).add(version)
+                loaded = [v for v in self.loaded.get(url, []) if v != version] + [version]
+                self.loaded[url] = loaded[-self.keep_loaded :]
+                keep = set(self.loaded[url])
             renew_cache_salt(version)  # before the version flips, as for a checkpoint
             if on_loaded is not None:
                 on_loaded(version)
-            loaded = [v for v in self.loaded.get(url, []) if v != version] + [version]
-            self.loaded[url] = loaded[-self.keep_loaded :]
-            await self._unload_old(client, url)
+            await self._unload_old(client, url, version, keep)
 
-    async def _unload_old(self, client: VLLMClient, url: str) -> None:
-        """Unload this run's adapters the server holds beyond the last `keep_loaded` this push loaded
-        into it (also ones a previous process of the run left there). Best effort: a failure leaves
-        them listed, and the next push tries again."""
-        keep = set(self.loaded[url])
+    async def _unload_old(self, client: VLLMClient, url: str, version: int, keep: set[int]) -> None:
+        """Unload this run's adapters the server holds but `keep` (the last `keep_loaded` this push
+        loaded into it): also ones a previous process of the run left there. Best effort: a failure
+        leaves them listed, and the next push tries again."""
         try:
             models = await client.models()
         except InferenceError:
@@ -270,8 +273,10 @@ class LoraPush:
             except InferenceError:
                 continue
             held.discard(v)
-            self.unloaded_at[v] = time.monotonic()
-        self.held[url] = held | {self.loaded[url][-1]}
+            with self._lock:
+                self.unloaded_at[v] = time.monotonic()
+        with self._lock:
+            self.held[url] = held | {version}
 
     def _version_of(self, name: object) -> int | None:
         """The version of one of this run's adapter names, else None."""
@@ -455,16 +460,29 @@ async def _load_adapter(client: VLLMClient, name: str, path: str) -> bool:
     return True
 
 
-def _adapter_rank(path: str, version: int) -> int:
-    """The largest LoRA rank of the PEFT adapter in `path` (its adapter_config.json)."""
+def adapter_rank(path: str | Path) -> int | None:
+    """The largest LoRA rank of the PEFT adapter in `path` (its adapter_config.json); None when `path`
+    holds no adapter (a model dir). ValueError for an adapter_config.json without a rank."""
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file():
+        return None
     try:
-        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        config = json.loads(config_file.read_text())
         return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise WeightPushError(
-            f"weight push v{version} from {path} failed: the lora backend loads PEFT adapters, and "
-            f"{path} holds none (adapter_config.json: {type(e).__name__}: {e})"
-        ) from e
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{config_file} names no LoRA rank ({type(e).__name__}: {e})") from e
+
+
+def _adapter_rank(path: str, version: int) -> int:
+    """`adapter_rank`, or the push's error when `path` holds no readable adapter."""
+    failed = f"weight push v{version} from {path} failed: the lora backend loads PEFT adapters"
+    try:
+        rank = adapter_rank(path)
+    except (OSError, ValueError) as e:
+        raise WeightPushError(f"{failed}, and {path}/adapter_config.json is unreadable: {e}") from e
+    if rank is None:
+        raise WeightPushError(f"{failed}, and {path} holds none (no adapter_config.json)")
+    return rank
 
 
 def _lora_error(

@@ -9,6 +9,7 @@ format as the learner writes them (`tasks.lora.write_adapter`), with lora_B draw
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -98,3 +99,47 @@ async def test_a_push_keeps_the_previous_version_servable_and_unloads_the_ones_b
     with pytest.raises(InferenceHTTPError, match="does not exist") as e:
         await served_greedy(lora_server.url, "keep@v1")
     assert e.value.status == 404
+
+
+def test_grpo_evaluate_scores_a_lora_checkpoint_as_its_base_with_the_adapter(
+    lora_server, tmp_path, prefect_api
+):
+    """A LoRA run's checkpoint holds an adapter, not a model: evaluation loads it through the lora
+    push (here into a caller's eval server) and its requests name it."""
+    from flows.config import load_config
+    from flows.evaluate import grpo_evaluate
+    from storage.checkpoints import CheckpointStore
+    from storage.sql import query
+    from tasks.lora import write_adapter
+    from tests.support import REPO
+
+    model = peft_model(lora_server.model_dir, seed=21)
+
+    def checkpoint(d):
+        write_adapter(model, d / "adapter")
+        (d / "learner.json").write_text(json.dumps({"base_model": str(lora_server.model_dir)}))
+
+    CheckpointStore(tmp_path).save("lo", 3, checkpoint, {"policy_version": 4})
+    cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
+        f"storage.root={tmp_path}", f"model.path={lora_server.model_dir}", "learner.lora={rank: 16}"])  # fmt: skip
+    common = {"config": cfg, "prompts": 3, "greedy": True, "server_url": lora_server.url}
+    lora = grpo_evaluate(run_id="lo", **common)
+    base = grpo_evaluate(checkpoint=str(lora_server.model_dir), eval_run="lo-base-eval", **common)
+    assert lora["step"] == 3 and lora["completions"] == base["completions"] == 3
+    held = asyncio.run(served_models(lora_server.url))
+    assert "lo-eval@v3" in held and held["lo-eval@v3"] == str(
+        tmp_path / "checkpoints" / "lo" / "step-000003" / "adapter"
+    )
+
+    def completions(run):
+        _, rows = query(
+            tmp_path, f"SELECT completion FROM rollouts WHERE run_id = '{run}' ORDER BY prompt_index"
+        )
+        return [r[0] for r in rows]
+
+    assert completions("lo-eval") != completions("lo-base-eval")
+
+
+async def served_models(url: str) -> dict[str, str | None]:
+    async with VLLMClient(url) as c:
+        return {m["id"]: m.get("root") for m in await c.models()}
