@@ -287,3 +287,23 @@ async def test_the_client_loads_unloads_and_names_adapters(adapter_server):
         ("/v1/load_lora_adapter", "run@v1"), ("/v1/unload_lora_adapter", "run@v1"),
         ("/v1/completions", "run@v1"), ("/v1/completions", "policy"), ("/v1/load_lora_adapter", "run@v2")]  # fmt: skip
     assert app["bodies"][0][1] == {"lora_name": "run@v1", "lora_path": "/w/v1"}
+
+
+def test_evaluation_finds_a_lora_checkpoints_adapter_and_its_base(tmp_path):
+    from flows.config import GRPOConfig
+    from flows.evaluate import adapter_base, model_for
+    from storage.checkpoints import CheckpointStore
+
+    def checkpoint(d):
+        (d / "adapter").mkdir()
+        adapter(rank=12)(d / "adapter")
+        (d / "learner.json").write_text(json.dumps({"base_model": "/models/base"}))
+
+    ckpt = CheckpointStore(tmp_path).save("lo", 5, checkpoint, {})
+    cfg = GRPOConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    assert model_for(cfg, "lo", None) == (str(ckpt / "adapter"), 5)
+    assert model_for(cfg, None, str(ckpt)) == (str(ckpt / "adapter"), 5)
+    assert model_for(cfg, None, str(ckpt / "adapter")) == (str(ckpt / "adapter"), 0)
+    base, lora = adapter_base(cfg, str(ckpt / "adapter"))
+    assert base == "/models/base" and lora.served_rank() == 16
+    assert adapter_base(cfg, str(tmp_path)) is None  # a model dir: served as it is

@@ -26,3 +26,16 @@ def test_cpu_server_binds_its_engine_to_all_our_cores_unless_told_otherwise(monk
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     _, env, _ = server_command("m", python="py", port=9)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_a_lora_server_loads_adapters_of_the_runs_rank_at_runtime(monkeypatch):
+    from tasks.config import InferenceConfig, LoraConfig
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    cmd, env, _ = server_command("m", python="py", port=9, lora_rank=LoraConfig(rank=12).served_rank(),
+                                 max_loras=InferenceConfig().max_loras)  # fmt: skip
+    at = cmd.index("--enable-lora")
+    assert cmd[at : at + 5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    cmd, env, _ = server_command("m", python="py", port=9)
+    assert "--enable-lora" not in cmd and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
