@@ -33,7 +33,7 @@ from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from tasks.config import LoraConfig
 from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
-from tasks.push import adapter_rank
+from tasks.lora_push import adapter_rank
 from tasks.replicas import Replica, ReplicaSet
 from tasks.steps import persist, rollout_batch
 

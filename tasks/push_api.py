@@ -1,0 +1,44 @@
+"""What every weight-push backend shares: the `WeightPush` protocol and its errors (tasks/push.py
+selects a backend and runs the pushes; tasks/lora_push.py is the `lora` backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from tasks.inference import InferenceUnavailableError
+
+
+class WeightPushError(RuntimeError):
+    """A weight push failed; the message names the version and the weights path, and says whether the
+    server was resumed (it always is, unless resuming itself failed)."""
+
+
+class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
+    """A weight push failed because the server could not be reached (pause or resume ran out of
+    retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
+
+
+class WeightPush(Protocol):
+    """How a version of the weights gets into a server (the module doc)."""
+
+    def save(self, write: Callable[[Path], None], version: int) -> str:
+        """Publish `version`, filled by `write(directory)` (the learner's `write_weights`); its path."""
+        ...
+
+    async def load(
+        self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
+    ) -> None:
+        """Make the server at `url` serve `path` as `version`; `on_loaded(version)` runs once it does,
+        before new requests are admitted."""
+        ...
+
+    def forget(self) -> None:
+        """Drop the versions retention no longer keeps (never one a server serves)."""
+        ...
+
+    def model_name(self, version: int) -> str | None:
+        """The model a generation request under `version` names: None for the server's own model
+        (whatever weights it holds), else the name `version` was loaded under (an adapter's)."""
+        ...
