@@ -21,7 +21,7 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
 
 
 class WeightPush(Protocol):
-    """How a version of the weights gets into a server (the module doc)."""
+    """How a version of the weights gets into a server (tasks/push.py's module doc)."""
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
         """Publish `version`, filled by `write(directory)` (the learner's `write_weights`); its path."""
