@@ -424,7 +424,12 @@ class SyncConfig(Section):
         description="Push weights to vLLM every N training steps: fewer pushes, samples up to N - 1 "
         "steps staler (see algorithm.max_staleness).",
     )
-    keep_last: int = Field(2, ge=1, description="Pushed weight versions kept on disk.")
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Pushed weight versions kept on disk ('lora' also keeps, for a request timeout, "
+        "adapters a server may still read, and keeps at least the last 2 loaded in each server).",
+    )
     reload_timeout_s: float = Field(
         300.0,
         gt=0,
