@@ -6,7 +6,10 @@ checkpoint. Held-out rows are the generator's `part: eval` pairs, which training
 share one embedded vLLM server (training pushes its weights into it; the last evaluation pushes the
 final checkpoint), so the model loads once.
 
-    .venv/bin/python scripts/demo_smollm2.py [--seed N] [--root DIR] [--set KEY=VALUE ...]
+    .venv/bin/python scripts/demo_smollm2.py [--seed N] [--root DIR] [--config YAML] [--set KEY=VALUE ...]
+
+`--config configs/smollm2-demo-lora.yaml`: the same demo training a LoRA adapter (the server starts
+with adapters enabled).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +31,7 @@ def main() -> int:
     ap.add_argument("--root", default="runs", help="store root (default: runs)")
     ap.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts scored greedily")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-demo.yaml"), help="the demo's config")
     args = ap.parse_args()
 
     from flows.cli import quiet_prefect_task_logs
@@ -40,17 +45,21 @@ def main() -> int:
 
     run_id = f"smollm2-demo-s{args.seed}-{new_run_id()[5:]}"
     sets = [f"storage.root={args.root}", f"run.seed={args.seed}", f"run.run_id={run_id}", *args.set]
-    config = REPO / "configs" / "smollm2-demo.yaml"
+    config = Path(args.config)
     base = load_config(config, sets)
     quiet_prefect_task_logs()
     with (
         owned_prefect_api(),
-        inference_server(base.inference, base.model.path, args.root, f"vllm-{run_id}") as srv,
+        inference_server(
+            base.inference, base.model.path, args.root, f"vllm-{run_id}", lora=base.learner.lora
+        ) as srv,
     ):
         cfg = load_config(config, [*sets, f"inference.url={srv.url}"])
         held_out = load_config(config, [*sets, f"inference.url={srv.url}", "data.generator_kwargs.part=eval"])
         before = grpo_evaluate(config=held_out, prompts=args.eval_prompts, greedy=True, server_url=srv.url)
+        t0 = time.perf_counter()
         summary = grpo_train(config=cfg)
+        train_seconds = time.perf_counter() - t0
         after = grpo_evaluate(
             config=held_out, run_id=run_id, prompts=args.eval_prompts, greedy=True, server_url=srv.url
         )
@@ -61,6 +70,7 @@ def main() -> int:
         "run_id": run_id,
         "seed": args.seed,
         "steps": summary["steps_trained"],
+        "train_seconds": round(train_seconds, 1),
         "first5_mean_reward": round(first, 4),
         "last5_mean_reward": round(last, 4),
         "gain": round(last - first, 4),
