@@ -56,6 +56,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
         if not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path: not found: {where_searched(cfg, cfg.model.path)}")
         check_model_dir(Path(cfg.model.path))
+        check_lora_targets(cfg, Path(cfg.model.path))  # the tiny model's: once it is built
     store = RolloutStore(Path(cfg.storage.root))
     if resume is not None:
         try:

@@ -63,6 +63,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "run id escaping the root": (["--run-id", "../outside"], "run.run_id"),
         "resume id escaping the root": (["--resume", "../../etc"], "--resume: invalid run id"),
         "resume of an unknown run": (["--resume", "ghost"], "--resume: no run 'ghost'"),
+        "lora rank 0": (["--set", "learner.lora={rank: 0}"], "learner.lora.rank"),
     }
 
 
@@ -78,6 +79,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "run id escaping the root",
         "resume id escaping the root",
         "resume of an unknown run",
+        "lora rank 0",
     ],
 )
 def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
@@ -89,3 +91,17 @@ def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
     assert "Traceback" not in err
     assert heavy == "-"  # no model was (or could have been) loaded
     assert not root.exists()  # nothing written to the store
+
+
+def test_lora_target_modules_the_model_lacks_fail_before_any_server_or_file(tmp_path):
+    from tasks.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    root = tmp_path / "store"
+    rc, _, err = train(
+        root, "--set", f"model.path={model}", "--set", "learner.lora={target_modules: [q_proj, qkv]}"
+    )
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("error: learner.lora.target_modules: ['qkv'] name no linear layer"), err
+    assert len(err.strip().splitlines()) == 1
+    assert not root.exists()
