@@ -15,13 +15,14 @@ Workloads: `tiny` (configs/tiny-letters.yaml: random tiny model, reward = fracti
 32 new tokens, lr 5e-6; configs/smollm2-tools.yaml with its tools and warm-up off).
 
     .venv/bin/python benchmarks/vs_trl.py [--workloads tiny smollm2] [--smollm2 models/smollm2-135m]
-        [--steps N] [--repeats R]
+        [--steps N] [--repeats R] [--lora RANK]
 
 What is the same: prompts (grpoflow's seeded per-step order, replayed to TRL unshuffled), chat template,
 G, max tokens, temperature 1, the reward functions on the same text (completion ids decoded without
 special tokens, by TRL and grpoflow alike), group-scaled advantages, DAPO loss, beta 0, AdamW
 (torch, no weight decay), grad clip 1.0, constant LR, one optimizer step per generated batch, the same
-micro-batch size, float32, seed. What differs by design: TRL samples with HF `generate` from the learner
+micro-batch size, float32, seed, and with `learner.lora` in the config the same peft LoRA adapter (rank,
+alpha, dropout, target modules) on both sides. What differs by design: TRL samples with HF `generate` from the learner
 itself (exactly on-policy); grpoflow samples on vLLM and applies its off-policy correction (tis).
 """
 
@@ -104,6 +105,16 @@ def trl_dataset(cfg, steps: int):
             item["prompt"] = [{"role": "user", "content": p}] if isinstance(p, str) else p
             out.append(item)
     return Dataset.from_list(out)
+
+
+def trl_lora(lora):
+    """The config's `learner.lora` as the peft LoraConfig TRL's trainer takes (None: full fine-tuning)."""
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")  # fmt: skip
 
 
 def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
@@ -207,6 +218,7 @@ def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
         train_dataset=trl_dataset(cfg, steps),
         processing_class=tokenizer,
         callbacks=[clock],
+        peft_config=trl_lora(lc.lora),
     )
     trainer.remove_callback(PrinterCallback)  # its per-step log dicts; our JSON line says it all
     trainer.train()
@@ -270,6 +282,8 @@ def main() -> None:
     ap.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="grpoflow-only config overrides"
     )
+    ap.add_argument("--lora", type=int, metavar="RANK",
+                    help="both systems train a rank-RANK LoRA adapter (alpha 2 x RANK, peft) at the same LR")  # fmt: skip
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
@@ -282,6 +296,8 @@ def main() -> None:
         if prepared is None:
             continue
         wroot, model, overrides = prepared
+        if args.lora:
+            overrides = [*overrides, f"learner.lora={{rank: {args.lora}, alpha: {2 * args.lora}}}"]
         spec = WORKLOADS[name]
         steps = args.steps or spec["steps"]
         base = load_config(spec["config"], overrides)

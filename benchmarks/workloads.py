@@ -94,12 +94,16 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
 
 
 def serve(cfg, model: Path, log_path: Path):
-    """The embedded vLLM server for `model`, sized by the config's inference section."""
+    """The embedded vLLM server for `model`, sized by the config's inference section (with
+    `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does)."""
     from flows.serve import embedded_server
 
+    lora = cfg.learner.lora
     return embedded_server(
         str(model),
         max_model_len=cfg.inference.max_model_len,
         kv_cache_gb=cfg.inference.kv_cache_gb,
         log_path=log_path,
+        lora_rank=lora.served_rank() if lora else None,
+        max_loras=cfg.inference.max_loras,
     )
