@@ -6,6 +6,13 @@ serves after it. Loading a version into the live server is vLLM's pause(keep) ->
 the server's whole prefix cache dropped before it resumes (requests in flight are recomputed under the
 new weights), so no client, salted or not, reuses KV computed under the old weights.
 
+A LoRA lineage (its run trained an adapter, `learner.lora`) is served by a long-lived server started
+on the base model with LoRA enabled, shared by several lineages: a version is then its checkpoint's
+`adapter/` dir (the base is the checkpoint's learner.json's `base_model`), and loading it into the
+server makes the lineage's own name serve it, replaced in place so the name never answers 404, with
+no prefix-cache reset (cached KV is keyed by adapter path) and no other lineage touched
+(tasks/lora_serve.py). Below its first promotion the name serves the base model as an identity adapter.
+
 Order of effects, so that a crash at any point leaves the log true of the server or errs safe: pin the
 version, load it into the server, then record the decision (a crash before the record leaves a pinned
 checkpoint and a server ahead of the log; the next decision reloads whatever it serves, and
@@ -35,12 +42,21 @@ def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -
     elif step not in steps:
         raise PromotionError(f"run {run_id!r} has no checkpoint at step {step} (it has {steps})")
     ckpt = store.dirs.path(run_id, step)
-    if (ckpt / ADAPTER_DIR).is_dir():
-        raise PromotionError(
-            f"run {run_id!r} trained a LoRA adapter: promoting, rolling back and gating adapters is not "
-            f"built yet; `grpoflow export {run_id} --merge --out DIR` makes a model dir `grpoflow serve` serves"
-        )
-    return version(run_id, step, str((ckpt / MODEL_DIR).resolve()))
+    held = ckpt / ADAPTER_DIR if (ckpt / ADAPTER_DIR).is_dir() else ckpt / MODEL_DIR
+    return version(run_id, step, str(held.resolve()))
+
+
+def is_adapter(path: str | None) -> bool:
+    """Whether a version's path is a LoRA adapter dir (a LoRA lineage's checkpoint), not a model dir."""
+    return path is not None and (Path(path) / "adapter_config.json").is_file()
+
+
+def base_adapter(root: str | Path, lineage: str, like: str) -> str:
+    """The lineage's base model as an adapter (every lora_B zero, shaped like the adapter `like`),
+    written once beside its promotion log: what its name serves below its first promotion."""
+    from tasks.lora_serve import identity_adapter
+
+    return str(identity_adapter(like, PromotionLog(root).lineage_dir(lineage) / "base-adapter"))
 
 
 def base_version(root: str | Path, run_id: str) -> dict[str, Any] | None:
@@ -65,14 +81,35 @@ def load_into_server(
     inference: InferenceConfig | None,
     sync: SyncConfig | None,
 ) -> float:
-    """Load a version into the live server through the run's weight push (`sync.backend`, its
-    `reload_timeout_s`), dropping the server's whole prefix cache (the module doc)."""
+    """Load a version into the live server: a model dir through the checkpoint push (its
+    `reload_timeout_s`), dropping the server's whole prefix cache; an adapter dir under the lineage's
+    name (the module doc). The seconds it took."""
+    if is_adapter(path):
+        return load_lineage_adapter(path, server_url=server_url, lineage=lineage, inference=inference)
     from tasks.push import load_version, weight_push
 
-    pusher = weight_push(
-        root, lineage, sync or SyncConfig(), inference or InferenceConfig(), reset_prefix_cache=True
-    )
+    sync = (sync or SyncConfig()).model_copy(update={"backend": "checkpoint"})
+    pusher = weight_push(root, lineage, sync, inference or InferenceConfig(), reset_prefix_cache=True)
     return load_version(pusher, server_url, path, step or 0)
+
+
+def load_lineage_adapter(
+    path: str, *, server_url: str, lineage: str, inference: InferenceConfig | None
+) -> float:
+    """Make the lineage's name on the server at `server_url` serve the adapter in `path`."""
+    import asyncio
+    import time
+
+    from tasks.inference import client_for
+    from tasks.lora_serve import serve_lineage
+
+    async def load() -> str:
+        async with client_for(server_url, inference or InferenceConfig()) as client:
+            return await serve_lineage(server_url, client, lineage, path)
+
+    t0 = time.perf_counter()
+    asyncio.run(load())
+    return time.perf_counter() - t0
 
 
 def _announce(row: dict[str, Any]) -> None:
@@ -191,7 +228,11 @@ def rollback(
                 )
             target = version(None, None, first["incumbent_path"])
         if server_url:
-            load_into_server(target["path"], target["step"], server_url=server_url, root=root, lineage=lineage,
+            # A LoRA lineage back at its base: its name serves the base model as an identity adapter.
+            path = target["path"]
+            if is_adapter(current["path"]) and not is_adapter(path):
+                path = base_adapter(root, lineage, current["path"])
+            load_into_server(path, target["step"], server_url=server_url, root=root, lineage=lineage,
                              inference=inference, sync=sync)  # fmt: skip
         name = "the base model" if target["run"] is None else f"{target['run']} step {target['step']}"
         row = log.record(lineage, "rolled_back", candidate=current, incumbent=target, serving=target,

@@ -98,10 +98,69 @@ def test_bad_versions_are_named(root):
         checkpoint_version(root, "other")
 
 
-def test_a_lora_runs_checkpoint_is_refused_with_the_export_that_serves_it(root):
-    CheckpointStore(root).save("adapters", 0, lambda d: (d / "adapter").mkdir(), {"step": 0})
-    with pytest.raises(PromotionError, match=r"LoRA adapter.*grpoflow export adapters --merge"):
-        checkpoint_version(root, "adapters")
+@pytest.fixture
+def lora_root(root):
+    """Two LoRA lineages ("ada", "bea"), three checkpoints each: `adapter/` + learner.json's base."""
+    import torch
+    from safetensors.torch import save_file
+
+    store = CheckpointStore(root)
+    for run in ("ada", "bea"):
+        for step in range(3):
+
+            def write(d, step=step):
+                (d / "adapter").mkdir()
+                (d / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+                w = {"m.lora_A.weight": torch.ones(8, 4), "m.lora_B.weight": torch.full((4, 8), step + 1.0)}
+                save_file(w, str(d / "adapter" / "adapter_model.safetensors"))
+                (d / "learner.json").write_text(json.dumps({"base_model": str(root / "base")}))
+
+            store.save(run, step, write, {"step": step})
+        RolloutStore(root).write_run_meta(run, {"run_id": run, "base_model": str(root / "base")})
+    return root
+
+
+def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_root, monkeypatch):
+    from safetensors.torch import load_file
+
+    from tests.unit.scripted import ScriptedBackend
+
+    root, server = lora_root, ScriptedBackend(None, None)
+    monkeypatch.setattr("tasks.inference.client_for", lambda url, inference, **k: server)
+    url = "http://scripted.invalid"
+    b1 = checkpoint_version(root, "bea", 1)
+    assert b1["path"].endswith("step-000001/adapter")
+    promote(root, "bea", b1, incumbent=base_version(root, "bea"), server_url=url, reason="b")
+    a1, a2 = checkpoint_version(root, "ada", 1), checkpoint_version(root, "ada", 2)
+    promote(root, "ada", a1, incumbent=base_version(root, "ada"), server_url=url, reason="a1")
+    promote(root, "ada", a2, incumbent=a1, server_url=url, reason="a2")
+    assert server.adapters == {"bea": b1["path"], "ada": a2["path"]}
+    rollback(root, "ada", server_url=url)
+    assert server.adapters == {"bea": b1["path"], "ada": a1["path"]}
+    rollback(root, "ada", server_url=url)  # below its first promotion: the base, as an identity adapter
+    identity = server.adapters["ada"]
+    assert identity.endswith("run_id=ada/base-adapter") and server.adapters["bea"] == b1["path"]
+    assert load_file(f"{identity}/adapter_model.safetensors")["m.lora_B.weight"].abs().sum() == 0
+    assert serving_version(root, "ada") == base_version(root, "ada")
+    # A held name is replaced in place (never unloaded: no 404 window); "bea" was loaded once, never
+    # touched again; no server-wide prefix-cache reset.
+    assert server.calls == [("load", "bea"), ("load", "ada")] + [("load_inplace", "ada")] * 3
+    promote(root, "ada", a2, incumbent=base_version(root, "ada"), server_url=url, reason="again")
+    assert server.adapters["ada"] == a2["path"] and server.calls[-1] == ("load_inplace", "ada")
+    assert [r["decision"] for r in PromotionLog(root).history("ada")] == [
+        "promoted", "promoted", "rolled_back", "rolled_back", "promoted"
+    ]  # fmt: skip
+
+
+def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
+    from tests.unit.scripted import ScriptedBackend
+
+    server = ScriptedBackend(None, None)
+    monkeypatch.setattr("tasks.inference.client_for", lambda url, inference, **k: server)
+    a1 = checkpoint_version(lora_root, "ada", 1)
+    for reason in ("first", "again"):
+        promote(lora_root, "ada", a1, incumbent=None, server_url="http://s.invalid", reason=reason)
+    assert server.calls == [("load", "ada")]
 
 
 def test_promotions_view_and_canned_history(root):
