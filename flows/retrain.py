@@ -6,7 +6,9 @@ A lineage is a run id. The first call trains it from the base model; each later 
 `extra_steps` more steps. Then the gate: the candidate (the new latest checkpoint) and the incumbent
 (the lineage's promoted version, or the base model before any promotion) are evaluated on the same
 held-out eval rows with the same seeds, on one evaluation server of their own (embedded, or
-`eval_server_url`), never the live one. The candidate is promoted when its `gate_metric` beats the
+`eval_server_url`), never the live one. A LoRA lineage's candidate and incumbent adapters are loaded
+side by side under their own names on a server started on the base (the base itself when it is the
+incumbent), so no weights are swapped before the decision. The candidate is promoted when its `gate_metric` beats the
 incumbent's by more than `gate_margin`: it is loaded into `server_url` (when given) and recorded
 (flows/promote.py); otherwise it is recorded as rejected and the server keeps the incumbent. Each call
 is also recorded in `runs/<run>.json` under `retrains`.
@@ -20,7 +22,7 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.config import ConfigError, GRPOConfig, load_config
-from flows.evaluate import eval_rows, evaluate_model, evaluation_config, scores
+from flows.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
 from flows.promote import base_version, checkpoint_version, promote, reject, serving_version
 from flows.runs import confine
 from flows.serve import inference_server
@@ -28,6 +30,7 @@ from flows.train import grpo_train
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
+from tasks.lora_push import adapter_rank
 
 GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
 
@@ -47,6 +50,29 @@ def gate(candidate: float | None, incumbent: float | None, metric: str, margin: 
         False,
         f"{metric} {candidate:.4f} does not beat the incumbent's {incumbent:.4f} by more than {margin:g}",
     )
+
+
+def _evaluate_both(cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: dict, rows: list,
+                   eval_server_url: str | None) -> tuple[list, list]:  # fmt: skip
+    """The candidate's and the incumbent's eval groups, on one evaluation server with the same rows and
+    seeds. Model dirs: the server starts on the candidate and the incumbent is loaded after it. LoRA
+    adapters: the server starts on the base with LoRA enabled (rank: the larger of the two) and both are
+    loaded under their own names, side by side, no weights replaced; a base-model incumbent is the
+    server's own model."""
+    step, cand, inc = candidate["step"], candidate["path"], incumbent["path"]
+    adapter = adapter_base(cfg, cand)
+    base, lora = adapter or (cand, None)
+    if lora is not None:
+        lora = lora.model_copy(update={"rank": max(lora.rank, adapter_rank(inc) or 0)})
+    tok = base if lora is not None else None  # an adapter dir holds no tokenizer: the base's
+    with inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{lineage}-gate", lora) as server:
+        cand_groups = evaluate_model(cfg, cand, step, f"{lineage}-eval", rows, server.url, tokenizer=tok,
+                                     load=eval_server_url is not None or lora is not None)  # fmt: skip
+        # A LoRA lineage's base-model incumbent is what the server itself serves: nothing to load.
+        load_inc = lora is None or adapter_rank(inc) is not None
+        inc_groups = evaluate_model(cfg, inc, step, f"{lineage}-eval-incumbent", rows, server.url,
+                                    load=load_inc, tokenizer=tok)  # fmt: skip
+    return cand_groups, inc_groups
 
 
 def _flow_run_id() -> str | None:
@@ -97,12 +123,7 @@ def grpo_retrain(
     rows, source = eval_rows(ecfg, eval_prompts)
     if source != "eval":
         print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")
-    step = candidate["step"]
-    with inference_server(ecfg.inference, candidate["path"], root, f"vllm-{lineage}-gate") as server:
-        cand_groups = evaluate_model(ecfg, candidate["path"], step, f"{lineage}-eval", rows, server.url,
-                                     load=eval_server_url is not None)  # fmt: skip
-        inc_groups = evaluate_model(ecfg, incumbent["path"], step, f"{lineage}-eval-incumbent", rows, server.url,
-                                    load=True)  # fmt: skip
+    cand_groups, inc_groups = _evaluate_both(ecfg, lineage, candidate, incumbent, rows, eval_server_url)
     cand_eval = {"rows": source, **scores(cand_groups, pass_threshold)}
     inc_eval = {"rows": source, **scores(inc_groups, pass_threshold)}
     better, why = gate(cand_eval[gate_metric], inc_eval[gate_metric], gate_metric, gate_margin)

@@ -204,3 +204,37 @@ def test_run_meta_without_a_base_model(tmp_path):
     RolloutStore(tmp_path).write_run_meta("x", {"run_id": "x"})
     assert base_version(tmp_path, "x") is None
     assert json.loads((tmp_path / "runs" / "x.json").read_text())["run_id"] == "x"
+
+
+def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_root, monkeypatch):
+    from contextlib import contextmanager
+
+    import flows.retrain as retrain
+    from flows.config import GRPOConfig
+
+    started, evaluated = [], []
+
+    @contextmanager
+    def server(inference, model, root, name, lora=None):
+        started.append((model, lora and lora.rank))
+        yield type("S", (), {"url": "http://gate.invalid"})
+
+    def evaluate(cfg, model, step, run, rows, url, *, load, tokenizer=None):
+        evaluated.append((model, run, load, tokenizer))
+        return []
+
+    monkeypatch.setattr(retrain, "inference_server", server)
+    monkeypatch.setattr(retrain, "evaluate_model", evaluate)
+    cfg, base = GRPOConfig(), str(lora_root / "base")
+    a1, a2 = checkpoint_version(lora_root, "ada", 1), checkpoint_version(lora_root, "ada", 2)
+    retrain._evaluate_both(cfg, "ada", a2, a1, [], None)
+    assert started == [(base, 8)]  # one server, on the base, LoRA enabled
+    assert evaluated == [(a2["path"], "ada-eval", True, base), (a1["path"], "ada-eval-incumbent", True, base)]
+    evaluated.clear()
+    retrain._evaluate_both(cfg, "ada", a2, base_version(lora_root, "ada"), [], None)
+    assert evaluated[1] == (
+        str(lora_root / "base"),
+        "ada-eval-incumbent",
+        False,
+        base,
+    )  # the server's own model
