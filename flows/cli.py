@@ -172,25 +172,45 @@ def check_serve(args) -> None:
         )
     if not args.model and not args.lineage:
         raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
-    if args.lineage:
-        from flows.policy_server import served_model_dir
-        from storage.records import validate_run_id
+    from storage.records import validate_run_id
 
-        validate_run_id(args.lineage)  # a bad id is its own one-line error
+    for lineage in args.lineage or []:
+        validate_run_id(lineage)  # a bad id is its own one-line error
+    if args.lora_rank is not None:
+        from flows.policy_server import lora_lineages
+
         try:
-            served_model_dir(_root(args), args.lineage, args.model)
+            lora_lineages(_root(args), args.lineage or [], args.model)
         except ValueError:
             raise ConfigError(
-                f"--lineage {args.lineage}: no promotion recorded under {_root(args)}; give --model"
+                f"--lineage {' '.join(args.lineage or [])}: no LoRA promotion recorded under {_root(args)} to "
+                "take the base model from; give --model BASE"
+            ) from None
+        return
+    if args.lineage and len(args.lineage) > 1:
+        raise ConfigError(
+            "serve: several --lineage share one server only as LoRA adapters: give --lora-rank R"
+        )
+    if args.lineage:
+        from flows.policy_server import served_model_dir
+
+        try:
+            served_model_dir(_root(args), args.lineage[0], args.model)
+        except ValueError:
+            raise ConfigError(
+                f"--lineage {args.lineage[0]}: no promotion recorded under {_root(args)}; give --model"
             ) from None
 
 
 def cmd_serve(args) -> int:
     from flows.policy_server import policy_server
 
+    lora = args.lora_rank is not None
     policy_server(
         model_dir=args.model,
-        lineage=args.lineage,
+        lineage=None if lora or not args.lineage else args.lineage[0],
+        lineages=args.lineage if lora else None,
+        lora_rank=args.lora_rank,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -358,7 +378,18 @@ def _flow_commands(sub) -> None:
     v.add_argument(
         "--model", help="model directory (with --lineage: served until the lineage has a promotion)"
     )
-    v.add_argument("--lineage", help="serve what this lineage's promotion log says it serves")
+    v.add_argument(
+        "--lineage",
+        action="append",
+        help="serve what this lineage's promotion log says it serves (with --lora-rank: repeat it; each "
+        "lineage's adapter is served under its name, --model is the base)",
+    )
+    v.add_argument(
+        "--lora-rank",
+        type=int,
+        help="start the server on the base model with LoRA adapters up to this rank loadable at runtime, "
+        "shared by LoRA lineages (promote/rollback --server swap their adapters by name)",
+    )
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1; others need a key)")
     v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     key_help = "bearer key every request must carry (default: $GRPOFLOW_API_KEY)"

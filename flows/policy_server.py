@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from flows.serve import ServerHandle, ServerStartError, _tail, server_command
 from storage.processes import stop_stale
+from tasks.config import LoraConfig
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
@@ -39,6 +41,33 @@ def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | Non
     return model_dir
 
 
+def lora_lineages(root: str | Path, lineages: list[str], model_dir: str | None) -> tuple[str, dict[str, str]]:
+    """(the base model a LoRA server starts on, {lineage: the adapter its name serves}) for lineages
+    that share one server; a lineage with no decision yet is left out (its name is not served until
+    its first promotion loads it). The base: `model_dir`, else the base of the first adapter."""
+    from flows.promote import adapter_base_model, lineage_adapter
+    from storage.records import validate_run_id
+
+    adapters = {name: a for name in lineages if (a := lineage_adapter(root, validate_run_id(name)))}
+    base = model_dir or next((b for a in adapters.values() if (b := adapter_base_model(a))), None)
+    if base is None:
+        raise ValueError(f"policy-server: no base model for lineages {lineages} under {root}; give model_dir")
+    return base, adapters
+
+
+def _serve_lineages(url: str, api_key: str | None, adapters: dict[str, str]) -> None:
+    """Load each lineage's adapter under its name (again after a restart: the registry is gone)."""
+    from tasks.inference import VLLMClient
+    from tasks.lora_serve import serve_lineage
+
+    async def go() -> None:
+        async with VLLMClient(url, api_key=api_key) as client:
+            for name, path in adapters.items():
+                await serve_lineage(url, client, name, path)
+
+    asyncio.run(go())
+
+
 @flow(name="policy-server", log_prints=True)
 def policy_server(
     model_dir: str | None = None,
@@ -52,26 +81,44 @@ def policy_server(
     run_for_s: float | None = None,
     stop_file: str | None = None,
     root: str = "runs",
+    lora_rank: int | None = None,
+    lineages: list[str] | None = None,
+    max_loras: int = 4,
 ) -> dict:
     """Start the vLLM server and keep it up: restart on crash (bounded, with backoff), also when it
     dies while still starting. `lineage`: serve what the lineage's promotion log says it serves (its
-    promoted version, or the base model it rolled back to); `model_dir` until it has a decision."""
+    promoted version, or the base model it rolled back to); `model_dir` until it has a decision.
+
+    `lora_rank`: a LoRA server shared by LoRA lineages (`lineages`, and `lineage`): started on the base
+    model (`model_dir`, else the lineages' adapters' base) with adapters up to this rank loadable at
+    runtime, `max_loras` per batch; each lineage's adapter is loaded under its name at start and after
+    every restart, and promotions and rollbacks (`--server`) replace it there."""
     log = get_run_logger()
     from tasks.allowlist import check_path
 
     check_path(root, "root")
-    model_dir = served_model_dir(root, lineage, model_dir)
-    if lineage is not None:
-        log.info("lineage %s serves %s", lineage, model_dir)
+    adapters: dict[str, str] = {}
+    if lora_rank is not None:
+        model_dir, adapters = lora_lineages(
+            root, [*([lineage] if lineage else []), *(lineages or [])], model_dir
+        )
+        log.info("LoRA server on %s; lineages served by name: %s", model_dir, adapters or "none yet")
+    else:
+        model_dir = served_model_dir(root, lineage, model_dir)
+        if lineage is not None:
+            log.info("lineage %s serves %s", lineage, model_dir)
     check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
-    cmd, env, url = server_command(
-        model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len
-    )
+    for adapter in adapters.values():
+        check_path(adapter, "adapter")
+    cmd, env, url = server_command(model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len,
+                                   lora_rank=lora_rank and LoraConfig(rank=lora_rank).served_rank(),
+                                   max_loras=max_loras)  # fmt: skip
     # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first
     pid_file = (Path(root), f"serve-{port}")
     stop_stale(*pid_file)
     handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
-    supervisor = Supervisor(handle, api_key, max_restarts)
+    on_up = (lambda: _serve_lineages(handle.url, api_key, adapters)) if adapters else None
+    supervisor = Supervisor(handle, api_key, max_restarts, on_up)
     supervisor.bring_up()
     log.info("vLLM server up at %s", handle.url)
     try:
@@ -85,8 +132,14 @@ class Supervisor:
     """Keeps a server up: restarts it when it dies or fails its health check (at most
     `max_restarts` times, with backoff), and resumes a pause whose owner's lease ran out."""
 
-    def __init__(self, handle: ServerHandle, api_key: str | None, max_restarts: int):
-        self.handle, self.api_key, self.max_restarts = handle, api_key, max_restarts
+    def __init__(
+        self,
+        handle: ServerHandle,
+        api_key: str | None,
+        max_restarts: int,
+        on_up: Callable[[], None] | None = None,
+    ):
+        self.handle, self.api_key, self.max_restarts, self.on_up = handle, api_key, max_restarts, on_up
         self.log = get_run_logger()
 
     def restart_or_give_up(self, why: str) -> None:
@@ -105,6 +158,12 @@ class Supervisor:
         while True:
             try:
                 self.handle.start()
+                if self.on_up is not None:  # a LoRA server's lineages, loaded under their names
+                    try:
+                        self.on_up()
+                    except BaseException:
+                        self.handle.stop()
+                        raise
                 return
             except ServerStartError as e:
                 self.restart_or_give_up(str(e).splitlines()[0])

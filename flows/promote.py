@@ -66,6 +66,24 @@ def base_version(root: str | Path, run_id: str) -> dict[str, Any] | None:
     return version(None, None, str(Path(base).resolve())) if base else None
 
 
+def lineage_adapter(root: str | Path, lineage: str) -> str | None:
+    """The adapter a LoRA lineage's name serves now: its served version's adapter, or the identity
+    adapter when it rolled back to its base; None when it has no decision or is not a LoRA lineage."""
+    log = PromotionLog(root)
+    serving = log.serving(lineage)
+    if serving is None or is_adapter(serving["path"]):
+        return serving and serving["path"]
+    adapters = [r["candidate_path"] for r in log.history(lineage) if is_adapter(r["candidate_path"])]
+    return base_adapter(root, lineage, adapters[-1]) if adapters else None
+
+
+def adapter_base_model(adapter: str) -> str | None:
+    """The base model a LoRA checkpoint's adapter goes on (its learner.json's `base_model`)."""
+    from tasks.checkpoint_io import learner_info
+
+    return learner_info(Path(adapter).parent).get("base_model")
+
+
 def serving_version(root: str | Path, lineage: str) -> dict[str, Any] | None:
     """What the lineage's live server should serve now (None: nothing decided yet)."""
     return PromotionLog(root).serving(lineage)

@@ -238,3 +238,22 @@ def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_ro
         False,
         base,
     )  # the server's own model
+
+
+def test_a_lora_server_serves_each_lineage_under_its_name_from_the_log(lora_root, monkeypatch, capsys):
+    from flows import cli
+    from flows.policy_server import lora_lineages
+
+    root = lora_root
+    assert cli.main(["serve", "--lineage", "ada", "--lineage", "bea", "--root", str(root)]) == 2
+    assert "give --lora-rank R" in capsys.readouterr().err
+    assert cli.main(["serve", "--lineage", "ada", "--lora-rank", "8", "--root", str(root)]) == 2
+    assert "no LoRA promotion recorded" in capsys.readouterr().err
+    a1, b2 = checkpoint_version(root, "ada", 1), checkpoint_version(root, "bea", 2)
+    promote(root, "ada", a1, incumbent=base_version(root, "ada"), server_url=None, reason="a")
+    promote(root, "bea", b2, incumbent=base_version(root, "bea"), server_url=None, reason="b")
+    base, adapters = lora_lineages(root, ["ada", "bea", "new"], None)
+    assert base == str(root / "base") and adapters == {"ada": a1["path"], "bea": b2["path"]}
+    rollback(root, "ada", server_url=None)
+    _, adapters = lora_lineages(root, ["ada"], "/m")
+    assert adapters["ada"].endswith("run_id=ada/base-adapter")

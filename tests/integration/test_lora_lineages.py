@@ -1,0 +1,137 @@
+"""LoRA lineages on one live server (the `lora_server`): lineage B promoted and served under its name
+while lineage A is retrained, gated on the same server (candidate and incumbent side by side),
+promoted, promoted again and rolled back, down to its base. B's name answers its own greedy tokens at
+every point between A's decisions, and neither name ever answers an error while A's adapter is swapped."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from storage.sql import query
+from tests.support import tiny_cfg
+
+pytestmark = pytest.mark.integration
+PROMPTS = ["Write a word like cat with many letters a.", "Write a word like banana with many letters a."]
+
+
+def greedy(url: str, tok, model: str) -> list[list[int]]:
+    from tasks.inference import VLLMClient
+
+    async def go():
+        async with VLLMClient(url, retries=0) as c:
+            ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+            return [
+                (await c.complete(i, max_tokens=8, temperature=0.0, model=model))[0].token_ids for i in ids
+            ]
+
+    return asyncio.run(go())
+
+
+def served(url: str) -> dict[str, str]:
+    from tasks.inference import VLLMClient
+
+    async def go():
+        async with VLLMClient(url) as c:
+            return {m["id"]: m.get("root") for m in await c.models()}
+
+    return asyncio.run(go())
+
+
+def load_as(url: str, name: str, path: str) -> None:
+    """The same adapter under a name of the test's own: its greedy tokens are the reference."""
+    from tasks.inference import VLLMClient
+
+    async def go():
+        async with VLLMClient(url) as c:
+            await c.load_lora_adapter(name, path)
+
+    asyncio.run(go())
+
+
+class Hammer:
+    """Asks the given names for completions without pause until stopped; every error is kept."""
+
+    def __init__(self, url: str, tok, names: list[str]):
+        self.url, self.tok, self.names, self.errors, self.answers = url, tok, names, [], 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for name in self.names:
+                try:
+                    greedy(self.url, self.tok, name)
+                    self.answers += 1
+                except Exception as e:  # any failure is the finding
+                    self.errors.append(f"{name}: {e}")
+
+    def __enter__(self) -> Hammer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
+    tmp_path, lora_server, tiny_model_dir, prefect_api
+):
+    from transformers import AutoTokenizer
+
+    from flows.promote import checkpoint_version, rollback
+    from flows.retrain import grpo_retrain
+
+    url, tok = lora_server.url, AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, url, **{
+        "learner.lora": "{rank: 8, alpha: 16}", "data.eval_fraction": 0.25, "run.checkpoint_every": 100,
+        "algorithm.max_staleness": 0, "learner.lr": 0.02,
+    })  # fmt: skip
+    # margin -inf: every candidate is promoted (the gate's scores are recorded, not relied on)
+    gated = {"config": cfg, "server_url": url, "eval_server_url": url, "eval_prompts": 4,
+             "eval_greedy": True, "gate_margin": -1e9}  # fmt: skip
+    base_out = greedy(url, tok, "policy")
+
+    b = grpo_retrain(lineage="lin-b", extra_steps=2, **gated)["decision"]
+    assert b["decision"] == "promoted" and b["candidate_path"].endswith("/adapter")
+    load_as(url, "ref-b", b["candidate_path"])
+    b_out = greedy(url, tok, "ref-b")
+    assert served(url)["lin-b"] == b["candidate_path"] and greedy(url, tok, "lin-b") == b_out
+
+    a1 = grpo_retrain(lineage="lin-a", extra_steps=2, **gated)["decision"]
+    assert a1["decision"] == "promoted" and a1["incumbent_run"] is None  # gated against the base
+    load_as(url, "ref-a1", a1["candidate_path"])
+    a1_out = greedy(url, tok, "ref-a1")
+    assert served(url)["lin-a"] == a1["candidate_path"] and greedy(url, tok, "lin-a") == a1_out
+    assert greedy(url, tok, "lin-b") == b_out
+
+    with Hammer(url, tok, ["lin-b", "lin-a"]) as hammer:  # A swapped in place under live clients
+        a2 = grpo_retrain(lineage="lin-a", extra_steps=1, **gated)["decision"]
+        back = rollback(tmp_path, "lin-a", server_url=url)
+    assert hammer.errors == [] and hammer.answers > 0
+    assert a2["decision"] == "promoted" and a2["incumbent_step"] == a1["candidate_step"]
+    assert back["serving_path"] == a1["candidate_path"] == served(url)["lin-a"]
+    assert greedy(url, tok, "lin-a") == a1_out and greedy(url, tok, "lin-b") == b_out
+    load_as(url, "ref-a2", a2["candidate_path"])
+    assert a2["candidate_path"] == checkpoint_version(tmp_path, "lin-a")["path"]
+
+    with Hammer(url, tok, ["lin-b", "lin-a"]) as hammer:
+        rollback(tmp_path, "lin-a", server_url=url)  # below the first promotion: the base, by name
+    assert hammer.errors == []
+    assert served(url)["lin-a"].endswith("run_id=lin-a/base-adapter")
+    assert greedy(url, tok, "lin-a") == base_out and greedy(url, tok, "lin-b") == b_out
+    assert served(url)["lin-b"] == b["candidate_path"]
+
+    _, rows = query(tmp_path, "SELECT lineage, decision, candidate_step, serving_path, server FROM promotions "
+                              "ORDER BY lineage, decision_id")  # fmt: skip
+    a_steps = [a1["candidate_step"], a2["candidate_step"]]
+    assert [r[:3] for r in rows] == [
+        ("lin-a", "promoted", a_steps[0]), ("lin-a", "promoted", a_steps[1]),
+        ("lin-a", "rolled_back", a_steps[1]), ("lin-a", "rolled_back", a_steps[0]),
+        ("lin-b", "promoted", b["candidate_step"]),
+    ]  # fmt: skip
+    assert rows[2][3] == a1["candidate_path"] and rows[3][3] == str(tiny_model_dir.resolve())
+    assert all(r[4] == url for r in rows)
