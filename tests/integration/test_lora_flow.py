@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,3 +131,26 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
         expected.append(seq[0, len(ids) :].tolist())
     assert adapter_tokens == expected
     assert adapter_tokens != base_tokens  # the adapter, not the base model, answered
+
+
+def test_a_lora_run_against_a_server_without_lora_fails_before_its_first_step(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """The shared server was started as full fine-tuning runs start theirs: it loads no adapters."""
+    from prefect.settings import PREFECT_API_URL
+
+    from storage.rollouts import RolloutStore
+
+    sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+            "run.steps=2", "learner.lora={rank: 8}"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "--run-id", "no-lora", *[a for s in sets for a in ("--set", s)]],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "learner.lora" in errors[0] and vllm_server.url in errors[0], errors[0]
+    assert RolloutStore(tmp_path).read_run_meta("no-lora")["status"] == "failed"
+    assert not list(tmp_path.glob("steps/**/*.parquet"))  # not one step ran
