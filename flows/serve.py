@@ -227,10 +227,13 @@ def server_command(
     cmd += list(extra_args)
     # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
     cmd += ["--middleware", "grpoflow_lease.PauseLease"]
+    # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
+    # (tasks/lora_serve.py); without any alias it passes every request through unbuffered.
+    cmd += ["--middleware", "grpoflow_alias.ModelAlias"]
     if api_key:
         # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
         # leaves the control endpoints open, so a middleware guards every path but /health. Added
-        # last, it is the outermost: the lease endpoint is guarded too.
+        # last, it is the outermost: the lease and alias endpoints are guarded too.
         cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     env = _server_env(api_key, kv_cache_gb, cores)

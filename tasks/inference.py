@@ -419,6 +419,36 @@ class VLLMClient:
         already running keep it. A name the server does not hold answers 404 (InferenceHTTPError)."""
         await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
 
+    async def set_alias(self, name: str, target: str | None) -> str | None:
+        """Point the model name `name` at the loaded adapter (or model) `target`: requests naming
+        `name` are served by `target` from the next one on; None removes the alias. grpoflow's alias
+        middleware in the server (flows/vllm_plugins/grpoflow_alias.py); a server without it answers
+        404 (InferenceHTTPError). The target `name` pointed at before, or None."""
+        text = await self._request(
+            "POST",
+            "/grpoflow/alias",
+            json_body={"name": name, "target": target},
+            retry_status=RETRY_STATUS - {500},
+        )
+        return _json_object(text, f"POST {self.base_url}/grpoflow/alias", ("previous",))["previous"]
+
+    async def aliases(self) -> dict[str, str]:
+        """The server's alias table {name: target}."""
+        return (await self._alias_state())["aliases"]
+
+    async def alias_in_flight(self) -> dict[str, int]:
+        """{target: requests sent to it through an alias whose answer has not ended yet}."""
+        return (await self._alias_state())["in_flight"]
+
+    async def _alias_state(self) -> dict[str, Any]:
+        where = f"GET {self.base_url}/grpoflow/aliases"
+        state = _json_object(await self._request("GET", "/grpoflow/aliases"), where, ("aliases", "in_flight"))
+        if not isinstance(state["aliases"], dict) or not isinstance(state["in_flight"], dict):
+            raise InferenceProtocolError(
+                f"{where}: 'aliases' and 'in_flight' must be objects: {state!r:.300}"
+            )
+        return state
+
     async def reload_weights(self, path: str, *, timeout_s: float | None = None) -> Any:
         """Load the weights under `path` into the running model (the server should be paused).
 

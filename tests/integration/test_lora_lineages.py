@@ -1,7 +1,9 @@
 """LoRA lineages on one live server (the `lora_server`): lineage B promoted and served under its name
 while lineage A is retrained, gated on the same server (candidate and incumbent side by side),
 promoted, promoted again and rolled back, down to its base. B's name answers its own greedy tokens at
-every point between A's decisions, and neither name ever answers an error while A's adapter is swapped."""
+every point, A's name the new adapter's right after each swap, and neither name ever answers an error
+while A's adapter is swapped (its name is an alias re-pointed between adapters loaded under internal
+names, tasks/lora_serve.py)."""
 
 from __future__ import annotations
 
@@ -51,11 +53,19 @@ def load_as(url: str, name: str, path: str) -> None:
     asyncio.run(go())
 
 
-class Hammer:
-    """Asks the given names for completions without pause until stopped; every error is kept."""
+def adapters_of(url: str, lineage: str) -> list[str]:
+    """The internal names the server holds for `lineage`'s adapters (the alias's target, and no other
+    once a swap is over)."""
+    return sorted(k for k in served(url) if k.startswith(f"{lineage}@"))
 
-    def __init__(self, url: str, tok, names: list[str]):
-        self.url, self.tok, self.names, self.errors, self.answers = url, tok, names, [], 0
+
+class Hammer:
+    """Asks the given names for completions without pause until stopped; every error is kept, and
+    every answer that differs from the name's `expected` tokens (when given)."""
+
+    def __init__(self, url: str, tok, names: list[str], expected: dict[str, list[list[int]]] | None = None):
+        self.url, self.tok, self.names, self.errors = url, tok, names, []
+        self.expected, self.answers = expected or {}, dict.fromkeys(names, 0)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -63,10 +73,13 @@ class Hammer:
         while not self.stop.is_set():
             for name in self.names:
                 try:
-                    greedy(self.url, self.tok, name)
-                    self.answers += 1
+                    out = greedy(self.url, self.tok, name)
+                    self.answers[name] += 1
                 except Exception as e:  # any failure is the finding
                     self.errors.append(f"{name}: {e}")
+                    continue
+                if name in self.expected and out != self.expected[name]:
+                    self.errors.append(f"{name}: answered {out}, not its adapter's {self.expected[name]}")
 
     def __enter__(self) -> Hammer:
         self.thread.start()
@@ -84,6 +97,7 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
 
     from flows.promote import checkpoint_version, rollback
     from flows.retrain import grpo_retrain
+    from tasks.lora_serve import internal_name
 
     url, tok = lora_server.url, AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = tiny_cfg(tmp_path, tiny_model_dir, url, **{
@@ -108,20 +122,29 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
     assert served(url)["lin-a"] == a1["candidate_path"] and greedy(url, tok, "lin-a") == a1_out
     assert greedy(url, tok, "lin-b") == b_out
 
-    with Hammer(url, tok, ["lin-b", "lin-a"]) as hammer:  # A swapped in place under live clients
+    assert adapters_of(url, "lin-a") == [internal_name("lin-a", a1["candidate_path"])]
+
+    with Hammer(url, tok, ["lin-b", "lin-a"], {"lin-b": b_out}) as hammer:  # A swapped under live clients
         a2 = grpo_retrain(lineage="lin-a", extra_steps=1, **gated)["decision"]
+        assert a2["decision"] == "promoted" and a2["incumbent_step"] == a1["candidate_step"]
+        load_as(url, "ref-a2", a2["candidate_path"])
+        a2_out = greedy(url, tok, "ref-a2")
+        assert served(url)["lin-a"] == a2["candidate_path"] and greedy(url, tok, "lin-a") == a2_out
+        assert adapters_of(url, "lin-a") == [internal_name("lin-a", a2["candidate_path"])]
         back = rollback(tmp_path, "lin-a", server_url=url)
-    assert hammer.errors == [] and hammer.answers > 0
-    assert a2["decision"] == "promoted" and a2["incumbent_step"] == a1["candidate_step"]
-    assert back["serving_path"] == a1["candidate_path"] == served(url)["lin-a"]
-    assert greedy(url, tok, "lin-a") == a1_out and greedy(url, tok, "lin-b") == b_out
-    load_as(url, "ref-a2", a2["candidate_path"])
+        assert back["serving_path"] == a1["candidate_path"] == served(url)["lin-a"]
+        assert greedy(url, tok, "lin-a") == a1_out
+        assert adapters_of(url, "lin-a") == [internal_name("lin-a", a1["candidate_path"])]
+    assert hammer.errors == [] and min(hammer.answers.values()) > 0, (hammer.errors[:5], hammer.answers)
+    assert greedy(url, tok, "lin-b") == b_out
     assert a2["candidate_path"] == checkpoint_version(tmp_path, "lin-a")["path"]
 
-    with Hammer(url, tok, ["lin-b", "lin-a"]) as hammer:
+    with Hammer(url, tok, ["lin-b", "lin-a"], {"lin-b": b_out}) as hammer:
         rollback(tmp_path, "lin-a", server_url=url)  # below the first promotion: the base, by name
-    assert hammer.errors == []
+        assert greedy(url, tok, "lin-a") == base_out
+    assert hammer.errors == [] and min(hammer.answers.values()) > 0, (hammer.errors[:5], hammer.answers)
     assert served(url)["lin-a"].endswith("run_id=lin-a/base-adapter")
+    assert adapters_of(url, "lin-a") == [internal_name("lin-a", served(url)["lin-a"])]
     assert greedy(url, tok, "lin-a") == base_out and greedy(url, tok, "lin-b") == b_out
     assert served(url)["lin-b"] == b["candidate_path"]
 

@@ -3,7 +3,9 @@ in for the server only where a test must control what the model says (tool calls
 integration tests drive the real server.
 
 It also answers the LoRA adapter calls the `lora` weight push makes, as vLLM 0.32 does (status codes
-and messages), so a push and generation can run against one scripted server."""
+and messages), and the model-name aliases of grpoflow's middleware in the server
+(flows/vllm_plugins/grpoflow_alias.py), so a push, a lineage's swap and generation can run against one
+scripted server."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ class ScriptedBackend:
 
     LoRA: `max_lora_rank` None is a server started without LoRA (`route` False: also without
     VLLM_ALLOW_RUNTIME_LORA_UPDATING, so the load route is missing); `adapters` maps the names it holds
-    to their paths; `calls` records every load and unload. A request naming a model it does not hold
-    is refused with vLLM's 404. Usable as its own control client (`async with`).
+    to their paths, `aliases` alias names to the adapter names they stand for; `calls` records every
+    load, unload and alias change. A request naming a model it does not hold (an alias: its target)
+    is refused with vLLM's 404; `in_flight` is what the alias middleware reports. Usable as its own control client (`async with`).
     """
 
     def __init__(self, tok, script, max_len=1024, *, max_lora_rank: int | None = 64, route: bool = True):
@@ -35,6 +38,8 @@ class ScriptedBackend:
         self.max_lora_rank, self.route = max_lora_rank, route
         self.adapters: dict[str, str] = {}
         self.calls: list[tuple[str, str]] = []
+        self.aliases_: dict[str, str] = {}
+        self.in_flight: dict[str, int] = {}
 
     async def __aenter__(self) -> ScriptedBackend:
         return self
@@ -49,6 +54,7 @@ class ScriptedBackend:
         self, prompt_ids, *, max_tokens, temperature=1.0, top_p=1.0, seed=None, n=1, model=None, **_
     ):
         assert len(prompt_ids) + max_tokens <= self.max_len, "request would exceed max_model_len"
+        model = self.aliases_.get(model, model)
         if model not in (None, BASE) and model not in self.adapters:
             self._refuse(404, f"The model `{model}` does not exist.", "/v1/completions")
         self.requests.append(
@@ -96,7 +102,27 @@ class ScriptedBackend:
 
     async def models(self) -> list[dict]:
         cards = [{"id": n, "root": p, "parent": BASE} for n, p in self.adapters.items()]
+        cards += [
+            {"id": a, "root": self.adapters[t], "parent": BASE}
+            for a, t in self.aliases_.items()
+            if t in self.adapters
+        ]
         return [{"id": BASE, "root": "/base", "max_model_len": self.max_len}, *cards]
+
+    # -- grpoflow's alias middleware ----------------------------------------------------------------
+
+    async def set_alias(self, name: str, target: str | None) -> str | None:
+        self.calls.append(("alias", f"{name}->{target}"))
+        previous = self.aliases_.pop(name, None) if target is None else self.aliases_.get(name)
+        if target is not None:
+            self.aliases_[name] = target
+        return previous
+
+    async def aliases(self) -> dict[str, str]:
+        return dict(self.aliases_)
+
+    async def alias_in_flight(self) -> dict[str, int]:
+        return dict(self.in_flight)
 
     async def reset_prefix_cache(self, *, running: bool = True) -> bool:
         self.calls.append(("reset_prefix_cache", str(running)))

@@ -5,7 +5,9 @@ tests/integration/test_promotion.py does, on real vLLM servers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 
@@ -120,9 +122,15 @@ def lora_root(root):
     return root
 
 
+def _served(server) -> dict[str, str]:
+    """{lineage: the adapter path its name serves} on the scripted server (through its alias)."""
+    return {a: server.adapters[t] for a, t in server.aliases_.items()}
+
+
 def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_root, monkeypatch):
     from safetensors.torch import load_file
 
+    from tasks.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     root, server = lora_root, ScriptedBackend(None, None)
@@ -134,25 +142,40 @@ def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_r
     a1, a2 = checkpoint_version(root, "ada", 1), checkpoint_version(root, "ada", 2)
     promote(root, "ada", a1, incumbent=base_version(root, "ada"), server_url=url, reason="a1")
     promote(root, "ada", a2, incumbent=a1, server_url=url, reason="a2")
-    assert server.adapters == {"bea": b1["path"], "ada": a2["path"]}
+    assert _served(server) == {"bea": b1["path"], "ada": a2["path"]}
     rollback(root, "ada", server_url=url)
-    assert server.adapters == {"bea": b1["path"], "ada": a1["path"]}
+    assert _served(server) == {"bea": b1["path"], "ada": a1["path"]}
     rollback(root, "ada", server_url=url)  # below its first promotion: the base, as an identity adapter
-    identity = server.adapters["ada"]
-    assert identity.endswith("run_id=ada/base-adapter") and server.adapters["bea"] == b1["path"]
+    identity = _served(server)["ada"]
+    assert identity.endswith("run_id=ada/base-adapter") and _served(server)["bea"] == b1["path"]
     assert load_file(f"{identity}/adapter_model.safetensors")["m.lora_B.weight"].abs().sum() == 0
     assert serving_version(root, "ada") == base_version(root, "ada")
-    # A held name is replaced in place (never unloaded: no 404 window); "bea" was loaded once, never
-    # touched again; no server-wide prefix-cache reset.
-    assert server.calls == [("load", "bea"), ("load", "ada")] + [("load_inplace", "ada")] * 3
+    # Each adapter is loaded once under its own internal name (never in place: no per-step re-reads),
+    # the alias re-pointed, and only then the one it pointed at unloaded (no 404 window); "bea" was
+    # loaded once, never touched again; no server-wide prefix-cache reset.
+    ia1, ia2, ib = (
+        internal_name("ada", a1["path"]),
+        internal_name("ada", a2["path"]),
+        internal_name("bea", b1["path"]),
+    )
+    i0 = internal_name("ada", identity)
+    assert server.calls == [
+        ("load", ib), ("alias", f"bea->{ib}"),
+        ("load", ia1), ("alias", f"ada->{ia1}"),
+        ("load", ia2), ("alias", f"ada->{ia2}"), ("unload", ia1),
+        ("load", ia1), ("alias", f"ada->{ia1}"), ("unload", ia2),
+        ("load", i0), ("alias", f"ada->{i0}"), ("unload", ia1),
+    ]  # fmt: skip
+    assert set(server.adapters) == {ib, i0}
     promote(root, "ada", a2, incumbent=base_version(root, "ada"), server_url=url, reason="again")
-    assert server.adapters["ada"] == a2["path"] and server.calls[-1] == ("load_inplace", "ada")
+    assert _served(server)["ada"] == a2["path"] and server.calls[-1] == ("unload", i0)
     assert [r["decision"] for r in PromotionLog(root).history("ada")] == [
         "promoted", "promoted", "rolled_back", "rolled_back", "promoted"
     ]  # fmt: skip
 
 
 def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
+    from tasks.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     server = ScriptedBackend(None, None)
@@ -160,7 +183,50 @@ def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
     a1 = checkpoint_version(lora_root, "ada", 1)
     for reason in ("first", "again"):
         promote(lora_root, "ada", a1, incumbent=None, server_url="http://s.invalid", reason=reason)
-    assert server.calls == [("load", "ada")]
+    name = internal_name("ada", a1["path"])
+    assert server.calls == [("load", name), ("alias", f"ada->{name}")]
+
+
+def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_left(lora_root, monkeypatch):
+    """A request rewritten to the old adapter just before the swap resolves it by name a few awaits
+    later: the unload waits for the middleware's in-flight count to drop (bounded by drain_s)."""
+    from tasks.lora_serve import serve_adapter
+    from tests.unit.scripted import ScriptedBackend
+
+    server = ScriptedBackend(None, None)
+    a1, a2 = (checkpoint_version(lora_root, "ada", s)["path"] for s in (1, 2))
+
+    async def go():
+        assert await serve_adapter(server, "ada", a1) == "loaded"
+        old = server.aliases_["ada"]
+        server.in_flight[old] = 1
+        swap = asyncio.create_task(serve_adapter(server, "ada", a2))
+        await asyncio.sleep(0.2)
+        assert not swap.done() and old in server.adapters and server.aliases_["ada"] != old
+        del server.in_flight[old]
+        assert await swap == "replaced" and old not in server.adapters
+        server.in_flight[server.aliases_["ada"]] = 1  # a request that never leaves: bounded wait
+        t0 = time.monotonic()
+        assert await serve_adapter(server, "ada", a1, drain_s=0.3) == "replaced"
+        assert 0.3 <= time.monotonic() - t0 < 5
+
+    asyncio.run(go())
+
+
+def test_a_server_without_the_alias_middleware_is_refused_with_how_to_start_one(lora_root):
+    from tasks.inference import InferenceHTTPError
+    from tasks.lora_serve import serve_adapter
+    from tasks.push_api import WeightPushError
+    from tests.unit.scripted import ScriptedBackend
+
+    class OldServer(ScriptedBackend):
+        async def aliases(self):
+            raise InferenceHTTPError(404, '{"detail":"Not Found"}', "http://s/grpoflow/aliases")
+
+    with pytest.raises(WeightPushError, match="no grpoflow alias middleware.*grpoflow serve --lora-rank"):
+        asyncio.run(
+            serve_adapter(OldServer(None, None), "ada", checkpoint_version(lora_root, "ada", 1)["path"])
+        )
 
 
 def test_promotions_view_and_canned_history(root):

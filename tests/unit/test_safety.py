@@ -36,6 +36,7 @@ def test_binding_elsewhere_needs_a_key_which_goes_by_environment_not_argv():
     middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
     assert middleware == [
         "grpoflow_lease.PauseLease",
+        "grpoflow_alias.ModelAlias",
         "grpoflow_auth.RequireApiKey",
     ]  # the key check outermost
     assert env["PYTHONPATH"].split(":")[0] == str(PLUGINS)
@@ -69,7 +70,7 @@ def test_key_middleware_guards_control_endpoints_too(monkeypatch):
 
     monkeypatch.setenv("VLLM_API_KEY", "s3cret")
     app = RequireApiKey(ok_app)
-    for path in ("/v1/completions", "/pause", "/resume", "/collective_rpc", "/sleep"):
+    for path in ("/v1/completions", "/pause", "/resume", "/collective_rpc", "/sleep", "/grpoflow/alias"):
         assert _call(app, path) == 401, path
         assert _call(app, path, "Bearer wrong") == 401, path
         assert _call(app, path, "Bearer s3cret") == 200, path
