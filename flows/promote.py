@@ -9,8 +9,9 @@ new weights), so no client, salted or not, reuses KV computed under the old weig
 A LoRA lineage (its run trained an adapter, `learner.lora`) is served by a long-lived server started
 on the base model with LoRA enabled, shared by several lineages: a version is then its checkpoint's
 `adapter/` dir (the base is the checkpoint's learner.json's `base_model`), and loading it into the
-server makes the lineage's own name serve it, replaced in place so the name never answers 404, with
-no prefix-cache reset (cached KV is keyed by adapter path) and no other lineage touched
+server makes the lineage's own name serve it: the name is an alias in the server, re-pointed at the
+adapter loaded under an internal name of its own, so it never answers 404, with no per-step re-reads,
+no prefix-cache reset (cached KV is keyed by adapter name and path) and no other lineage touched
 (tasks/lora_serve.py). Below its first promotion the name serves the base model as an identity adapter.
 
 Order of effects, so that a crash at any point leaves the log true of the server or errs safe: pin the

@@ -398,18 +398,16 @@ class VLLMClient:
             )
         return value
 
-    async def load_lora_adapter(self, name: str, path: str, *, inplace: bool = False) -> None:
+    async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the PEFT adapter in `path` under `name` (requests naming `name` are served by it).
-        `inplace`: replace the adapter a held `name` points at in one step (vLLM's `load_inplace`: the
-        name never stops answering; vLLM keeps the flag and re-reads the files whenever it runs it).
+        Never with vLLM's `load_inplace`: vLLM keeps that flag on the registered adapter and re-reads
+        its files at every engine step that runs it; a name is re-pointed with `set_alias` instead.
 
         vLLM answers a name it already holds with 400 and a failed load with 500 (the adapter's files,
         or a server that cannot take it): both are final, raised as InferenceHTTPError with vLLM's
         message; a route the server lacks (started without VLLM_ALLOW_RUNTIME_LORA_UPDATING) is a 404.
         Retried only on connection errors, timeouts and the other retryable statuses."""
         body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
-        if inplace:
-            body["load_inplace"] = True
         await self._request(
             "POST", "/v1/load_lora_adapter", json_body=body, retry_status=RETRY_STATUS - {500}
         )

@@ -79,14 +79,14 @@ class ScriptedBackend:
 
     # -- the LoRA adapter calls (tasks.inference.VLLMClient's) ---------------------------------------
 
-    async def load_lora_adapter(self, name: str, path: str, *, inplace: bool = False) -> None:
+    async def load_lora_adapter(self, name: str, path: str) -> None:
         where = "/v1/load_lora_adapter"
         if not self.route:
             self._refuse(404, '{"detail":"Not Found"}', where)
-        self.calls.append(("load_inplace" if inplace else "load", name))
+        self.calls.append(("load", name))
         if self.max_lora_rank is None:
             self._refuse(500, "LoRA is not enabled. Use --enable-lora to enable LoRA.", where)
-        if name in self.adapters and not inplace:
+        if name in self.adapters:
             self._refuse(400, f"The lora adapter '{name}' has already been loaded. If you want to load "
                          "the adapter in place, set 'load_inplace' to True.", where)  # fmt: skip
         rank = json.loads((Path(path) / "adapter_config.json").read_text())["r"]

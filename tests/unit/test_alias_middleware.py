@@ -171,3 +171,40 @@ def test_every_server_grpoflow_starts_carries_it_inside_the_key_check():
         middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
         assert middleware == ["grpoflow_lease.PauseLease", "grpoflow_alias.ModelAlias",
                               *(["grpoflow_auth.RequireApiKey"] if key else [])]  # fmt: skip
+
+
+def test_the_client_drives_the_middleware_over_http(alias):
+    """VLLMClient's set_alias / aliases / models against the middleware served by uvicorn (what vLLM
+    runs it under), the fake vLLM behind it."""
+    import threading
+
+    import uvicorn
+
+    from flows.serve import free_port
+    from tasks.inference import InferenceHTTPError, VLLMClient
+
+    inner = Inner()
+    port = free_port("127.0.0.1")
+    server = uvicorn.Server(
+        uvicorn.Config(alias.ModelAlias(inner), host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    async def go():
+        async with VLLMClient(f"http://127.0.0.1:{port}", retries=20, backoff_s=0.05) as c:
+            assert await c.aliases() == {}
+            assert await c.set_alias("ada", "ada@1") is None
+            assert await c.set_alias("ada", "ada@1") == "ada@1"
+            assert await c.aliases() == {"ada": "ada@1"} and await c.alias_in_flight() == {}
+            assert {m["id"]: m["root"] for m in await c.models()}["ada"] == "/ckpt/1/adapter"
+            with pytest.raises(InferenceHTTPError) as e:
+                await c.set_alias("bea", "ada")
+            assert e.value.status == 400 and "chain" in e.value.body
+            assert await c.set_alias("ada", None) == "ada@1" and await c.aliases() == {}
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
