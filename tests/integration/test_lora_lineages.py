@@ -65,7 +65,7 @@ class Hammer:
 
     def __init__(self, url: str, tok, names: list[str], expected: dict[str, list[list[int]]] | None = None):
         self.url, self.tok, self.names, self.errors = url, tok, names, []
-        self.expected, self.answers = expected or {}, dict.fromkeys(names, 0)
+        self.expected, self.answers, self.rounds = expected or {}, dict.fromkeys(names, 0), 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -80,6 +80,14 @@ class Hammer:
                     continue
                 if name in self.expected and out != self.expected[name]:
                     self.errors.append(f"{name}: answered {out}, not its adapter's {self.expected[name]}")
+            self.rounds += 1
+
+    def one_more_round(self) -> None:
+        """Wait for a whole round of requests sent after this call (each name asked again)."""
+        from tests.support import wait_for
+
+        start = self.rounds
+        wait_for(lambda: self.rounds >= start + 2 or not self.thread.is_alive(), 120, "a round of requests")
 
     def __enter__(self) -> Hammer:
         self.thread.start()
@@ -135,6 +143,7 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
         assert back["serving_path"] == a1["candidate_path"] == served(url)["lin-a"]
         assert greedy(url, tok, "lin-a") == a1_out
         assert adapters_of(url, "lin-a") == [internal_name("lin-a", a1["candidate_path"])]
+        hammer.one_more_round()
     assert hammer.errors == [] and min(hammer.answers.values()) > 0, (hammer.errors[:5], hammer.answers)
     assert greedy(url, tok, "lin-b") == b_out
     assert a2["candidate_path"] == checkpoint_version(tmp_path, "lin-a")["path"]
@@ -142,6 +151,7 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
     with Hammer(url, tok, ["lin-b", "lin-a"], {"lin-b": b_out}) as hammer:
         rollback(tmp_path, "lin-a", server_url=url)  # below the first promotion: the base, by name
         assert greedy(url, tok, "lin-a") == base_out
+        hammer.one_more_round()
     assert hammer.errors == [] and min(hammer.answers.values()) > 0, (hammer.errors[:5], hammer.answers)
     assert served(url)["lin-a"].endswith("run_id=lin-a/base-adapter")
     assert adapters_of(url, "lin-a") == [internal_name("lin-a", served(url)["lin-a"])]
