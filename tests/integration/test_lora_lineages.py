@@ -8,6 +8,7 @@ names, tasks/lora_serve.py)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -55,8 +56,9 @@ def load_as(url: str, name: str, path: str) -> None:
 
 def adapters_of(url: str, lineage: str) -> list[str]:
     """The internal names the server holds for `lineage`'s adapters (the alias's target, and no other
-    once a swap is over)."""
-    return sorted(k for k in served(url) if k.startswith(f"{lineage}@"))
+    once a swap is over); the lineage's training runs' own versions (`<run>@v<N>`, pushed to this same
+    server here) are not among them."""
+    return sorted(k for k in served(url) if k.startswith(f"{lineage}@") and not re.fullmatch(r".*@v\d+", k))
 
 
 class Hammer:
