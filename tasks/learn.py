@@ -159,7 +159,6 @@ class Learner:
             if self.config.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
                 self.model.enable_input_require_grads()
             self.model = attach(self.model, self.lora, adapter).to(self.device)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
         self.ref_model = None
         if self.algorithm.beta > 0 and self.lora is None:
@@ -168,6 +167,8 @@ class Learner:
         if self.world_size > 1:
             for m in filter(None, (self.model, self.ref_model)):
                 shard(m, self.device, self.world_size)
+        # After sharding: FSDP2 replaces the parameters (the optimizer must hold the sharded ones).
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
     def _make_optimizer(self, total_steps: int) -> None:
         """AdamW and transformers' LR schedule (linear warm-up from 0, then constant/linear/cosine)."""
