@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.config import ConfigError
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from storage.records import validate_run_id
 from storage.rollouts import RolloutStore, atomic_publish_dir
 from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
@@ -55,12 +55,7 @@ def export_checkpoint(root: str | Path, run_id: str, out: str | Path, step: int 
 def _checkpoint(root: Path, run_id: str, step: int | None) -> tuple[Path, int]:
     if RolloutStore(root).read_run_meta(run_id) is None:
         raise ConfigError(f"RUN: no run {run_id!r} under {root}")
-    store = CheckpointStore(root)
-    steps = store.list(run_id)
-    if not steps:
-        raise ConfigError(f"RUN: run {run_id!r} has no checkpoint yet")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(f"--step: run {run_id!r} has no checkpoint at step {step}; it has {steps}")
-    return store.dirs.path(run_id, step), step
+    try:
+        return CheckpointStore(root).at(run_id, step)
+    except CheckpointNotFoundError as e:
+        raise ConfigError(f"{'RUN' if step is None else '--step'}: {e}") from None

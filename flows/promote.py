@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from storage.rollouts import RolloutStore
 from tasks.config import InferenceConfig, SyncConfig
@@ -34,15 +34,10 @@ from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
     """The servable version of run `run_id` at checkpoint `step` (default: its latest)."""
-    store = CheckpointStore(root)
-    steps = store.list(run_id)
-    if not steps:
-        raise PromotionError(f"run {run_id!r} has no checkpoint under {root}")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise PromotionError(f"run {run_id!r} has no checkpoint at step {step} (it has {steps})")
-    ckpt = store.dirs.path(run_id, step)
+    try:
+        ckpt, step = CheckpointStore(root).at(run_id, step)
+    except CheckpointNotFoundError as e:
+        raise PromotionError(str(e)) from None
     held = ckpt / ADAPTER_DIR if (ckpt / ADAPTER_DIR).is_dir() else ckpt / MODEL_DIR
     return version(run_id, step, str(held.resolve()))
 

@@ -143,6 +143,10 @@ class VersionedDirs:
                     shutil.rmtree(p, ignore_errors=True)
 
 
+class CheckpointNotFoundError(LookupError):
+    """A run has no checkpoint (at the step asked for)."""
+
+
 class CheckpointStore:
     """Training checkpoints: `<root>/checkpoints/<run>/step-<NNNNNN>/` with a `state.json`."""
 
@@ -164,6 +168,18 @@ class CheckpointStore:
 
     def list(self, run_id: str) -> list[int]:
         return self.dirs.list(run_id)
+
+    def at(self, run_id: str, step: int | None = None) -> tuple[Path, int]:
+        """(dir, step) of run `run_id`'s checkpoint at `step` (default: its latest); a
+        CheckpointNotFoundError saying what the run has otherwise."""
+        steps = self.list(run_id)
+        if not steps:
+            raise CheckpointNotFoundError(f"run {run_id!r} has no checkpoint under {self.dirs.base.parent}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(f"run {run_id!r} has no checkpoint at step {step}; it has {steps}")
+        return self.dirs.path(run_id, step), step
 
     @staticmethod
     def load_state(path: Path) -> dict[str, Any]:
