@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 
+from grpoflow_http import reply_json, route
+
 _aliases: dict[str, str] = {}  # alias -> the loaded adapter's (or model's) name it stands for
 _in_flight: dict[str, int] = {}  # target -> requests rewritten to it whose answer has not ended
 
@@ -35,9 +37,9 @@ class ModelAlias:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, method = scope["path"].removeprefix(scope.get("root_path", "")), scope.get("method")
+        path, method = route(scope)
         if path == "/grpoflow/aliases" and method == "GET":
-            return await _reply(send, 200, {"aliases": dict(_aliases), "in_flight": dict(_in_flight)})
+            return await reply_json(send, {"aliases": dict(_aliases), "in_flight": dict(_in_flight)})
         if path == "/grpoflow/alias" and method == "POST":
             return await _set_alias(await _read_body(receive), send)
         if not _aliases:  # nothing to rewrite: no buffering at all
@@ -81,16 +83,18 @@ async def _set_alias(body: bytes, send) -> None:
         req = json.loads(body)
         name, target = req["name"], req["target"]
     except (ValueError, TypeError, KeyError):
-        return await _reply(send, 400, {"error": 'body must be a JSON object {"name": ..., "target": ...}'})
+        return await reply_json(
+            send, {"error": 'body must be a JSON object {"name": ..., "target": ...}'}, 400
+        )
     if not isinstance(name, str) or not name or not (target is None or (isinstance(target, str) and target)):
-        return await _reply(send, 400, {"error": "name must be a non-empty string, target one or null"})
+        return await reply_json(send, {"error": "name must be a non-empty string, target one or null"}, 400)
     if target is not None and (target == name or target in _aliases or name in _aliases.values()):
         # One hop only: a request's model is rewritten once, so a chain would reach vLLM as an alias.
-        return await _reply(send, 400, {"error": f"alias {name!r} -> {target!r} would make a chain"})
+        return await reply_json(send, {"error": f"alias {name!r} -> {target!r} would make a chain"}, 400)
     previous = _aliases.pop(name, None) if target is None else _aliases.get(name)
     if target is not None:
         _aliases[name] = target
-    await _reply(send, 200, {"name": name, "target": target, "previous": previous})
+    await reply_json(send, {"name": name, "target": target, "previous": previous})
 
 
 class _ModelsWithAliases:
@@ -163,10 +167,3 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replay
-
-
-async def _reply(send, status: int, obj: dict) -> None:
-    body = json.dumps(obj).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

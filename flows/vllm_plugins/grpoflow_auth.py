@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
+
+from grpoflow_http import reply_json, route
 
 OPEN_PATHS = ("/health", "/ping")
 
@@ -33,20 +34,9 @@ class RequireApiKey:
     async def __call__(self, scope, receive, send):
         if self.digest is None or scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path in OPEN_PATHS or scope.get("method") == "OPTIONS" or self._authorized(scope):
+        path, method = route(scope)
+        if path in OPEN_PATHS or method == "OPTIONS" or self._authorized(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = json.dumps({"error": "Unauthorized"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await reply_json(send, {"error": "Unauthorized"}, 401)

@@ -10,9 +10,10 @@ lease: a reload in progress) or abandoned. Standard library only: it runs in the
 
 from __future__ import annotations
 
-import json
 import time
 from urllib.parse import parse_qs
+
+from grpoflow_http import reply_json, route
 
 DEFAULT_LEASE_S = 900.0  # a pause without a lease (another client) counts as owned this long
 
@@ -26,9 +27,9 @@ class PauseLease:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, method = scope["path"].removeprefix(scope.get("root_path", "")), scope.get("method")
+        path, method = route(scope)
         if path == "/grpoflow/pause_lease" and method == "GET":
-            return await _reply(send, _state())
+            return await reply_json(send, _state())
         if path == "/pause" and method == "POST":
             q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             try:
@@ -48,10 +49,3 @@ def _state() -> dict:
         return {"owner": None, "expires_in_s": None, "paused_at": None}
     left = _lease["deadline"] - time.monotonic()
     return {"owner": _lease["owner"], "expires_in_s": round(left, 3), "paused_at": _lease["paused_at"]}
-
-
-async def _reply(send, obj: dict) -> None:
-    body = json.dumps(obj).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
