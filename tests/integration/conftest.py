@@ -6,13 +6,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from tasks.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start."""
     from flows.serve import start_server

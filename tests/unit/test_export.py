@@ -14,7 +14,6 @@ from storage.rollouts import RolloutStore
 from tasks.config import LoraConfig
 from tasks.learn import TrainSample
 from tasks.logprobs import token_logprobs
-from tasks.tiny_model import build_tiny_model
 from tests.support import make_learner
 
 pytestmark = pytest.mark.unit
@@ -24,11 +23,6 @@ SAMPLES = [
     TrainSample([5, 6, 7, 80, 81], 3, [1, 1], [-5.5, -5.5], -1.0),
 ]
 PROBE = torch.tensor([[5, 6, 7, 70, 71, 72, 9, 9]])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
 def logprobs(model) -> torch.Tensor:
@@ -45,9 +39,9 @@ def same_tokenizer(a, b) -> bool:
     )
 
 
-def trained_run(root, run_id, model_dir, steps=(0, 1), **fields):
+def trained_run(root, run_id, tiny_model_dir, steps=(0, 1), **fields):
     """A run in the store whose checkpoints hold a learner after 1, 2, ... steps; the learner."""
-    learner = make_learner(model_dir, total_steps=5, lr=1e-2, tokenizer_path=model_dir, **fields)
+    learner = make_learner(tiny_model_dir, total_steps=5, lr=1e-2, tokenizer_path=tiny_model_dir, **fields)
     RolloutStore(root).write_run_meta(run_id, {"run_id": run_id, "status": "completed"})
     for step in steps:
         learner.train_step(SAMPLES)
@@ -55,20 +49,22 @@ def trained_run(root, run_id, model_dir, steps=(0, 1), **fields):
     return learner
 
 
-def test_a_lora_run_exports_its_adapter_and_a_merged_model_transformers_loads(model_dir, tmp_path, capsys):
-    learner = trained_run(tmp_path / "store", "lora-run", model_dir, lora=LoraConfig(rank=8))
+def test_a_lora_run_exports_its_adapter_and_a_merged_model_transformers_loads(
+    tiny_model_dir, tmp_path, capsys
+):
+    learner = trained_run(tmp_path / "store", "lora-run", tiny_model_dir, lora=LoraConfig(rank=8))
     want = logprobs(learner.model)
     root = ["--root", str(tmp_path / "store")]
 
     assert main(["export", "lora-run", "--out", str(tmp_path / "adapter"), *root]) == 0
     assert "step 1: LoRA adapter (PEFT)" in capsys.readouterr().out
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert torch.allclose(logprobs(PeftModel.from_pretrained(base, tmp_path / "adapter")), want, atol=1e-6)
 
     assert main(["export", "lora-run", "--merge", "--out", str(tmp_path / "merged"), *root]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers, no peft
     assert torch.allclose(logprobs(merged), want, atol=1e-5)
-    assert same_tokenizer(tmp_path / "merged", model_dir)
+    assert same_tokenizer(tmp_path / "merged", tiny_model_dir)
 
     # --step picks an earlier checkpoint: one update, not two.
     assert main(["export", "lora-run", "--step", "0", "--merge", "--out", str(tmp_path / "s0"), *root]) == 0
@@ -76,19 +72,19 @@ def test_a_lora_run_exports_its_adapter_and_a_merged_model_transformers_loads(mo
     assert not torch.allclose(logprobs(first), want, atol=1e-5)
 
 
-def test_a_full_fine_tuning_run_exports_its_checkpoint_model(model_dir, tmp_path):
-    learner = trained_run(tmp_path / "store", "full-run", model_dir, steps=(0,))
+def test_a_full_fine_tuning_run_exports_its_checkpoint_model(tiny_model_dir, tmp_path):
+    learner = trained_run(tmp_path / "store", "full-run", tiny_model_dir, steps=(0,))
     out = tmp_path / "out"
     assert main(["export", "full-run", "--out", str(out), "--root", str(tmp_path / "store")]) == 0
     assert torch.allclose(
         logprobs(AutoModelForCausalLM.from_pretrained(out)), logprobs(learner.model), atol=1e-6
     )
-    assert same_tokenizer(out, model_dir)
+    assert same_tokenizer(out, tiny_model_dir)
 
 
-def test_bad_export_requests_are_one_error_line(model_dir, tmp_path, capsys):
+def test_bad_export_requests_are_one_error_line(tiny_model_dir, tmp_path, capsys):
     root = tmp_path / "store"
-    trained_run(root, "r", model_dir, steps=(0,), lora=LoraConfig(rank=8))
+    trained_run(root, "r", tiny_model_dir, steps=(0,), lora=LoraConfig(rank=8))
     capsys.readouterr()  # the learner's own progress lines
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")

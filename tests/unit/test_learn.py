@@ -7,24 +7,10 @@ import torch
 
 from tasks.learn import Learner, TrainSample
 from tasks.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
-from tasks.tiny_model import build_tiny_model
 from tests.support import make_learner
+from tests.support import train_samples as samples
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
-
-
-def samples() -> list[TrainSample]:
-    # same prompt, two completions: the first is rewarded, the second punished; one tool token masked
-    return [
-        TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),
-        TrainSample([5, 6, 7, 80, 81], 3, [1, 1], [-5.5, -5.5], -1.0),
-        TrainSample([9, 9, 90, 91, 92, 93], 2, [1, 1, 1, 1], [-5.5] * 4, 0.5),
-    ]
 
 
 def seq_logprob(learner: Learner, s: TrainSample) -> float:
@@ -35,8 +21,8 @@ def seq_logprob(learner: Learner, s: TrainSample) -> float:
     return float(sum(v for v, m in zip(picked.tolist(), s.completion_mask, strict=True) if m))
 
 
-def test_update_moves_logprobs_in_the_advantage_direction(model_dir):
-    learner = make_learner(model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0)
+def test_update_moves_logprobs_in_the_advantage_direction(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0)
     before = [seq_logprob(learner, s) for s in samples()]
     m = learner.train_step(samples())
     after = [seq_logprob(learner, s) for s in samples()]
@@ -44,12 +30,12 @@ def test_update_moves_logprobs_in_the_advantage_direction(model_dir):
     assert m["train/tokens"] == 8 and m["train/grad_norm"] > 0 and m["train/samples"] == 3
 
 
-def test_micro_batching_gives_the_same_update(model_dir):
+def test_micro_batching_gives_the_same_update(tiny_model_dir):
     # Compare the accumulated gradients (Adam's first step would amplify float noise in tiny grads).
     grads, losses = [], []
     for mbs in (1, 3):
         learner = make_learner(
-            model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0
+            tiny_model_dir, lr=1e-3, total_steps=10, loss_type="grpo", micro_batch_size=mbs, seed=0
         )
         learner.optimizer.step = lambda: None
         losses.append(learner.train_step(samples())["train/loss"])
@@ -58,8 +44,8 @@ def test_micro_batching_gives_the_same_update(model_dir):
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
-def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
-    a = make_learner(model_dir, lr=1e-3, total_steps=10, lr_schedule="cosine", warmup_steps=2, seed=0)
+def test_checkpoint_resume_continues_identically(tiny_model_dir, tmp_path):
+    a = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, lr_schedule="cosine", warmup_steps=2, seed=0)
     a.train_step(samples())
     a.save(tmp_path)
     b = make_learner(
@@ -69,7 +55,7 @@ def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
         lr_schedule="cosine",
         warmup_steps=2,
         seed=0,
-        tokenizer_path=model_dir,
+        tokenizer_path=tiny_model_dir,
     )
     b.load_trainer_state(tmp_path)
     ma, mb = a.train_step(samples()), b.train_step(samples())
@@ -78,27 +64,27 @@ def test_checkpoint_resume_continues_identically(model_dir, tmp_path):
         assert torch.allclose(pa_, pb, atol=1e-6)
 
 
-def test_a_resume_with_another_learning_rate_uses_it_from_the_schedules_place(model_dir, tmp_path):
-    a = make_learner(model_dir, lr=1e-3, total_steps=4, lr_schedule="linear", seed=0)
+def test_a_resume_with_another_learning_rate_uses_it_from_the_schedules_place(tiny_model_dir, tmp_path):
+    a = make_learner(tiny_model_dir, lr=1e-3, total_steps=4, lr_schedule="linear", seed=0)
     a.train_step(samples())
     a.save(tmp_path)
     b = make_learner(tmp_path / "model", lr=4e-3, total_steps=4, lr_schedule="linear", seed=0,
-                     tokenizer_path=model_dir)  # fmt: skip
+                     tokenizer_path=tiny_model_dir)  # fmt: skip
     b.load_trainer_state(tmp_path)
     assert b.train_step(samples())["train/lr"] == pytest.approx(4e-3 * 3 / 4)  # update 1 of 4, linear
 
 
-def test_lr_schedule_is_transformers_warm_up_from_zero_then_decay(model_dir):
+def test_lr_schedule_is_transformers_warm_up_from_zero_then_decay(tiny_model_dir):
     # transformers.get_scheduler: warm-up lr(k) = peak * k / warmup for update k = 0, 1, ..., so the
     # first update runs at lr 0 (grpoflow's own schedule used (k + 1) / warmup before).
-    learner = make_learner(model_dir, lr=1e-3, total_steps=6, warmup_steps=2, lr_schedule="linear")
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=6, warmup_steps=2, lr_schedule="linear")
     learner.optimizer.step = lambda: None  # the schedule alone
     used = [learner.train_step(samples())["train/lr"] for _ in range(6)]
     assert used == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
 
 
-def test_empty_batch_is_a_skipped_step(model_dir):
-    learner = make_learner(model_dir, lr=1e-3, total_steps=1)
+def test_empty_batch_is_a_skipped_step(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=1)
     assert learner.train_step([])["train/skipped"] == 1.0
 
 
@@ -106,7 +92,7 @@ def grads_of(learner: Learner) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in learner.model.parameters()])
 
 
-def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(model_dir):
+def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(tiny_model_dir):
     # A group with no reward signal (advantage 0) among trained ones: same gradient, loss and
     # normaliser with or without its forward/backward pass.
     batch = samples() + [
@@ -116,7 +102,7 @@ def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(
     runs = {}
     for skip in (False, True):
         learner = make_learner(
-            model_dir, lr=1e-3, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
+            tiny_model_dir, lr=1e-3, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
         )
         learner.optimizer.step = lambda: None
         runs[skip] = (learner.train_step(batch), grads_of(learner))
@@ -127,7 +113,7 @@ def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(
     assert torch.allclose(g_skip, g_all, rtol=1e-4, atol=1e-8)
 
 
-def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
+def test_all_zero_advantages_still_step_adam_like_the_full_pass(tiny_model_dir):
     zero = [
         TrainSample(s.input_ids, s.prompt_len, s.completion_mask, s.behaviour_logprobs, 0.0)
         for s in samples()
@@ -135,7 +121,7 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
     params = []
     for skip in (False, True):
         learner = make_learner(
-            model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
+            tiny_model_dir, lr=1e-2, total_steps=10, loss_type="dapo", seed=0, skip_zero_advantage=skip
         )
         learner.train_step(samples())
         m = learner.train_step(zero)  # zero gradient, but Adam's moments still move the weights
@@ -144,8 +130,8 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(model_dir):
     assert torch.allclose(params[0], params[1], atol=1e-6)
 
 
-def test_logits_only_where_completions_are_predicted(model_dir):
-    learner = make_learner(model_dir, lr=1e-3, total_steps=1)
+def test_logits_only_where_completions_are_predicted(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=1)
     ids = torch.tensor([[5, 6, 7, 70, 71, 72, 3], [9, 9, 9, 9, 90, 91, 92]])
     attn = torch.ones_like(ids)
     with torch.no_grad():
@@ -169,13 +155,13 @@ def assert_shared_logprobs_match_full_forwards(learner: Learner, batch: list[Tra
             assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
 
 
-def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
+def test_shared_prompt_forward_gives_the_same_logprobs_and_update(tiny_model_dir):
     # Two completions share the prompt [5, 6, 7]: with sharing it runs once and its KV cache is
     # repeated; logprobs, loss and gradients match the full-sequence forward.
     runs = {}
     for share in (False, True):
         learner = make_learner(
-            model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share
+            tiny_model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0, share_prompt=share
         )
         assert learner.share_prompt is share
         learner.optimizer.step = lambda: None
@@ -186,7 +172,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(model_dir):
     assert torch.allclose(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-7)
 
 
-def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
+def test_prompts_of_different_lengths_share_a_micro_batch_exactly(tiny_model_dir):
     # Three prompts of lengths 3, 2 and 5 in one micro-batch: they run left-padded as one batch with
     # position ids from each prompt's first token; logprobs, loss and gradients match one plain
     # forward per sequence (micro_batch_size 1, no sharing).
@@ -196,7 +182,7 @@ def test_prompts_of_different_lengths_share_a_micro_batch_exactly(model_dir):
     ]
     runs = {}
     for share, mbs in ((False, 1), (True, 8)):
-        learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0,
+        learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, loss_type="grpo", seed=0,
                                share_prompt=share, micro_batch_size=mbs)  # fmt: skip
         learner.optimizer.step = lambda: None
         runs[share] = (learner.train_step(batch), grads_of(learner))
@@ -228,8 +214,10 @@ def count_forwards(learner: Learner) -> list[int]:
         (1, 3, 3 + 2, 3),  # parts 2 and 3 need pi_old before the first update: one extra forward each
     ],
 )
-def test_forwards_and_optimizer_steps_per_batch(model_dir, iterations, minis, forwards, steps):
-    learner = make_learner(model_dir, lr=1e-3, total_steps=10, num_iterations=iterations, mini_batches=minis)
+def test_forwards_and_optimizer_steps_per_batch(tiny_model_dir, iterations, minis, forwards, steps):
+    learner = make_learner(
+        tiny_model_dir, lr=1e-3, total_steps=10, num_iterations=iterations, mini_batches=minis
+    )
     calls = count_forwards(learner)
     m = learner.train_step(samples())  # 3 samples in one micro-batch, or one per part
     assert calls[0] == forwards and m["train/optimizer_steps"] == steps
@@ -237,10 +225,10 @@ def test_forwards_and_optimizer_steps_per_batch(model_dir, iterations, minis, fo
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_pi_old_is_the_policy_before_the_first_update(model_dir, share):
+def test_pi_old_is_the_policy_before_the_first_update(tiny_model_dir, share):
     # With the optimizer switched off the policy never moves: every ratio of every update must be
     # exactly 1, so pi_old taken by the no-grad pass equals what the update's own forward computes.
-    learner = make_learner(model_dir, lr=1e-3, total_steps=10, num_iterations=2, mini_batches=2,
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, num_iterations=2, mini_batches=2,
                            share_prompt=share, micro_batch_size=1)  # fmt: skip
     learner.optimizer.step = lambda: None
     m = learner.train_step(samples())
@@ -249,10 +237,10 @@ def test_pi_old_is_the_policy_before_the_first_update(model_dir, share):
     assert m["train/iter1/ratio_min"] == m["train/iter1/ratio_max"] == 1.0
 
 
-def test_the_second_pass_clips_against_the_first_pass_policy(model_dir):
+def test_the_second_pass_clips_against_the_first_pass_policy(tiny_model_dir):
     # A large step moves the policy: the first pass sees ratio exactly 1 and clips nothing; the
     # second sees the moved policy against pi_old, so its ratios spread and the clip acts.
-    learner = make_learner(model_dir, lr=5e-2, total_steps=10, num_iterations=2, loss_type="dapo")
+    learner = make_learner(tiny_model_dir, lr=5e-2, total_steps=10, num_iterations=2, loss_type="dapo")
     m = learner.train_step(samples())
     assert m["train/iter0/ratio_min"] == m["train/iter0/ratio_max"] == 1.0
     assert m["train/iter0/clip_frac_low"] == m["train/iter0/clip_frac_high"] == 0.0
@@ -262,11 +250,11 @@ def test_the_second_pass_clips_against_the_first_pass_policy(model_dir):
     assert m["train/clip_frac_high"] + m["train/clip_frac_low"] > 0  # the step's figure averages the passes
 
 
-def test_gspo_equals_grpo_at_one_update_and_differs_after(model_dir):
+def test_gspo_equals_grpo_at_one_update_and_differs_after(tiny_model_dir):
     after = {}
     for iterations in (1, 2):
         for loss_type in ("grpo", "gspo"):
-            learner = make_learner(model_dir, lr=5e-2, total_steps=10, num_iterations=iterations,
+            learner = make_learner(tiny_model_dir, lr=5e-2, total_steps=10, num_iterations=iterations,
                                    loss_type=loss_type)  # fmt: skip
             learner.train_step(samples())
             after[iterations, loss_type] = weights_of(learner)
@@ -274,24 +262,24 @@ def test_gspo_equals_grpo_at_one_update_and_differs_after(model_dir):
     assert not torch.allclose(after[2, "grpo"], after[2, "gspo"], atol=1e-4)
 
 
-def test_lr_schedule_counts_optimizer_steps(model_dir):
+def test_lr_schedule_counts_optimizer_steps(tiny_model_dir):
     # 10 training steps x 2 passes x 2 parts = 40 optimizer steps of a linear decay from 1e-3; one
     # training step takes 4 of them: the next step starts at 1e-3 x 36/40.
-    learner = make_learner(model_dir, lr=1e-3, total_steps=10, lr_schedule="linear", num_iterations=2,
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, lr_schedule="linear", num_iterations=2,
                            mini_batches=2)  # fmt: skip
     assert learner.train_step(samples())["train/lr"] == pytest.approx(1e-3)
     assert learner.train_step(samples())["train/lr"] == pytest.approx(1e-3 * 36 / 40)
 
 
-def test_mini_batches_normalise_each_part_over_itself(model_dir):
+def test_mini_batches_normalise_each_part_over_itself(tiny_model_dir):
     # dapo with 3 parts of one sample each, optimizer off: each part's loss is its own token mean, so
     # the step's loss (the mean over updates) is the mean of the per-sample token means.
-    learner = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="dapo", mini_batches=3)
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, loss_type="dapo", mini_batches=3)
     learner.optimizer.step = lambda: None
     m = learner.train_step(samples())
     singles = []
     for s in samples():
-        one = make_learner(model_dir, lr=1e-3, total_steps=10, loss_type="dapo")
+        one = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, loss_type="dapo")
         singles.append(one.train_step([s])["train/loss"])
     assert m["train/loss"] == pytest.approx(sum(singles) / 3, rel=1e-5)
 

@@ -10,25 +10,12 @@ from tasks.config import LoraConfig
 from tasks.learn import TrainSample
 from tasks.logprobs import token_logprobs
 from tasks.lora import LoraTargetError, check_targets, merge
-from tasks.tiny_model import build_tiny_model
 from tests.support import make_learner
+from tests.support import train_samples as samples
 
 pytestmark = pytest.mark.unit
 
 LORA = LoraConfig(rank=8, alpha=16)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
-
-
-def samples() -> list[TrainSample]:
-    return [
-        TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),
-        TrainSample([5, 6, 7, 80, 81], 3, [1, 1], [-5.5, -5.5], -1.0),
-        TrainSample([9, 9, 90, 91, 92, 93], 2, [1, 1, 1, 1], [-5.5] * 4, 0.5),
-    ]
 
 
 def logprobs(model, s: TrainSample) -> torch.Tensor:
@@ -42,13 +29,15 @@ def seq_logprob(model, s: TrainSample) -> float:
     return float(sum(v for v, m in zip(picked, s.completion_mask, strict=True) if m))
 
 
-def lora_learner(model_dir, **fields):
-    return make_learner(model_dir, total_steps=10, lr=fields.pop("lr", 1e-2), lora=LORA, seed=0, **fields)
+def lora_learner(tiny_model_dir, **fields):
+    return make_learner(
+        tiny_model_dir, total_steps=10, lr=fields.pop("lr", 1e-2), lora=LORA, seed=0, **fields
+    )
 
 
-def test_only_the_adapter_trains_and_the_base_stays_as_it_was(model_dir):
-    learner = lora_learner(model_dir, loss_type="dapo")
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def test_only_the_adapter_trains_and_the_base_stays_as_it_was(tiny_model_dir):
+    learner = lora_learner(tiny_model_dir, loss_type="dapo")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     # A new adapter is the identity: before any update the policy is the base model.
     for s in samples():
         assert torch.equal(logprobs(learner.model, s), logprobs(base, s))
@@ -65,12 +54,12 @@ def test_only_the_adapter_trains_and_the_base_stays_as_it_was(model_dir):
     assert sum(p.numel() for p in learner.trainable) < learner.num_parameters / 4
 
 
-def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(model_dir):
-    learner = lora_learner(model_dir, beta=0.1)
+def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(tiny_model_dir):
+    learner = lora_learner(tiny_model_dir, beta=0.1)
     assert learner.ref_model is None  # no second copy in memory
     learner.train_step(samples())
     learner.train_step(samples())
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     s = samples()[0]
     mb = [s]
     ref = learner._reference_logprobs(mb)
@@ -80,15 +69,15 @@ def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(model_dir)
     assert not torch.allclose(policy, ref, atol=1e-4)  # the adapter moved the policy away from it
 
 
-def test_a_checkpoint_holds_the_adapter_and_resumes_identically(model_dir, tmp_path):
-    a = lora_learner(model_dir, lr=1e-3, lr_schedule="cosine", warmup_steps=2)
+def test_a_checkpoint_holds_the_adapter_and_resumes_identically(tiny_model_dir, tmp_path):
+    a = lora_learner(tiny_model_dir, lr=1e-3, lr_schedule="cosine", warmup_steps=2)
     a.train_step(samples())
     a.save(tmp_path)
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "model").exists()  # no copy of the base model
     b = lora_learner(
-        model_dir, lr=1e-3, lr_schedule="cosine", warmup_steps=2, adapter_path=tmp_path / "adapter"
+        tiny_model_dir, lr=1e-3, lr_schedule="cosine", warmup_steps=2, adapter_path=tmp_path / "adapter"
     )
     b.load_trainer_state(tmp_path)
     ma, mb = a.train_step(samples()), b.train_step(samples())
@@ -97,8 +86,8 @@ def test_a_checkpoint_holds_the_adapter_and_resumes_identically(model_dir, tmp_p
         assert torch.allclose(pa, pb, atol=1e-7)
 
 
-def test_pushed_adapter_is_peft_format_and_merges_into_the_same_policy(model_dir, tmp_path):
-    learner = lora_learner(model_dir)
+def test_pushed_adapter_is_peft_format_and_merges_into_the_same_policy(tiny_model_dir, tmp_path):
+    learner = lora_learner(tiny_model_dir)
     learner.train_step(samples())
     learner.write_weights(tmp_path / "v1")
     assert sorted(p.name for p in (tmp_path / "v1").iterdir()) == [
@@ -106,15 +95,15 @@ def test_pushed_adapter_is_peft_format_and_merges_into_the_same_policy(model_dir
         "adapter_model.safetensors",
     ]
     merged = AutoModelForCausalLM.from_pretrained(
-        merge(model_dir, tmp_path / "v1", tmp_path / "merged"), dtype=torch.float32
+        merge(tiny_model_dir, tmp_path / "v1", tmp_path / "merged"), dtype=torch.float32
     )
     for s in samples():
         assert torch.allclose(logprobs(merged, s), logprobs(learner.model, s), atol=1e-5)
 
 
-def test_target_modules_must_name_linear_layers_of_the_model(model_dir):
-    check_targets(model_dir, LoraConfig())  # the default: attention and MLP projections
+def test_target_modules_must_name_linear_layers_of_the_model(tiny_model_dir):
+    check_targets(tiny_model_dir, LoraConfig())  # the default: attention and MLP projections
     with pytest.raises(LoraTargetError, match=r"learner\.lora\.target_modules: \['qkv'\].*q_proj"):
-        check_targets(model_dir, LoraConfig(target_modules=["q_proj", "qkv"]))
+        check_targets(tiny_model_dir, LoraConfig(target_modules=["q_proj", "qkv"]))
     with pytest.raises(LoraTargetError, match="embed_tokens"):  # an embedding, not a linear layer
-        check_targets(model_dir, LoraConfig(target_modules=["embed_tokens"]))
+        check_targets(tiny_model_dir, LoraConfig(target_modules=["embed_tokens"]))

@@ -17,15 +17,9 @@ from tasks.inference import InferenceUnavailableError
 from tasks.push import weight_push
 from tasks.replicas import Replica, ReplicaSet
 from tasks.steps import RolloutBatch, persist, push_weights
-from tasks.tiny_model import build_tiny_model
 from tests.support import make_learner, rich_group
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
 @pytest.fixture
@@ -50,8 +44,8 @@ def units_for(learner, root) -> StepUnits:
     return StepUnits(StepRunner(task_runs=False), learner, pusher, servers, root=str(root), run_id="run1")
 
 
-def test_the_rows_land_beside_the_update(model_dir, tmp_path):
-    learner = make_learner(model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
+def test_the_rows_land_beside_the_update(tiny_model_dir, tmp_path):
+    learner = make_learner(tiny_model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
     before = trained_weight(learner)
     units = units_for(learner, tmp_path)
     groups = [rich_group("train-00000000"), rich_group("train-00000001")]
@@ -65,9 +59,9 @@ def test_the_rows_land_beside_the_update(model_dir, tmp_path):
 
 
 def test_a_failed_push_runs_again_as_its_task_after_reviving_the_servers(
-    model_dir, tmp_path, prefect_api, no_retry_delay
+    tiny_model_dir, tmp_path, prefect_api, no_retry_delay
 ):
-    learner = make_learner(model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
+    learner = make_learner(tiny_model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
     units = units_for(learner, tmp_path)
     revived = []
     units.recover = revived.append
@@ -82,8 +76,8 @@ def test_a_failed_push_runs_again_as_its_task_after_reviving_the_servers(
     assert units.servers.version == 0 and trained_weight(learner) != before  # the update stays
 
 
-def test_a_failed_write_runs_again_as_its_task(model_dir, tmp_path, prefect_api, no_retry_delay):
-    learner = make_learner(model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
+def test_a_failed_write_runs_again_as_its_task(tiny_model_dir, tmp_path, prefect_api, no_retry_delay):
+    learner = make_learner(tiny_model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
     root = tmp_path / "store"
     root.write_text("a file where the store should be")
     units = units_for(learner, root)
@@ -95,8 +89,8 @@ def test_a_failed_write_runs_again_as_its_task(model_dir, tmp_path, prefect_api,
     assert len(RolloutStore(root).read_groups("run1", 3)) == 1
 
 
-def test_a_failed_update_leaves_the_rows_written(model_dir, tmp_path):
-    learner = make_learner(model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
+def test_a_failed_update_leaves_the_rows_written(tiny_model_dir, tmp_path):
+    learner = make_learner(tiny_model_dir, lr=1e-2, total_steps=4, loss_type="dapo")
 
     def broken(samples):
         raise RuntimeError("out of memory")
