@@ -32,7 +32,7 @@ from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id
 from tasks.config import LoraConfig
-from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
 from tasks.lora_push import adapter_rank
 from tasks.replicas import Replica, ReplicaSet
 from tasks.steps import persist, rollout_batch
@@ -57,8 +57,7 @@ def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tu
         latest = CheckpointStore(cfg.storage.root).latest(validate_run_id(run_id))
         if latest is None:
             raise ConfigError(f"run {run_id!r} has no checkpoint under {cfg.storage.root}")
-        held = latest / ADAPTER_DIR if (latest / ADAPTER_DIR).is_dir() else latest / MODEL_DIR
-        return str(held), int(CheckpointStore.load_state(latest)["step"])
+        return str(checkpoint_weights(latest)), int(CheckpointStore.load_state(latest)["step"])
     return str(prepare_model(cfg)), 0
 
 

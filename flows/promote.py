@@ -29,7 +29,7 @@ from storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from storage.rollouts import RolloutStore
 from tasks.config import InferenceConfig, SyncConfig
-from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from tasks.learner_api import checkpoint_weights
 
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
@@ -38,8 +38,7 @@ def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -
         ckpt, step = CheckpointStore(root).at(run_id, step)
     except CheckpointNotFoundError as e:
         raise PromotionError(str(e)) from None
-    held = ckpt / ADAPTER_DIR if (ckpt / ADAPTER_DIR).is_dir() else ckpt / MODEL_DIR
-    return version(run_id, step, str(held.resolve()))
+    return version(run_id, step, str(checkpoint_weights(ckpt).resolve()))
 
 
 def is_adapter(path: str | None) -> bool:

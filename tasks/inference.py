@@ -46,6 +46,11 @@ class InferenceUnavailableError(InferenceError):
     """Retries ran out on connection errors, timeouts or 5xx."""
 
 
+def already_loaded(e: InferenceHTTPError) -> bool:
+    """Whether vLLM refused an adapter load because it holds an adapter of that name already."""
+    return e.status == 400 and "already been loaded" in e.body
+
+
 class InferenceProtocolError(InferenceError):
     """The server answered 2xx with a body that is not what the API promises (empty, not JSON, or
     JSON without the expected fields): a proxy in the way, or an incompatible server version."""

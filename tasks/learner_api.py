@@ -21,6 +21,12 @@ MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 
 
+def checkpoint_weights(directory: Path) -> Path:
+    """What a learner's checkpoint dir holds for the servers: its `adapter/` (LoRA) or its `model/`."""
+    adapter = Path(directory) / ADAPTER_DIR
+    return adapter if adapter.is_dir() else Path(directory) / MODEL_DIR
+
+
 class PolicyLearner(Protocol):
     """The policy being trained, its optimizer and schedule, as the training loop drives them."""
 

@@ -35,6 +35,7 @@ from tasks.inference import (
     InferenceHTTPError,
     InferenceUnavailableError,
     VLLMClient,
+    already_loaded,
     client_for,
     renew_cache_salt,
 )
@@ -162,7 +163,7 @@ async def _load_adapter(client: VLLMClient, name: str, path: str) -> bool:
         await client.load_lora_adapter(name, path)
         return False
     except InferenceHTTPError as e:
-        if e.status != 400 or "already been loaded" not in e.body:
+        if not already_loaded(e):
             raise
     # Not load_inplace: vLLM keeps that flag on the registered adapter and re-reads its files every
     # time a batch activates it. Unloaded and loaded afresh, it gets a new id; requests running on the

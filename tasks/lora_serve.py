@@ -36,7 +36,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.inference import InferenceError, InferenceHTTPError, VLLMClient
+from tasks.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
 from tasks.push_api import WeightPushError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -72,7 +72,7 @@ async def serve_adapter(client: VLLMClient, name: str, path: str, *, drain_s: fl
         try:
             await client.load_lora_adapter(target, path)
         except InferenceHTTPError as e:  # loaded meanwhile by another process: the same path
-            if e.status != 400 or "already been loaded" not in e.body:
+            if not already_loaded(e):
                 raise
     elif held[target] != path:
         raise WeightPushError(f"{client.base_url} holds {target!r} from {held[target]}, not {path}")
