@@ -58,4 +58,6 @@ def _checkpoint(root: Path, run_id: str, step: int | None) -> tuple[Path, int]:
     try:
         return CheckpointStore(root).at(run_id, step)
     except CheckpointNotFoundError as e:
-        raise ConfigError(f"{'RUN' if step is None else '--step'}: {e}") from None
+        if e.step is None:
+            raise ConfigError(f"RUN: run {run_id!r} has no checkpoint yet") from None
+        raise ConfigError(f"--step: {e}; it has {e.steps}") from None

@@ -37,7 +37,8 @@ def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -
     try:
         ckpt, step = CheckpointStore(root).at(run_id, step)
     except CheckpointNotFoundError as e:
-        raise PromotionError(str(e)) from None
+        where = f" at step {e.step} (it has {e.steps})" if e.step is not None else f" under {root}"
+        raise PromotionError(f"run {run_id!r} has no checkpoint{where}") from None
     return version(run_id, step, str(checkpoint_weights(ckpt).resolve()))
 
 

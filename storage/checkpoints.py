@@ -144,7 +144,14 @@ class VersionedDirs:
 
 
 class CheckpointNotFoundError(LookupError):
-    """A run has no checkpoint (at the step asked for)."""
+    """A run has no checkpoint (`step` None), or none at `step`; `steps` are the ones it has. Callers
+    word it for their own users."""
+
+    def __init__(self, run_id: str, step: int | None, steps: list[int]):
+        super().__init__(
+            f"run {run_id!r} has no checkpoint" + (f" at step {step}" if step is not None else "")
+        )
+        self.run_id, self.step, self.steps = run_id, step, steps
 
 
 class CheckpointStore:
@@ -170,15 +177,15 @@ class CheckpointStore:
         return self.dirs.list(run_id)
 
     def at(self, run_id: str, step: int | None = None) -> tuple[Path, int]:
-        """(dir, step) of run `run_id`'s checkpoint at `step` (default: its latest); a
-        CheckpointNotFoundError saying what the run has otherwise."""
+        """(dir, step) of run `run_id`'s checkpoint at `step` (default: its latest); else a
+        CheckpointNotFoundError with the steps the run has."""
         steps = self.list(run_id)
         if not steps:
-            raise CheckpointNotFoundError(f"run {run_id!r} has no checkpoint under {self.dirs.base.parent}")
+            raise CheckpointNotFoundError(run_id, None, steps)
         if step is None:
             step = steps[-1]
         elif step not in steps:
-            raise CheckpointNotFoundError(f"run {run_id!r} has no checkpoint at step {step}; it has {steps}")
+            raise CheckpointNotFoundError(run_id, step, steps)
         return self.dirs.path(run_id, step), step
 
     @staticmethod
