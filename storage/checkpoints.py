@@ -79,7 +79,7 @@ class VersionedDirs:
         final.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_temp(run_id)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-        old = self.recyclable(run_id, recycle) if recycle else None
+        old = self.recyclable(run_id, recycle, n) if recycle else None
         if old is not None:
             # Its files become the new version's: a writer that overwrites them in place reuses the
             # pages the filesystem already holds. Renamed first, so a kill leaves a temp dir.
@@ -112,10 +112,11 @@ class VersionedDirs:
             self.prune(run_id, keep_last)
         return final
 
-    def recyclable(self, run_id: str, keep_last: int) -> Path | None:
-        """The oldest unpinned version that keeping `keep_last` after one more save would remove; never
-        the newest (a server may be serving it, and a failed load rolls back to it)."""
-        done = self.list(run_id)
+    def recyclable(self, run_id: str, keep_last: int, n: int | None = None) -> Path | None:
+        """The oldest unpinned version that keeping `keep_last` after saving version `n` would remove;
+        never the newest other than `n` (a server may be serving it, and a failed load rolls back to
+        it). Saving `n` again (a push retried after its load failed) adds no version."""
+        done = [v for v in self.list(run_id) if v != n]
         for v in done[: max(0, len(done) - max(keep_last - 1, 1))]:
             if not pinned(self.path(run_id, v)):
                 return self.path(run_id, v)

@@ -146,3 +146,15 @@ def test_a_recycled_version_hands_its_files_to_the_next_and_never_the_served_one
     (w.path("r", 3) / f"{PIN_FILE}-x").touch()  # pinned by a promotion: kept
     w.save("r", 4, writer, {"version": 4}, recycle=1)
     assert w.list("r") == [3, 4] and seen[-1] == []
+
+
+def test_saving_a_version_again_never_recycles_the_served_one(tmp_path):
+    """A push whose load failed is retried with the same version: v3, which the servers still serve
+    (and a restarted server reloads), must survive v4 being written a second time."""
+    w = weights_store(tmp_path)
+    for v in (2, 3, 4):  # v3 served; v4 written, its load failed
+        w.save("r", v, lambda d: (d / "model.safetensors").write_bytes(b"x"), {"version": v}, recycle=2)
+    assert w.list("r") == [3, 4]
+    w.save("r", 4, lambda d: (d / "model.safetensors").write_bytes(b"y"), {"version": 4}, recycle=2)
+    assert w.list("r") == [3, 4] and (w.path("r", 3) / "model.safetensors").read_bytes() == b"x"
+    assert w.recyclable("r", 2, 4) is None and w.recyclable("r", 2, 5) == w.path("r", 3)
