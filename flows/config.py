@@ -144,10 +144,10 @@ class GRPOConfig(Section):
         if backend == "checkpoint" and lora:
             raise ValueError(
                 "sync.backend 'checkpoint' pushes the whole model, but learner.lora trains an adapter: "
-                "set sync.backend 'lora' or leave it unset"
+                "set sync.backend 'lora' (or 'lora_merged') or leave it unset"
             )
-        if backend == "lora" and not lora:
-            raise ValueError("sync.backend 'lora' pushes an adapter, but learner.lora is not set")
+        if backend in ("lora", "lora_merged") and not lora:
+            raise ValueError(f"sync.backend {backend!r} pushes an adapter, but learner.lora is not set")
         if backend is None:
             self.sync.backend = "lora" if lora else "checkpoint"
         return self

@@ -225,6 +225,8 @@ def server_command(
         # One batch mixes the current version's adapter with stale versions still generating.
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
     cmd += list(extra_args)
+    # A LoRA adapter merged into the served weights in place (`sync.backend: lora_merged`).
+    cmd += ["--worker-extension-cls", "grpoflow_merge.LoraMerge"]
     # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
     cmd += ["--middleware", "grpoflow_lease.PauseLease"]
     # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step

@@ -33,7 +33,7 @@ from flows.serve import inference_servers, replica_names
 from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
-from tasks.config import InferenceConfig
+from tasks.config import InferenceConfig, LoraConfig
 from tasks.push import weight_push
 from tasks.steps import assign_advantages
 
@@ -92,6 +92,13 @@ def grpo_train(
     return summary
 
 
+def served_lora(cfg: GRPOConfig) -> LoraConfig | None:
+    """The adapters the run's embedded servers must load as adapters: `learner.lora` with sync.backend
+    'lora'; none with 'lora_merged', whose servers merge the adapter into their weights (vLLM's LoRA
+    path left off, and with it the per-request adapter matmuls)."""
+    return cfg.learner.lora if cfg.sync.backend == "lora" else None
+
+
 def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     """The loop of docs/architecture.md, section 2."""
     root, steps, run_id = cfg.storage.root, cfg.run.steps, run.run_id
@@ -101,7 +108,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     with (
         contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
         inference_servers(
-            cfg.inference, run.model_path, root, f"vllm-{run_id}", lora=cfg.learner.lora
+            cfg.inference, run.model_path, root, f"vllm-{run_id}", lora=served_lora(cfg)
         ) as started,
         contextlib.closing(replica_set(started, run, pusher)) as servers,
         contextlib.closing(build_learner(cfg, run)) as learner,

@@ -410,13 +410,16 @@ class InferenceConfig(Section):
 
 
 class SyncConfig(Section):
-    backend: Literal["checkpoint", "lora"] | None = Field(
+    backend: Literal["checkpoint", "lora", "lora_merged"] | None = Field(
         None,
         description="Weight push backend (tasks/push.py: WeightPush): 'checkpoint' writes safetensors to "
         "the store, then vLLM reloads them (reload_weights); 'lora' writes the adapter (PEFT format) and "
-        "vLLM loads it as an adapter named for the version, which requests then name. None: 'lora' when "
-        "learner.lora is set, else 'checkpoint'. Runs, server revival, evaluation, promotion and rollback "
-        "all load weights through it.",
+        "vLLM loads it as an adapter named for the version, which requests then name; 'lora_merged' "
+        "writes the adapter and each server merges it into its base weights in place (paused, as for "
+        "'checkpoint'): generation at the base model's speed, but a server then serves this run's "
+        "policy alone (its own servers, or an external one nothing else generates on). None: 'lora' "
+        "when learner.lora is set, else 'checkpoint'. Runs, server revival, evaluation, promotion and "
+        "rollback all load weights through it.",
     )
     sync_every: int = Field(
         1,

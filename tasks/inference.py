@@ -461,7 +461,18 @@ class VLLMClient:
 
         On its own connection: vLLM answers a failed reload with a 500 and drops the connection, which
         a pooled connection would only reveal on the next call (a reset, not retried for a reload)."""
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        return await self.collective_rpc("reload_weights", {"weights_path": str(path)}, timeout_s)
+
+    async def merge_lora(self, adapter_path: str, *, timeout_s: float | None = None) -> Any:
+        """Serve the base model with the PEFT adapter at `adapter_path` merged into its weights (the
+        server's `grpoflow_merge` worker extension; paused around it, as for `reload_weights`)."""
+        return await self.collective_rpc(
+            "grpoflow_merge_lora", {"adapter_path": str(adapter_path)}, timeout_s
+        )
+
+    async def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
+        """Call `method` on every worker (`reload_weights`' doc: timeout, no retry, own connection)."""
+        body = {"method": method, "kwargs": kwargs}
         timeout = (
             aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
             if timeout_s is not None

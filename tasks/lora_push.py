@@ -104,7 +104,7 @@ class LoraPush:
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
     ) -> None:
-        name, rank = self.model_name(version), _adapter_rank(path, version)
+        name, rank = self.model_name(version), require_adapter(path, version)
         async with self.client(url) as client:
             failpoint("weight_push")
             try:
@@ -190,9 +190,9 @@ def adapter_rank(path: str | Path) -> int | None:
         raise ValueError(f"{config_file} names no LoRA rank ({type(e).__name__}: {e})") from e
 
 
-def _adapter_rank(path: str, version: int) -> int:
+def require_adapter(path: str, version: int, backend: str = "lora") -> int:
     """`adapter_rank`, or the push's error when `path` holds no readable adapter."""
-    failed = f"weight push v{version} from {path} failed: the lora backend loads PEFT adapters"
+    failed = f"weight push v{version} from {path} failed: the {backend} backend loads PEFT adapters"
     try:
         rank = adapter_rank(path)
     except (OSError, ValueError) as e:

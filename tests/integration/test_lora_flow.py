@@ -1,6 +1,6 @@
 """LoRA runs end to end on the real vLLM CPU server: grpo-train pushing adapters through random SIGKILLs
-and resumes, and SmolLM2-135M-Instruct (its own tokenizer and chat template) serving a trained adapter
-exactly as the merged model generates."""
+and resumes, and SmolLM2-135M-Instruct (its own tokenizer and chat template) serving a trained adapter,
+as an adapter and merged into its weights, exactly as the merged model generates."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
     from tasks.inference import VLLMClient
     from tasks.learn import TrainSample
     from tasks.lora import merge
-    from tasks.push import LoraPush, push_version
+    from tasks.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
     from tasks.replicas import Replica, ReplicaSet
     from tests.support import make_learner
 
@@ -131,6 +131,20 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
         expected.append(seq[0, len(ids) :].tolist())
     assert adapter_tokens == expected
     assert adapter_tokens != base_tokens  # the adapter, not the base model, answered
+
+    # The same adapter merged into the served weights (sync.backend 'lora_merged'): the server's own
+    # model name now answers as the merged model does. Then the base weights go back. (These requests
+    # salt nothing, so the pushes drop the prefix cache, as promotion's do: the base model's KV for
+    # these very prompts is cached.)
+    merging = MergedLoraPush(tmp_path, "smol-merged", SyncConfig(backend="lora_merged"), InferenceConfig(),
+                             reset_prefix_cache=True)  # fmt: skip
+    try:
+        load_version(merging, smollm2_lora_server.url, adapter, 1)
+        assert asyncio.run(served("policy")) == expected
+    finally:
+        base = CheckpointPush(tmp_path, "base", SyncConfig(), InferenceConfig(), reset_prefix_cache=True)
+        load_version(base, smollm2_lora_server.url, model_dir, 0)
+    assert asyncio.run(served("policy")) == base_tokens
 
 
 def test_a_lora_run_against_a_server_without_lora_fails_before_its_first_step(

@@ -64,6 +64,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "resume id escaping the root": (["--resume", "../../etc"], "--resume: invalid run id"),
         "resume of an unknown run": (["--resume", "ghost"], "--resume: no run 'ghost'"),
         "lora rank 0": (["--set", "learner.lora={rank: 0}"], "learner.lora.rank"),
+        "merged adapters without lora": (["--set", "sync.backend=lora_merged"], "learner.lora is not set"),
     }
 
 
@@ -80,6 +81,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "resume id escaping the root",
         "resume of an unknown run",
         "lora rank 0",
+        "merged adapters without lora",
     ],
 )
 def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):

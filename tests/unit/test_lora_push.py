@@ -13,7 +13,14 @@ from aiohttp import web
 import tasks.generate as gen
 from tasks.config import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
 from tasks.inference import InferenceHTTPError, VLLMClient, cache_salt_for
-from tasks.push import CheckpointPush, LoraPush, LoraUnsupportedError, push_version, weight_push
+from tasks.push import (
+    CheckpointPush,
+    LoraPush,
+    LoraUnsupportedError,
+    MergedLoraPush,
+    push_version,
+    weight_push,
+)  # fmt: skip
 from tasks.replicas import Replica, ReplicaSet, Servers, VersionBox
 from tasks.tiny_model import build_tokenizer
 from tests.unit.scripted import ScriptedBackend
@@ -187,6 +194,18 @@ def test_weight_push_picks_the_backend_and_none_is_checkpoint(tmp_path):
     inf = InferenceConfig()
     assert isinstance(weight_push(tmp_path, "r", SyncConfig(), inf), CheckpointPush)
     assert isinstance(weight_push(tmp_path, "r", SyncConfig(backend="lora"), inf), LoraPush)
+    assert isinstance(weight_push(tmp_path, "r", SyncConfig(backend="lora_merged"), inf), MergedLoraPush)
+
+
+def test_only_adapters_served_as_adapters_enable_lora_in_the_runs_servers():
+    from flows.config import GRPOConfig
+    from flows.train import served_lora
+
+    lora = {"learner": {"lora": {"rank": 8}}}
+    assert served_lora(GRPOConfig.model_validate(lora)).rank == 8  # backend None -> 'lora'
+    merged = GRPOConfig.model_validate({**lora, "sync": {"backend": "lora_merged"}})
+    assert merged.sync.backend == "lora_merged" and served_lora(merged) is None
+    assert served_lora(GRPOConfig()) is None
 
 
 # -- generation names the version's adapter --------------------------------------------------------------

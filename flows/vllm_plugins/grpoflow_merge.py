@@ -1,0 +1,99 @@
+"""vLLM worker extension: merge a PEFT LoRA adapter into the served weights (`sync.backend: lora_merged`).
+
+Every server grpoflow starts runs with `--worker-extension-cls grpoflow_merge.LoraMerge`, which adds one
+method to vLLM's workers, called over `/collective_rpc` like `reload_weights`:
+`grpoflow_merge_lora(adapter_path)` reads the adapter (safetensors + `adapter_config.json`, as PEFT
+writes it), reads the weights of the modules it adapts from its base model's safetensors (the
+adapter's `base_model_name_or_path`, else the model the server started with), and reloads those
+modules in place as W + scale * B @ A. Each merge starts from the base model's files, never from what
+the server holds, so merges do not accumulate. A fused vLLM layer (q/k/v, gate/up:
+`packed_modules_mapping`) is reloaded whole: its modules the adapter leaves alone get their base
+weights, and biases come from the base files too.
+
+Runs inside vLLM's worker process: imports only what vLLM's own environment has (torch, safetensors).
+The server should be paused around the call (tasks/lora_push.py: MergedLoraPush), as for a reload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+LORA_A, LORA_B, PREFIX = ".lora_A.weight", ".lora_B.weight", "base_model.model."
+
+
+def _deltas(adapter_path: str):
+    """{module name: scale * B @ A (fp32)} of a PEFT adapter dir; a clear error for anything but plain
+    LoRA on linear layers."""
+    import torch
+    from safetensors.torch import load_file
+
+    with open(os.path.join(adapter_path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("use_dora") or cfg.get("modules_to_save"):
+        raise ValueError(
+            f"{adapter_path}: only plain LoRA adapters can be merged (no DoRA, no modules_to_save)"
+        )
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / (r**0.5 if cfg.get("use_rslora") else r)
+    tensors = load_file(os.path.join(adapter_path, "adapter_model.safetensors"))
+    unknown = [k for k in tensors if not (k.endswith(LORA_A) or k.endswith(LORA_B))]
+    if unknown:
+        raise ValueError(f"{adapter_path}: tensors that are not LoRA A/B matrices: {unknown[:3]}")
+    out = {}
+    for key, a in tensors.items():
+        if key.endswith(LORA_A):
+            module = key[: -len(LORA_A)].removeprefix(PREFIX)
+            b = tensors[key[: -len(LORA_A)] + LORA_B]
+            out[module] = (b.to(torch.float32) @ a.to(torch.float32)) * scale
+    return out, cfg.get("base_model_name_or_path")
+
+
+def _base_files(base: str) -> list[str]:
+    index = os.path.join(base, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(base, n) for n in names]
+    single = os.path.join(base, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no safetensors weights in the base model dir {base}")
+    return [single]
+
+
+class LoraMerge:
+    """Mixed into vLLM's worker class (`--worker-extension-cls`)."""
+
+    def grpoflow_merge_lora(self, adapter_path: str) -> list[str]:
+        """Serve base + the adapter at `adapter_path`, merged (the module doc); the modules merged."""
+        import torch
+        from safetensors import safe_open
+
+        deltas, base = _deltas(adapter_path)
+        if not base or not os.path.isdir(base):
+            base = self.model_runner.model_config.model
+        model = self.model_runner.get_model()
+        modules = set(deltas)
+        for packed in getattr(model, "packed_modules_mapping", {}).values():
+            for m in deltas:
+                parent, _, leaf = m.rpartition(".")
+                if leaf in packed:
+                    modules.update(f"{parent}.{sibling}" for sibling in packed)
+        weights, merged = [], set()
+        for path in _base_files(base):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    module, _, kind = name.rpartition(".")
+                    if module not in modules:
+                        continue
+                    t = f.get_tensor(name)
+                    if kind == "weight" and module in deltas:
+                        # fp32, never rounded to the file's dtype: the loader casts to the served one.
+                        t = t.to(torch.float32) + deltas[module]
+                        merged.add(module)
+                    weights.append((name, t))
+        missing = sorted(set(deltas) - merged)
+        if missing:
+            raise ValueError(f"{adapter_path}: modules not in the base model {base}: {missing[:3]}")
+        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return sorted(merged)
