@@ -3,7 +3,9 @@
 For each model: one server started as a LoRA run's embedded server is (`--enable-lora`, max rank 16),
 then `--repeats` full pushes (`checkpoint` backend: safetensors save + pause / reload_weights / resume)
 and `--repeats` adapter pushes (`lora` backend: a rank-`--rank` PEFT adapter on the attention and MLP
-projections, saved + /v1/load_lora_adapter), each through `tasks.push.push_version` as a run pushes.
+projections, saved + /v1/load_lora_adapter), then `--repeats` merged-adapter pushes (`lora_merged`: the
+same adapter saved, then pause / the server merges it into its weights / resume), each through
+`tasks.push.push_version` as a run pushes.
 Prints one JSON line per model with the medians.
 
 Models: SmolLM2-135M (`--smollm2 DIR`, converted by `make models/smollm2-135m`) and random models of
@@ -68,9 +70,13 @@ def measure(label: str, model_dir: Path, root: Path, rank: int, repeats: int, ex
                     p.normal_(0.0, 0.01)
         row["adapter_params"] = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         row["adapter"] = pushes(server.url, root, "lora", lambda d: write_adapter(peft_model, d), repeats)
-    row["adapter_over_full"] = round(
-        row["adapter"]["push_seconds_median"] / row["full"]["push_seconds_median"], 4
-    )
+        row["merged"] = pushes(
+            server.url, root, "lora_merged", lambda d: write_adapter(peft_model, d), repeats
+        )
+    for kind in ("adapter", "merged"):
+        row[f"{kind}_over_full"] = round(
+            row[kind]["push_seconds_median"] / row["full"]["push_seconds_median"], 4
+        )
     shutil.rmtree(root / "weights", ignore_errors=True)
     return row
 
