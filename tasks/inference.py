@@ -57,6 +57,8 @@ class InferenceProtocolError(InferenceError):
 
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# The method grpoflow's worker extension adds to vLLM's workers (flows/vllm_plugins/grpoflow_merge.py).
+MERGE_LORA_RPC = "grpoflow_merge_lora"
 
 
 _NO_GATE = contextlib.nullcontext()  # supports `async with`, and is reusable
@@ -466,9 +468,7 @@ class VLLMClient:
     async def merge_lora(self, adapter_path: str, *, timeout_s: float | None = None) -> Any:
         """Serve the base model with the PEFT adapter at `adapter_path` merged into its weights (the
         server's `grpoflow_merge` worker extension; paused around it, as for `reload_weights`)."""
-        return await self.collective_rpc(
-            "grpoflow_merge_lora", {"adapter_path": str(adapter_path)}, timeout_s
-        )
+        return await self.collective_rpc(MERGE_LORA_RPC, {"adapter_path": str(adapter_path)}, timeout_s)
 
     async def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
         """Call `method` on every worker (`reload_weights`' doc: timeout, no retry, own connection)."""

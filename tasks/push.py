@@ -48,6 +48,7 @@ from storage.checkpoints import weights_store
 from storage.faults import failpoint
 from tasks.config import InferenceConfig, SyncConfig
 from tasks.inference import (
+    MERGE_LORA_RPC,
     InferenceError,
     InferenceHTTPError,
     InferenceUnavailableError,
@@ -66,7 +67,7 @@ __all__ = [  # the backends' shared names stay importable from here
 ]  # fmt: skip
 
 # How a path gets into a server: a model dir is reloaded, an adapter merged into the base weights.
-RELOAD, MERGE = "reload_weights", "grpoflow_merge_lora"
+RELOAD, MERGE = "reload_weights", MERGE_LORA_RPC
 # Server URL -> (how, path) this process last loaded into it (the rollback target).
 _loaded: dict[str, tuple[str, str]] = {}
 
@@ -97,6 +98,8 @@ class PushStats:
 class CheckpointPush:
     """The `checkpoint` backend: a model dir on disk, reloaded by vLLM (the module doc). `client(url)`
     makes the control client (default: the `inference` section's key, retries and timeouts)."""
+
+    how = RELOAD  # what the server does with a version's dir (`_Reload`)
 
     def __init__(
         self,
@@ -130,7 +133,7 @@ class CheckpointPush:
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
     ) -> None:
         async with self.client(url) as client:
-            await _Reload(client, self.run_id, self.sync.reload_timeout_s).run(
+            await _Reload(client, self.run_id, self.sync.reload_timeout_s, self.how).run(
                 path, version, on_loaded, self.reset_prefix_cache
             )
 
@@ -138,6 +141,8 @@ class CheckpointPush:
 class MergedLoraPush(CheckpointPush):
     """The `lora_merged` backend: a PEFT adapter per version, merged into the served weights by each
     server (the module doc)."""
+
+    how = MERGE
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
         # An adapter is small: a new dir for every version, none recycled.
@@ -147,10 +152,7 @@ class MergedLoraPush(CheckpointPush):
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
     ) -> None:
         require_adapter(path, version, "lora_merged")
-        async with self.client(url) as client:
-            await _Reload(client, self.run_id, self.sync.reload_timeout_s, MERGE).run(
-                path, version, on_loaded, self.reset_prefix_cache
-            )
+        await super().load(url, path, version, on_loaded)
 
 
 BACKENDS: dict[str, type[CheckpointPush] | type[LoraPush]] = {
