@@ -118,7 +118,7 @@ class CpuMeter:
 
 def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
     """Token ids of step `step`'s prompts, rendered exactly as tasks/generate.py renders them."""
-    from flows.runs import rows_for_step
+    from flows.data import rows_for_step
     from tasks.generate import prompt_messages, render
 
     d = cfg.data
@@ -289,7 +289,7 @@ def main() -> None:
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from flows.config import load_config
-    from flows.runs import load_rows
+    from flows.data import load_rows
     from tasks.generate import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))

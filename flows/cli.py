@@ -512,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     from storage.records import InvalidRunIdError
     from storage.sql import QueryError
     from tasks.push import LoraUnsupportedError
+    from tasks.score import BrokenRewardError
 
     try:
         if not getattr(args, "runs_flows", False):
@@ -527,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: one clear line, no traceback. Any other error is a bug and keeps its traceback.
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenRewardError as e:  # the user's reward, not grpoflow: one line, the run resumable
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(interrupted_message(args), file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports it

@@ -16,6 +16,7 @@ from tasks.allowlist import NotAllowedError, check_path
 from tasks.config import (
     AlgorithmConfig,
     DataConfig,
+    DatasetConfig,
     GenerationConfig,
     InferenceConfig,
     LearnerConfig,
@@ -236,8 +237,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg._config_dir = here
         cfg.data.path = _beside_config(cfg.data.path, here)
         cfg.data.eval_path = _beside_config(cfg.data.eval_path, here)
+        if cfg.data.dataset is not None:
+            _dataset_beside_config(cfg.data.dataset, here)
         if cfg.model.path != "tiny":
             cfg.model.path = _beside_config(cfg.model.path, here)
+        for r in cfg.rewards:
+            r.model = _beside_config(r.model, here)
     return cfg
 
 
@@ -256,6 +261,27 @@ def _beside_config(value: str | None, config_dir: Path) -> str | None:
         return value
     beside = config_dir / value
     return str(beside) if beside.exists() else value
+
+
+def _dataset_beside_config(ds: DatasetConfig, config_dir: Path) -> None:
+    """`data.dataset.path` and, for a builder (json, parquet, ...), its `data_files`, looked up like
+    `data.path`. A builder name stays as it is; so do the data_files of a dataset directory or a Hub
+    name (datasets reads those relative to the dataset itself)."""
+    if not ds.is_builder():
+        ds.path = _beside_config(ds.path, config_dir) or ds.path
+        return
+    f = ds.data_files
+    if isinstance(f, str):
+        ds.data_files = _beside_config(f, config_dir)
+    elif isinstance(f, list):
+        ds.data_files = [_beside_config(x, config_dir) or x for x in f]
+    elif isinstance(f, dict):
+        ds.data_files = {
+            k: _beside_config(v, config_dir)
+            if isinstance(v, str)
+            else [_beside_config(x, config_dir) or x for x in v]
+            for k, v in f.items()
+        }
 
 
 def where_searched(cfg: GRPOConfig, value: str) -> str:
@@ -281,7 +307,7 @@ def check_imports(cfg: GRPOConfig) -> None:
         check_environment(
             factory, env if isinstance(env, str) else getattr(env, "__qualname__", "environment")
         )
-    if cfg.data.generator and not cfg.data.path:
+    if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):
         resolve_import(cfg.warmup.examples, "warmup.examples")

@@ -28,10 +28,13 @@ DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def section_model(annotation: Any) -> type[BaseModel] | None:
-    """The model class of a section field (`ModelConfig`) or a list-of-sections field
-    (`list[RewardConfig]`), else None."""
+    """The model class of a section field (`ModelConfig`), an optional one (`LoraConfig | None`) or a
+    list-of-sections field (`list[RewardConfig]`), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section
+        subs = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return section_model(subs[0]) if len(subs) == 1 else None
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation) or (None,)
         if isinstance(item, type) and issubclass(item, BaseModel):

@@ -26,8 +26,9 @@ from prefect.utilities.annotations import quote
 
 from flows.cluster import ray_cluster
 from flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from flows.data import load_rows, split_rows
 from flows.progress import artifact_key
-from flows.runs import confine, load_rows, prepare_model, rollout_job, split_rows
+from flows.runs import confine, prepare_model, rollout_job
 from flows.serve import inference_server
 from storage.checkpoints import CheckpointStore
 from storage.records import validate_run_id

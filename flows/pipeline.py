@@ -9,8 +9,9 @@ from concurrent.futures import Future
 from prefect import get_run_logger
 
 from flows.config import GRPOConfig
+from flows.data import rows_for_step
 from flows.runner import StepRunner
-from flows.runs import RunState, rows_for_step
+from flows.runs import RunState
 from flows.serve import Server, is_healthy
 from tasks.inference import InferenceUnavailableError
 from tasks.push import WeightPush, load_version

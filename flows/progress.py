@@ -20,6 +20,7 @@ from prefect.artifacts import (
 
 from flows.config import GRPOConfig
 from flows.runs import RunState
+from tasks.reward_kwargs import RESERVED_METRICS
 from tasks.steps import StepRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
@@ -82,16 +83,30 @@ class StepReporter:
         m = record.row()
         row = {"step": record.step} | {k: _num(m.get(k)) for k in TABLE_KEYS}
         self.rows.append(row)
-        loss = record.train.get("train/loss", float("nan"))
         self._shows.submit(
-            contextvars.copy_context().run, self._show, record.step, row, loss
+            contextvars.copy_context().run, self._show, record.step, row, self.line(m)
         )  # in this flow run
 
-    def _show(self, step: int, row: dict[str, Any], loss: float) -> None:
-        reward = row["reward/mean"]
-        info = (
-            f"reward {reward:.3f}" if reward is not None else "reward n/a"
-        ) + f"  loss {loss:.4f}  {row['wall_seconds'] or 0:.1f}s/step"
+    def line(self, m: dict[str, Any]) -> str:
+        """The step's figures on the step line: reward, loss (or "nothing trained"), the rewards that
+        failed and how often, what reward functions logged (log_metric), seconds per step."""
+        reward, loss = _num(m.get("reward/mean")), _num(m.get("train/loss"))
+        parts = [f"reward {reward:.3f}" if reward is not None else "reward n/a"]
+        parts.append(f"loss {loss:.4f}" if m.get("train/samples") and loss is not None else "nothing trained")
+        failed, logged = [], []
+        for spec in self.cfg.rewards:
+            p = f"reward/{spec.name}/"
+            share = (_num(m.get(p + "failed_rate")) or 0.0) + (_num(m.get(p + "timeout_rate")) or 0.0)
+            if share:
+                failed.append(f"{spec.name} {share:.0%}")
+            logged += [f"{k[len('reward/'):]} {v:.4g}" for k, v in sorted(m.items())
+                       if k.startswith(p) and k[len(p):] not in RESERVED_METRICS and _num(v) is not None]  # fmt: skip
+        if failed:
+            parts.append("failed: " + ", ".join(failed))
+        parts += logged
+        return "  ".join([*parts, f"{_num(m.get('wall_seconds')) or 0:.1f}s/step"])
+
+    def _show(self, step: int, row: dict[str, Any], info: str) -> None:
         if self.bar is not None:
             self.bar.update(self.task, completed=step + 1, info=info)
         else:

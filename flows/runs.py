@@ -1,4 +1,4 @@
-"""Run bookkeeping for flows: model preparation, dataset rows and cursor, open/resume a run.
+"""Run bookkeeping for flows: preflight, model preparation, open/resume a run (the rows: flows/data.py).
 
 Everything here fails early with a message naming the config field, row or path, before any model
 is loaded and before anything is written to the store.
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.config import ConfigError, GRPOConfig, check_imports, resolve_import, where_searched
+from flows.config import ConfigError, GRPOConfig, check_imports, where_searched
+from flows.data import confine_dataset, load_rows, split_rows
 from storage.checkpoints import CheckpointStore
-from storage.records import held_out, row_id_of, validate_run_id
+from storage.records import validate_run_id
 from storage.rollouts import RolloutStore
 from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
 from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
@@ -50,6 +50,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     """
     confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
     check_imports(cfg)  # reward / tool / environment / generator import paths
+    check_reward_models(cfg)
     rows, _ = split_rows(cfg, load_rows(cfg))
     check_lora_installed(cfg)
     if cfg.model.path != "tiny":
@@ -68,6 +69,20 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     elif cfg.run.run_id and store.read_run_meta(cfg.run.run_id) is not None:
         raise ConfigError(f"run.run_id: run {cfg.run.run_id!r} already exists; use --resume {cfg.run.run_id}")
     return rows
+
+
+def check_reward_models(cfg: GRPOConfig) -> None:
+    """Each `rewards[i].model` must be a sequence-classification model directory (read from its config
+    alone: no weights are loaded here)."""
+    from tasks.reward_model import RewardModelError, check_reward_model
+
+    for i, r in enumerate(cfg.rewards):
+        if r.model is None:
+            continue
+        try:
+            check_reward_model(r.model)
+        except RewardModelError as e:
+            raise ConfigError(f"rewards[{i}].model: {e}") from None
 
 
 def check_lora_installed(cfg: GRPOConfig) -> None:
@@ -108,8 +123,13 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
             check_path(cfg.data.path, "data.path")
         if cfg.data.eval_path:
             check_path(cfg.data.eval_path, "data.eval_path")
+        if cfg.data.dataset is not None:
+            confine_dataset(cfg.data.dataset)
         if cfg.model.path != "tiny":
             check_path(cfg.model.path, "model.path")
+        for i, r in enumerate(cfg.rewards):
+            if r.model is not None:
+                check_path(r.model, f"rewards[{i}].model")
         check_path(cfg.storage.root, "storage.root")
         if cfg.inference.url:
             check_server(cfg.inference.url, "inference.url")
@@ -166,98 +186,6 @@ def check_model_dir(p: Path) -> Path:
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ConfigError(f"model.path: {p} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     return p
-
-
-def _read_rows(path: str, field: str, cfg: GRPOConfig) -> list[dict[str, Any]]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{field}: file not found: {where_searched(cfg, path)}")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(p).to_pylist()
-    rows = []
-    for i, line in enumerate(p.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{field}: {p} line {i + 1}: invalid JSON: {e}") from None
-    return rows
-
-
-def _check_rows(rows: list[Any], where: str) -> None:
-    if not rows:
-        raise ConfigError(f"{where}: the dataset is empty")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict) or "prompt" not in row:
-            # the row's keys, not its content: the file may hold what its reader must not see
-            keys = sorted(row)[:10] if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"{where}: row {i} has no 'prompt' field (found {keys})")
-        prompt = row["prompt"]
-        if not isinstance(prompt, str | list) or not prompt:
-            raise ConfigError(f"{where}: row {i}: 'prompt' must be a non-empty string or message list")
-
-
-def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
-    """Every dataset row, from `data.path` (JSONL/Parquet) or `data.generator`; each needs a 'prompt'.
-    Training and evaluation take their sides of it from `split_rows`."""
-    if cfg.data.path:
-        rows = _read_rows(cfg.data.path, "data.path", cfg)
-    else:
-        gen = resolve_import(cfg.data.generator, "data.generator")
-        rows = list(gen(**cfg.data.generator_kwargs))
-    _check_rows(rows, "data")
-    return rows
-
-
-def split_rows(
-    cfg: GRPOConfig, rows: list[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training rows, eval rows) of the dataset `rows`.
-
-    `data.eval_path`: its rows are the eval split, and training rows with one of their ids are left
-    out of training. `data.eval_fraction`: a row is held out by a hash of its id (`held_out`), so the
-    same rows are held out in every run and resume, and as the data grows. Neither: no eval split."""
-    d = cfg.data
-    if d.eval_path:
-        eval_rows = _read_rows(d.eval_path, "data.eval_path", cfg)
-        _check_rows(eval_rows, "data.eval_path")
-        ids = {row_id_of(r) for r in eval_rows}
-        train = [r for r in rows if row_id_of(r) not in ids]
-    elif d.eval_fraction > 0:
-        train, eval_rows = [], []
-        for r in rows:
-            (eval_rows if held_out(row_id_of(r), d.eval_fraction) else train).append(r)
-    else:
-        return rows, []
-    if not train:
-        raise ConfigError(f"data: all {len(rows)} rows are eval rows; none is left to train on")
-    return train, eval_rows
-
-
-def rows_for_step(
-    rows: list[dict[str, Any]], step: int, per_step: int, *, seed: int, shuffle: bool
-) -> tuple[list[dict[str, Any]], list[int]]:
-    """The rows of training step `step` and their global cursor positions.
-
-    The cursor is a pure function of the step (position = step * per_step + i; epoch e uses a
-    permutation seeded by (seed, e)), so a resumed run continues exactly where it stopped.
-    """
-    n = len(rows)
-    cursor = [step * per_step + i for i in range(per_step)]
-    out = []
-    perms: dict[int, list[int]] = {}
-    for pos in cursor:
-        epoch, k = divmod(pos, n)
-        if epoch not in perms:
-            order = list(range(n))
-            if shuffle:
-                random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            perms[epoch] = order
-        out.append(rows[perms[epoch][k]])
-    return out, cursor
 
 
 def new_run_id() -> str:
@@ -370,7 +298,9 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
     return learner
 
 
-def rollout_job(cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str) -> RolloutJob:
+def rollout_job(
+    cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str, rows_per_epoch: int = 0
+) -> RolloutJob:
     """What each step's rollout task needs: the servers it generates on, and the config's sections."""
     from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
 
@@ -382,6 +312,8 @@ def rollout_job(cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str) -> Ro
         inference=cfg.inference,
         seed=cfg.run.seed,
         servers=servers,
+        max_steps=cfg.run.steps,
+        rows_per_epoch=rows_per_epoch,
     )
 
 

@@ -105,6 +105,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     store, reporter = RolloutStore(Path(root)), StepReporter(cfg, run)
     compactor = BackgroundCompactor(root, run_id, cfg.storage.compact_every, log=get_run_logger())
     pusher = weight_push(root, run_id, cfg.sync, cfg.inference)  # sync.backend
+    watch = RewardWatch(cfg, run_id)
     with (
         contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
         inference_servers(
@@ -119,7 +120,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         # the first step too (which also finds a server that cannot load adapters before anything trains).
         if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
-        pipeline = RolloutPipeline(cfg, rows, servers, rollout_job(cfg, servers, run.base_model), run.start_step,
+        pipeline = RolloutPipeline(cfg, rows, servers, rollout_job(cfg, servers, run.base_model, len(rows)), run.start_step,
                                    runner)  # fmt: skip
         units.recover = pipeline.recover
         if run.checkpoint is not None:  # steps closed before a kill, and a killed compaction's leftovers
@@ -140,6 +141,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
             store.write_step(run_id, step, runner.end(rec))
+            # After its rows: the failed cells are in the tables; the step is redone on resume.
+            watch.step(step, batch.groups)
             if _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, step + 1)
                 rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints)
@@ -148,6 +151,36 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             reporter.step(rec)
         reporter.finish()
     return reporter.summary()
+
+
+class RewardWatch:
+    """Counts, per required reward, the consecutive steps it failed on every completion (each one was
+    logged as its batch was scored), and stops the run at `run.max_failed_reward_steps`."""
+
+    def __init__(self, cfg: GRPOConfig, run_id: str):
+        self.cfg, self.run_id = cfg, run_id
+        self.streak: dict[str, list[int]] = {}  # reward name -> the steps of its current streak
+
+    def step(self, step: int, groups) -> None:
+        from tasks.score import BrokenRewardError, broken_rewards
+
+        limit = self.cfg.run.max_failed_reward_steps
+        broken = [b for b in broken_rewards(groups, self.cfg.rewards) if b.required]
+        names = {b.name for b in broken}
+        self.streak = {k: v for k, v in self.streak.items() if k in names}
+        for b in broken:
+            steps = self.streak.setdefault(b.name, [])
+            steps.append(step)
+            if limit and len(steps) >= limit:
+                where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+                raise BrokenRewardError(
+                    " ".join(
+                        f"reward {b.name!r} failed on every completion of {where} "
+                        f"(run.max_failed_reward_steps={limit}): {b.reason}"
+                        f"{'; ' + b.hint if b.hint else ''}; nothing was trained on it. Fix it and "
+                        f"continue the run with --resume {self.run_id}".split()
+                    )  # one line, whatever the exception's message holds
+                )
 
 
 def _due(step: int, every: int, steps: int) -> bool:

@@ -107,6 +107,8 @@ class RewardCell:
     duration_s: float = 0.0
     imputed: bool = False
     imputed_value: float | None = None
+    extra: dict[str, Any] | None = None  # what the function logged for this completion (log_extra)
+    trace: str | None = None  # the traceback of a failed call; not persisted (the reason is)
 
 
 @dataclass
@@ -252,6 +254,7 @@ REWARDS_SCHEMA = pa.schema(
         ("duration_s", pa.float64()),
         ("imputed", pa.bool_()),
         ("imputed_value", pa.float64()),
+        ("extra", pa.string()),  # JSON object of the function's log_extra columns for this completion
     ]
 )
 
@@ -349,6 +352,7 @@ def reward_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[d
             "duration_s": cell.duration_s,
             "imputed": cell.imputed,
             "imputed_value": cell.imputed_value,
+            "extra": None if cell.extra is None else json.dumps(cell.extra, allow_nan=False),
         }
         for g in groups
         for c in g.completions
@@ -394,6 +398,7 @@ def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int],
                 # .get: reward files written before imputation existed lack both columns
                 imputed=bool(r.get("imputed")),
                 imputed_value=r.get("imputed_value"),
+                extra=json.loads(r["extra"]) if r.get("extra") else None,
             )
         )
     return cells

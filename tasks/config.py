@@ -34,8 +34,67 @@ class ModelConfig(Section):
     )
 
 
+# datasets' packaged builders: a `data.dataset.path` naming one is a loader, not a file or directory.
+HF_BUILDERS = frozenset(
+    {"arrow", "audiofolder", "csv", "imagefolder", "json", "pandas", "parquet", "pdffolder", "sql", "text",
+     "videofolder", "webdataset", "xml"}
+)  # fmt: skip
+
+
+class DatasetConfig(Section):
+    """A Hugging Face dataset, loaded by `datasets.load_dataset(path, name, split=, data_files=)`."""
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="What datasets.load_dataset loads: a builder (json, parquet, csv, ...) with "
+        "data_files, a local dataset directory (one written by save_to_disk is read with load_from_disk), "
+        "or a Hub name: that needs network access, except for a dataset already in the local HF cache "
+        "(which works offline, e.g. with HF_DATASETS_OFFLINE=1). Needs pip install 'grpoflow[datasets]'.",
+    )
+    name: str | None = Field(None, description="The dataset's configuration name (load_dataset's `name`).")
+    split: str = Field(
+        "train",
+        min_length=1,
+        description="The split to train on (load_dataset's slicing, e.g. 'train[:1000]', works except for a "
+        "save_to_disk directory).",
+    )
+    data_files: str | list[str] | dict[str, str | list[str]] | None = Field(
+        None,
+        description="Files for a builder: a path, a list of paths, or {split: path(s)}. Relative to the "
+        "current directory, else to the config file's; relative to `path` when that is a directory.",
+    )
+
+    def is_builder(self) -> bool:
+        """Whether `path` names one of datasets' packaged builders (json, parquet, ...), not a path."""
+        return self.path in HF_BUILDERS
+
+    def file_list(self) -> list[str]:
+        """Every entry of `data_files`, flattened."""
+        f = self.data_files
+        if f is None:
+            return []
+        if isinstance(f, dict):
+            return [x for v in f.values() for x in ([v] if isinstance(v, str) else v)]
+        return [f] if isinstance(f, str) else list(f)
+
+
 class DataConfig(Section):
-    path: str | None = Field(None, description="JSONL or Parquet file of rows; each row needs 'prompt'.")
+    path: str | None = Field(
+        None,
+        description="JSONL or Parquet file of rows, or a directory written by datasets' "
+        "Dataset.save_to_disk / DatasetDict.save_to_disk; each row needs 'prompt'.",
+    )
+    dataset: DatasetConfig | None = Field(
+        None,
+        description="A Hugging Face dataset (datasets.load_dataset) instead of data.path or data.generator.",
+    )
+    split: str = Field(
+        "train",
+        min_length=1,
+        description="The split to train on when data.path is a DatasetDict directory (data.dataset uses "
+        "data.dataset.split).",
+    )
     generator: str | None = Field(
         "examples.envs:letters_rows",
         description="Import path 'module:function' returning a list of rows; used when path is unset.",
@@ -57,13 +116,26 @@ class DataConfig(Section):
         description="Hold out this fraction of the rows for evaluation, chosen by a hash of each row's id: "
         "the same rows stay held out across runs, resumes and data growth (0: none).",
     )
+    eval_split: str | None = Field(
+        None,
+        description="A split of the same Hugging Face dataset (data.dataset, or a DatasetDict directory in "
+        "data.path) whose rows are the eval rows, handled like data.eval_path.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if not self.path and not self.generator:
-            raise ValueError("set data.path or data.generator")
+        # generator has a default: a path or a dataset takes precedence over it
+        if self.path and self.dataset:
+            raise ValueError("data.dataset: set data.path or data.dataset, not both")
+        if not self.path and not self.dataset and not self.generator:
+            raise ValueError("set data.path, data.dataset or data.generator")
         if self.eval_path and self.eval_fraction:
             raise ValueError("set data.eval_path or data.eval_fraction, not both")
+        for other in ("eval_path", "eval_fraction"):
+            if self.eval_split and getattr(self, other):
+                raise ValueError(f"data.eval_split: set data.eval_split or data.{other}, not both")
+        if self.eval_split and not self.path and not self.dataset:
+            raise ValueError("data.eval_split: needs data.dataset or a DatasetDict directory in data.path")
         return self
 
 
@@ -87,10 +159,28 @@ class GenerationConfig(Section):
 
 class RewardConfig(Section):
     name: str = Field(..., min_length=1, description="Name of the reward in tables and metrics.")
-    fn: str | SkipJsonSchema[Callable[..., Any]] = Field(
-        ...,
+    fn: str | SkipJsonSchema[Callable[..., Any]] | None = Field(
+        None,
         description="Import path 'module:function' of the reward function (from Python also the "
-        "callable itself, e.g. an nn.Module reward model).",
+        "callable itself, e.g. an nn.Module reward model). Set `fn` or `model`.",
+    )
+    model: str | None = Field(
+        None,
+        description="A reward model instead of `fn`: a local directory holding an "
+        "AutoModelForSequenceClassification and its tokenizer. It scores prompt + completion (through "
+        "its own chat template when the prompts are conversational), logit 0 per completion; loaded "
+        "once per run.",
+    )
+    batch_size: int = Field(8, ge=1, description="Completions per forward pass of a reward `model`.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where a reward `model` runs: auto = cuda when available, else cpu."
+    )
+    completions: Literal["text", "messages"] = Field(
+        "text",
+        description="How `completions` and `prompts` reach the function. text: the completion's text. "
+        "messages: as TRL passes them: for a conversational prompt, the completion's messages (the "
+        "assistant message; with tools every message after the prompt: assistant turns with their "
+        "`tool_calls`, tool results) and the prompt as its message list; plain-text prompts stay text.",
     )
     weight: float = Field(1.0, description="Weight in the total reward.")
     timeout_s: float = Field(30.0, gt=0, description="Per-batch timeout; over it the cells are 'timeout'.")
@@ -115,6 +205,16 @@ class RewardConfig(Section):
     @classmethod
     def _import_path(cls, v: Any) -> Any:
         return _check_import_path(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _fn_or_model(self) -> RewardConfig:
+        if (self.fn is None) == (self.model is None):
+            raise ValueError(
+                f"reward {self.name!r}: set exactly one of fn (a function) and model (a reward model)"
+            )
+        if self.model is not None and self.executor != "thread":
+            raise ValueError(f"reward {self.name!r}: a reward model runs in this process (executor 'thread')")
+        return self
 
 
 class ToolsConfig(Section):
@@ -475,6 +575,13 @@ class RunConfig(Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per run.")
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    max_failed_reward_steps: int = Field(
+        2,
+        ge=0,
+        description="Stop the run (non-zero exit, resumable) when a required reward fails (raises, times "
+        "out, returns the wrong number of values) on every completion of this many consecutive steps; "
+        "each such step is logged at once. 0: never stop.",
+    )
     step_task_runs: bool = Field(
         True,
         description="Show each step's rollout-batch and train-step as Prefect task runs (the UI's "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import inspect
 import math
 import multiprocessing as mp
@@ -21,8 +22,10 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 from storage.faults import failpoint
@@ -31,6 +34,7 @@ from storage.records import RewardCell, RewardStatus, RolloutGroup
 from tasks.config import RewardConfig
 from tasks.imports import import_object
 from tasks.remote import call_on_ray
+from tasks.reward_kwargs import RewardLog, TrainerState, call_logged, completion_messages, is_conversational
 from tasks.threads import in_daemon_thread
 
 
@@ -47,21 +51,15 @@ def resolve_reward(spec: RewardConfig) -> Callable[..., Any]:
         raise RewardImportError(f"reward {spec.name!r}: cannot import {spec.fn!r}: {e}") from e
 
 
-def _call_by_path(path: str, kwargs: dict[str, Any]) -> Any:
-    """Process-pool entry point: the child imports the function itself (functions don't pickle well)."""
-    return import_object(path)(**kwargs)
-
-
-def _call_module(fn: Any, kwargs: dict[str, Any]) -> Any:
+def _call_module(fn: Any, n: int, kwargs: dict[str, Any]) -> tuple[Any, RewardLog]:
     import torch
 
     with torch.no_grad():
-        out = fn(**kwargs)
-    return out.tolist() if hasattr(out, "tolist") else out
+        return call_logged(fn, n, **kwargs)
 
 
 def _batch_inputs(groups: list[RolloutGroup]) -> dict[str, list[Any]]:
-    """Flatten groups into TRL-style column lists, one element per completion."""
+    """Flatten groups into TRL-style column lists, one element per completion (completions as text)."""
     cols: dict[str, list[Any]] = {"prompts": [], "completions": [], "completion_ids": [], "environments": []}
     extra = sorted({k for g in groups for k in g.row if k != "prompt"})
     for k in extra:
@@ -76,6 +74,16 @@ def _batch_inputs(groups: list[RolloutGroup]) -> dict[str, list[Any]]:
             for k in extra:
                 cols[k].append(g.row.get(k))
     return cols
+
+
+def _as_messages(groups: list[RolloutGroup], inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """`inputs` with each completion of a conversational prompt as its messages (TRL's form)."""
+    comps = [c for g in groups for c in g.completions]
+    as_messages = [
+        completion_messages(c) if is_conversational(p) else text
+        for c, p, text in zip(comps, inputs["prompts"], inputs["completions"], strict=True)
+    ]
+    return {**inputs, "completions": as_messages}
 
 
 def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) -> list[RewardCell]:
@@ -104,54 +112,77 @@ def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) 
 
 
 def _error_cells(
-    spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float
+    spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float, trace: str | None = None
 ) -> list[RewardCell]:
     dt = time.perf_counter() - t0
-    return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt)] * n
+    return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt, trace=trace)] * n
 
 
-async def _run_one(spec: RewardConfig, inputs: dict[str, list[Any]]) -> list[RewardCell]:
+async def _run_one(
+    spec: RewardConfig, inputs: dict[str, list[Any]], state: TrainerState | None
+) -> tuple[list[RewardCell], RewardLog]:
+    """One reward over the batch: its cells, and what it logged (nothing when it failed)."""
     n = len(inputs["completions"])
-    kwargs = {**inputs, **spec.kwargs}
+    kwargs = {**inputs, "trainer_state": state, **spec.kwargs}
     t0 = time.perf_counter()
     deadline = asyncio.timeout(spec.timeout_s)
     try:
         async with deadline:
-            values = await _call(spec, kwargs, n)
+            values, log = await _call(spec, kwargs, n)
     except TimeoutError as e:
         # Only our own deadline is a `timeout`; a TimeoutError the function raised (its HTTP client
         # gave up, say) is the function failing, and its message says why.
         if deadline.expired():
-            return _error_cells(spec, "timeout", f"exceeded {spec.timeout_s}s", n, t0)
-        return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0)
+            return _error_cells(spec, "timeout", f"exceeded {spec.timeout_s}s", n, t0), RewardLog(n)
+        return _failed(spec, e, n, t0), RewardLog(n)
     except Exception as e:
-        return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0)
-    return _cells_from_values(spec, values, n, time.perf_counter() - t0)
+        return _failed(spec, e, n, t0), RewardLog(n)
+    cells = _cells_from_values(spec, values, n, time.perf_counter() - t0)
+    for i, c in enumerate(cells):
+        c.extra = log.cell_extra(i)
+    return cells, log
 
 
-async def _awaited(fn: Any, kwargs: dict[str, Any]) -> Any:
-    return await fn(**kwargs)
+def _failed(spec: RewardConfig, e: Exception, n: int, t0: float) -> list[RewardCell]:
+    trace = "".join(traceback.format_exception(e))
+    return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0, trace)
 
 
-async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> Any:
+async def _awaited(fn: Any, n: int, kwargs: dict[str, Any]) -> tuple[Any, RewardLog]:
+    log = RewardLog(n)
+    out = await fn(**kwargs, **log.kwargs())
+    return (out.tolist() if hasattr(out, "tolist") else out), log
+
+
+async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any, RewardLog]:
+    if spec.model is not None:
+        return await in_daemon_thread(_call_reward_model, spec, n, kwargs)
     fn = resolve_reward(spec)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         # Its own event loop on a daemon thread: an `async def` that blocks (time.sleep, sync I/O)
         # stalls only itself, not the batch's other rewards, and is abandoned at its timeout.
-        return await in_daemon_thread(asyncio.run, _awaited(fn, kwargs))
+        return await in_daemon_thread(asyncio.run, _awaited(fn, n, kwargs))
     if spec.executor == "process":
         if not isinstance(spec.fn, str):
             raise TypeError("executor='process' needs an import path 'module:function'")
         no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
-        return await _in_process_pool(spec.fn, no_env)
+        return await _in_process_pool(functools.partial(call_logged, spec.fn, n, **no_env))
     if spec.executor == "ray":
         # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
         no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
-        return await call_on_ray(spec.fn, no_env, spec.num_cpus)
+        return await call_on_ray(functools.partial(call_logged, spec.fn, n), no_env, spec.num_cpus)
     if _is_module(fn):
-        return await in_daemon_thread(_call_module, fn, kwargs)
+        return await in_daemon_thread(_call_module, fn, n, kwargs)
     # a daemon thread: a hung function is abandoned at its timeout, never joined
-    return await in_daemon_thread(fn, **kwargs)
+    return await in_daemon_thread(call_logged, fn, n, **kwargs)
+
+
+def _call_reward_model(spec: RewardConfig, n: int, kwargs: dict[str, Any]) -> tuple[list[float], RewardLog]:
+    """A reward `model`: loaded once per run (the first batch's load counts against its timeout)."""
+    from tasks.reward_model import reward_model
+
+    model = reward_model(spec.model, spec.device)
+    return model.score(kwargs["prompts"], kwargs["completions"], spec.batch_size), RewardLog(n)
 
 
 def _is_module(fn: Any) -> bool:
@@ -241,6 +272,61 @@ def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class BrokenReward:
+    """A reward that failed (raised, timed out, returned the wrong number of values) on every
+    completion of a batch: a bug in the function or its config, not data to mask."""
+
+    index: int  # its place in `rewards`
+    name: str
+    required: bool
+    failed: int
+    total: int
+    reason: str  # the first cell's
+    trace: str | None  # the first traceback, when the function raised
+    hint: str | None  # what to change, when the failure looks like the completions' form
+
+    def line(self) -> str:
+        kind = "" if self.required else " (optional: imputed)"
+        out = f"reward {self.name!r}{kind} failed on {self.failed}/{self.total} completions: {self.reason}"
+        return f"{out}; {self.hint}" if self.hint else out
+
+
+class BrokenRewardError(RuntimeError):
+    """A required reward failed on every completion of `run.max_failed_reward_steps` steps in a row:
+    the run stops (resumable) rather than train on nothing."""
+
+
+_FORMAT_ERRORS = ("TypeError:", "KeyError:")
+
+
+def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> list[BrokenReward]:
+    """The rewards that failed on every completion of `groups` (scored). A TypeError or KeyError from a
+    text-form reward while the prompts are conversational reads as TRL code indexing a completion as
+    messages: its hint says to set `completions: messages`."""
+    comps = [c for g in groups for c in g.completions]
+    conversational = any(
+        is_conversational(c.prompt_input if c.prompt_input is not None else g.row.get("prompt", g.prompt))
+        for g in groups
+        for c in g.completions
+    )
+    out = []
+    for i, spec in enumerate(specs):
+        cells = [x for c in comps for x in c.reward_cells if x.name == spec.name]
+        if not cells or any(x.status not in ("failed", "timeout") for x in cells):
+            continue
+        first = cells[0]
+        hint = None
+        if conversational and spec.completions == "text" and first.reason.startswith(_FORMAT_ERRORS):
+            hint = (
+                f"the prompts are conversational: if the function reads completions as messages "
+                f"(TRL's form), set rewards[{i}].completions: messages"
+            )
+        out.append(BrokenReward(i, spec.name, spec.required, len(cells), len(cells), first.reason,
+                                first.trace, hint))  # fmt: skip
+    return out
+
+
 _PROCESS_POOL: cf.ProcessPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -276,8 +362,9 @@ def _recycle_process_pool(pool: cf.ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False)
 
 
-async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
-    """Run `path(**kwargs)` in the shared process pool, recycling the pool when a call is stuck.
+async def _in_process_pool(call: Callable[[], Any]) -> Any:
+    """Run `call()` (a picklable partial) in the shared process pool, recycling the pool when a call
+    is stuck.
 
     Cancellation (the caller's timeout) means our worker may be stuck in user code for good, so the
     pool is replaced and its workers killed. A call broken by that (another reward's or batch's
@@ -288,7 +375,7 @@ async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
     for attempt in range(2):
         pool = _process_pool()
         try:
-            fut = loop.run_in_executor(pool, _call_by_path, path, kwargs)
+            fut = loop.run_in_executor(pool, call)
         except RuntimeError:  # broken, or shut down by a recycle between lookup and submit
             _recycle_process_pool(pool)
             if attempt:
@@ -307,22 +394,32 @@ async def _in_process_pool(path: str, kwargs: dict[str, Any]) -> Any:
 
 
 async def score_groups_async(
-    groups: list[RolloutGroup], specs: list[RewardConfig]
+    groups: list[RolloutGroup], specs: list[RewardConfig], state: TrainerState | None = None
 ) -> dict[str, float | None]:
-    """Score every completion with every reward, concurrently; fills the completions in place."""
+    """Score every completion with every reward, concurrently; fills the completions in place.
+    `state`: what reward functions get as `trainer_state` (where training stands)."""
     t0 = time.perf_counter()
-    inputs = _batch_inputs(groups)
-    per_fn = await asyncio.gather(*(_run_one(s, inputs) for s in specs))
+    text = _batch_inputs(groups)
+    messages = _as_messages(groups, text) if any(s.completions == "messages" for s in specs) else text
+    runs = await asyncio.gather(
+        *(_run_one(s, messages if s.completions == "messages" else text, state) for s in specs)
+    )
     failpoint("score")
+    per_fn = [cells for cells, _ in runs]
     _apply(groups, specs, per_fn)
-    return _metrics(groups, specs, per_fn, time.perf_counter() - t0)
+    metrics = _metrics(groups, specs, per_fn, time.perf_counter() - t0)
+    for spec, (_, log) in zip(specs, runs, strict=True):
+        metrics.update(log.metric_means(spec.name))
+    return metrics
 
 
-def score_groups(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dict[str, float | None]:
+def score_groups(
+    groups: list[RolloutGroup], specs: list[RewardConfig], state: TrainerState | None = None
+) -> dict[str, float | None]:
     """Sync entry point; works inside a running event loop too (runs on a helper thread's loop)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(score_groups_async(groups, specs))
+        return asyncio.run(score_groups_async(groups, specs, state))
     with cf.ThreadPoolExecutor(max_workers=1) as ex:
-        return ex.submit(asyncio.run, score_groups_async(groups, specs)).result()
+        return ex.submit(asyncio.run, score_groups_async(groups, specs, state)).result()

@@ -31,6 +31,7 @@ from tasks.config import AlgorithmConfig, GenerationConfig, InferenceConfig, Rew
 from tasks.grpo import group_advantages
 from tasks.push import PushStats, WeightPush, push_version
 from tasks.replicas import ReplicaSet
+from tasks.reward_kwargs import TrainerState
 
 
 @dataclass
@@ -56,6 +57,8 @@ class RolloutJob:
     inference: InferenceConfig
     seed: int | None
     servers: ReplicaSet
+    max_steps: int = 0  # the run's steps, and its dataset's rows: reward functions' `trainer_state`
+    rows_per_epoch: int = 0
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
@@ -74,19 +77,36 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from tasks.score import score_groups_async
+    from tasks.score import broken_rewards, score_groups_async
 
     t0 = time.perf_counter()
     groups = await _generate(rows, prompt_indices, job)
     t1 = time.perf_counter()
     # The servers' health as generation ended (scoring may take long; a revival may end meanwhile).
     servers = _server_metrics(groups, job.servers, t1 - t0)
-    metrics = await score_groups_async(groups, job.rewards)
+    epoch = prompt_indices[0] / job.rows_per_epoch if job.rows_per_epoch and prompt_indices else 0.0
+    state = TrainerState(global_step=step, epoch=epoch, max_steps=job.max_steps)
+    metrics = await score_groups_async(groups, job.rewards, state)
+    for broken in broken_rewards(groups, job.rewards):  # said at once; the flow decides to stop
+        _run_logger().error("step %d: %s\n%s", step, broken.line(), broken.trace or "")
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
     metrics.update(servers)
     metrics["score_seconds"] = t2 - t1
     return RolloutBatch(step, groups, metrics, t0, t2)
+
+
+def _run_logger():
+    """The Prefect run's logger (the terminal and the UI), or this module's outside any run."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 def _generation_metrics(groups: list[RolloutGroup], seconds: float) -> dict[str, float]:

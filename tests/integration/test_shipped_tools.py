@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
-    from flows.runs import load_rows, prepare_model
+    from flows.data import load_rows
+    from flows.runs import prepare_model
     from flows.train import grpo_train
     from tasks.generate import load_tokenizer, render
     from tasks.tools import HermesToolParser

@@ -158,7 +158,8 @@ def _losses(root: Path, run_id: str) -> list[float]:
 
 def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
-    from flows.runs import RunState, build_learner, load_rows, rollout_job, rows_for_step
+    from flows.data import load_rows, rows_for_step
+    from flows.runs import RunState, build_learner, rollout_job
     from flows.train import grpo_train
     from tasks.push import weight_push
     from tasks.replicas import Replica, ReplicaSet

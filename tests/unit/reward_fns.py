@@ -21,3 +21,12 @@ def hang_forever(completions: list[str], pid_dir: str, **_) -> list[float]:
 
 def raises_timeout(completions: list[str], **_) -> list[float]:
     raise TimeoutError("my message")
+
+
+def logs_lengths(completions: list[str], trainer_state, log_extra, log_metric, **_) -> list[float]:
+    """Scores lengths, logs each one as a column and their sum and the step as metrics (TRL's keywords)."""
+    lengths = [float(len(c)) for c in completions]
+    log_extra("length", lengths)
+    log_metric("total", sum(lengths))
+    log_metric("step_seen", float(trainer_state.global_step))
+    return lengths

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from flows.config import ConfigError, GRPOConfig, load_config
+from flows.data import split_rows
 from flows.evaluate import eval_rows
-from flows.runs import preflight, split_rows
+from flows.runs import preflight
 from storage.records import held_out, row_id_of
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from flows.config import ConfigError, load_config
-from flows.runs import load_rows, open_run, prepare_model, rows_for_step
+from flows.data import load_rows, rows_for_step
+from flows.runs import open_run, prepare_model
 from storage.records import RolloutCompletion, RolloutGroup
 from tasks.config import AlgorithmConfig
 from tasks.steps import assign_advantages

@@ -134,7 +134,11 @@ def test_reward_receives_columns_prompts_and_environments():
     groups[1].completions[0].environment = "env-snapshot"
     score_groups(groups, [RewardConfig(name="spy", fn=spy, kwargs={"scale": 3})])
     assert seen["prompts"] == ["raw 0", "raw 0", "raw 1", "raw 1"]
-    assert seen["answer"] == [0, 0, 1, 1] and seen["envs"][2] == "env-snapshot" and seen["kw"] == {"scale": 3}
+    assert seen["answer"] == [0, 0, 1, 1] and seen["envs"][2] == "env-snapshot"
+    # TRL's keywords besides the config's own
+    assert (
+        set(seen["kw"]) == {"scale", "trainer_state", "log_extra", "log_metric"} and seen["kw"]["scale"] == 3
+    )
 
 
 def test_all_functions_run_concurrently():

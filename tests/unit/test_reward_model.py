@@ -1,0 +1,238 @@
+"""Reward models by path: scoring matches the model run by hand, loads once, and the torch-free check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks import reward_model as rm
+from tasks.reward_model import RewardModelError, check_reward_model, reward_model
+from tasks.tiny_model import build_tiny_model, build_tokenizer
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+SMOLLM = REPO / "models" / "smollm2-135m"
+
+
+def save_reward_model(
+    out: Path, tokenizer, *, arch: str = "llama", max_position_embeddings: int = 512, seed: int = 0
+) -> Path:
+    """A random tiny Llama- (or GPT-2-) ForSequenceClassification, one label and no pad id, + `tokenizer`.
+
+    Llama's RoPE is relative, so left padding scores the same as right padding there; GPT-2's absolute
+    positions are what catch a wrong padding side.
+    """
+    import torch
+    from transformers import (
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
+
+    if arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=max_position_embeddings,
+            num_labels=1,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        torch.manual_seed(seed)
+        GPT2ForSequenceClassification(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return out
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+        num_labels=1,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def by_hand(path: Path, texts: list[str]) -> list[float]:
+    """Each text alone, unpadded, through a freshly loaded model: logits[0, 0]."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            out.append(float(model(**ids).logits[0, 0]))
+    return out
+
+
+PROMPTS = [
+    "What is 2+2?",
+    "Hi",
+    "A much longer prompt about the weather in spring,",
+    "x",
+    "Q: 7*6",
+    "",
+    "Say",
+]
+COMPLETIONS = [" 4", " there, how are you doing today?", " sunny.", "yz", " = 42 of course", "empty", " no"]
+
+
+@pytest.mark.parametrize(
+    "arch,pad",
+    [("llama", "pad_token"), ("llama", "eos_as_pad"), ("gpt2", "pad_token"), ("gpt2", "eos_as_pad")],
+)
+def test_plain_scores_match_unpadded_model(tmp_path, arch, pad):
+    tokenizer = build_tokenizer()
+    if pad == "eos_as_pad":
+        tokenizer.pad_token = None  # score() must fall back to the eos token
+    path = save_reward_model(tmp_path / "rm", tokenizer, arch=arch)
+    got = reward_model(path, device="cpu").score(PROMPTS, COMPLETIONS, batch_size=3)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    assert len({len(t) for t in texts}) > 1 and len(got) == 7
+    want = by_hand(path, texts)
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(v, 6) for v in got)) == 7  # not a constant head
+
+
+def test_truncates_to_max_position_embeddings(tmp_path):
+    path = save_reward_model(tmp_path / "rm", build_tokenizer(), max_position_embeddings=16)
+    long = "abcdefghijklmnopqrstuvwxyz" * 2
+    got = reward_model(path, device="cpu").score([long, "ab"], ["!", "c"], batch_size=2)
+    assert got == pytest.approx(by_hand(path, [long[:16], "abc"]), abs=1e-5)
+
+
+def test_conversational_uses_the_reward_tokenizers_chat_template(tmp_path):
+    if not (SMOLLM / "tokenizer.json").is_file():
+        pytest.skip(f"{SMOLLM} is absent: build it with `make models/smollm2-135m`")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM)
+    path = save_reward_model(tmp_path / "rm", tokenizer)
+    prompts = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        [{"role": "user", "content": "Hello"}],
+    ]
+    answers = ["4", "Blue, or perhaps a deep shade of green.", "Hi!"]
+    model = reward_model(path, device="cpu")
+    got = model.score(prompts, answers, batch_size=2)
+    texts = [
+        tokenizer.apply_chat_template(p + [{"role": "assistant", "content": a}], tokenize=False)
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    assert all(t.startswith("<|im_start|>") and a in t for t, a in zip(texts, answers, strict=True))
+    assert got == pytest.approx(by_hand(path, texts), abs=1e-5)
+    as_messages = [[{"role": "assistant", "content": a}] for a in answers]
+    assert model.score(prompts, as_messages, batch_size=2) == pytest.approx(got, abs=1e-6)
+
+
+def test_loaded_once_per_path_and_device_even_from_threads(tmp_path, monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
+    path = save_reward_model(tmp_path / "rm", build_tokenizer())
+    loads = []
+    original = AutoModelForSequenceClassification.from_pretrained
+
+    def counting(*args, **kwargs):
+        loads.append(args[0])
+        time.sleep(0.2)  # widen the race window
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", counting)
+    results, barrier = [], threading.Barrier(4)
+
+    def load():
+        barrier.wait()
+        results.append(reward_model(str(path), "cpu"))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and len(results) == 4 and all(r is results[0] for r in results)
+    assert reward_model(path / ".." / "rm", "cpu") is results[0]
+    assert len(loads) == 1
+    assert reward_model(path, "auto").device in ("cpu", "cuda")
+
+
+def test_score_from_several_threads(tmp_path):
+    model = reward_model(save_reward_model(tmp_path / "rm", build_tokenizer()), "cpu")
+    want = model.score(PROMPTS, COMPLETIONS, batch_size=3)
+    results = [None] * 4
+
+    def run(i):
+        results[i] = model.score(PROMPTS, COMPLETIONS, batch_size=3)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == pytest.approx(want, abs=1e-6) for r in results)
+
+
+def test_check_reward_model(tmp_path):
+    good = save_reward_model(tmp_path / "rm", build_tokenizer())
+    check_reward_model(good)
+    check_reward_model(str(good))
+
+    causal = build_tiny_model(tmp_path / "causal")
+    with pytest.raises(RewardModelError, match="LlamaForCausalLM") as e:
+        check_reward_model(causal)
+    assert "\n" not in str(e.value) and "sequence-classification" in str(e.value)
+
+    with pytest.raises(RewardModelError, match="does not exist"):
+        check_reward_model(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RewardModelError, match="no config.json"):
+        check_reward_model(tmp_path / "empty")
+
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((good / "config.json").read_text())
+    with pytest.raises(RewardModelError, match="no tokenizer files"):
+        check_reward_model(no_tok)
+    with pytest.raises(RewardModelError, match="no tokenizer files"):
+        reward_model(no_tok, "cpu")
+
+
+def test_check_reward_model_does_not_import_torch(tmp_path):
+    good = save_reward_model(tmp_path / "rm", build_tokenizer())
+    code = (
+        "import sys; from tasks.reward_model import check_reward_model as c; c(sys.argv[1]); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code, str(good)], cwd=REPO, check=True, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    rm._cache.clear()
+    rm._key_locks.clear()
+    yield
+    rm._cache.clear()
+    rm._key_locks.clear()
