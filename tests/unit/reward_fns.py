@@ -1,4 +1,4 @@
-"""Reward functions for the process-executor tests: pool workers import them by path."""
+"""Reward functions the tests name by import path: pool workers import them, and runs configure them."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def logs_lengths(completions: list[str], trainer_state, log_extra, log_metric, *
     log_metric("total", sum(lengths))
     log_metric("step_seen", float(trainer_state.global_step))
     return lengths
+
+
+def trl_docs_length(completions, log_metric=None, **kwargs) -> list[float]:
+    """Written as TRL's documentation writes reward functions: each completion a list of messages.
+    Logs its batch's mean length (log_metric)."""
+    lengths = [len(c[0]["content"]) for c in completions]
+    if log_metric is not None:
+        log_metric("mean_chars", sum(lengths) / len(lengths))
+    return [min(n, 50) / 50 for n in lengths]

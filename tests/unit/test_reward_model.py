@@ -13,79 +13,12 @@ import pytest
 from tasks import reward_model as rm
 from tasks.reward_model import RewardModelError, check_reward_model, reward_model
 from tasks.tiny_model import build_tiny_model, build_tokenizer
+from tests.support import by_hand, save_reward_model
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM = REPO / "models" / "smollm2-135m"
-
-
-def save_reward_model(
-    out: Path, tokenizer, *, arch: str = "llama", max_position_embeddings: int = 512, seed: int = 0
-) -> Path:
-    """A random tiny Llama- (or GPT-2-) ForSequenceClassification, one label and no pad id, + `tokenizer`.
-
-    Llama's RoPE is relative, so left padding scores the same as right padding there; GPT-2's absolute
-    positions are what catch a wrong padding side.
-    """
-    import torch
-    from transformers import (
-        GPT2Config,
-        GPT2ForSequenceClassification,
-        LlamaConfig,
-        LlamaForSequenceClassification,
-    )
-
-    if arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            n_positions=max_position_embeddings,
-            num_labels=1,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-        torch.manual_seed(seed)
-        GPT2ForSequenceClassification(config).save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        return out
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_position_embeddings,
-        num_labels=1,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def by_hand(path: Path, texts: list[str]) -> list[float]:
-    """Each text alone, unpadded, through a freshly loaded model: logits[0, 0]."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-            out.append(float(model(**ids).logits[0, 0]))
-    return out
 
 
 PROMPTS = [
