@@ -1,6 +1,7 @@
 """LoRA runs end to end on the real vLLM CPU server: grpo-train pushing adapters through random SIGKILLs
 and resumes, and SmolLM2-135M-Instruct (its own tokenizer and chat template) serving a trained adapter,
-as an adapter and merged into its weights, exactly as the merged model generates."""
+as an adapter and merged into its weights, exactly as the merged model generates; and a TRL project
+(TRL's reward functions, a conversational `datasets` dataset) as a LoRA run on it."""
 
 from __future__ import annotations
 
@@ -145,6 +146,58 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
         base = CheckpointPush(tmp_path, "base", SyncConfig(), InferenceConfig(), reset_prefix_cache=True)
         load_version(base, smollm2_lora_server.url, model_dir, 0)
     assert asyncio.run(served("policy")) == base_tokens
+
+
+def test_a_trl_project_on_smollm2_every_cell_valid_and_what_rewards_log_stored(
+    tmp_path, smollm2_lora_server, prefect_api
+):
+    """TRL's own accuracy_reward and think_format_reward and a reward written as TRL's documentation
+    writes them, on a conversational dataset saved by `datasets` (data.path a save_to_disk directory),
+    SmolLM2's own chat template, a LoRA run on the real server: with `completions: messages` every cell
+    is valid, and what the functions log is in the rewards and steps tables."""
+    import re
+
+    from datasets import Dataset
+
+    from flows.config import load_config
+    from flows.train import grpo_train
+
+    pytest.importorskip("math_verify")
+    system = "Think inside <think></think> tags, then give only the answer in \\boxed{}."
+    rows = [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": f"What is {a} + {b}?"}],
+             "solution": f"${a + b}$"} for a, b in ((2, 3), (4, 4), (1, 6), (7, 2))]  # fmt: skip
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "math"))
+    steps, per_step, g = 2, 2, 2
+    cfg = load_config(None, [
+        f"storage.root={tmp_path}", f"model.path={smollm2_lora_server.model_dir}",
+        f"inference.url={smollm2_lora_server.url}", "learner.lora={rank: 8, alpha: 16}", "run.run_id=trl-smol",
+        f"run.steps={steps}", f"data.path={tmp_path / 'math'}", f"data.prompts_per_step={per_step}",
+        f"generation.group_size={g}", "generation.max_tokens=24",
+        "rewards=[{name: accuracy, fn: 'trl.rewards:accuracy_reward', completions: messages}, "
+        "{name: think, fn: 'trl.rewards:think_format_reward', completions: messages}, "
+        "{name: docs, fn: 'tests.unit.reward_fns:trl_docs_length', completions: messages}]",
+    ])  # fmt: skip
+    assert grpo_train(config=cfg)["steps_trained"] == steps
+
+    _, statuses = query(tmp_path, "SELECT status, count(*) FROM rewards GROUP BY status")
+    assert statuses == [("valid", steps * per_step * g * 3)]
+    # accuracy_reward's log_extra columns, beside its cells
+    _, logged = query(tmp_path, "SELECT r.prompt, w.extra->>'solution', w.extra->>'answer_parsed' FROM rewards w "
+                                "JOIN rollouts r USING (run_id, step, group_id, sample_index) "
+                                "WHERE w.reward_name = 'accuracy'")  # fmt: skip
+    assert len(logged) == steps * per_step * g
+    for prompt, solution, parsed in logged:
+        (row,) = [r for r in rows if r["prompt"][1]["content"] in prompt]
+        assert solution == row["solution"] and parsed is not None
+    # the documentation-style reward's log_metric, in the steps
+    _, means = query(tmp_path, 'SELECT "reward/docs/mean_chars" FROM steps ORDER BY step')
+    assert len(means) == steps and all(m > 0 for (m,) in means)
+    # think_format_reward saw each completion's own text, as the assistant message
+    _, think = query(tmp_path, "SELECT r.completion, w.value FROM rewards w JOIN rollouts r "
+                               "USING (run_id, step, group_id, sample_index) WHERE w.reward_name = 'think'")  # fmt: skip
+    for completion, value in think:
+        text = completion.removesuffix("<|im_end|>")
+        assert value == (1.0 if re.match(r"^<think>(?!.*<think>)(.*?)</think>.*$", text, re.DOTALL) else 0.0)
 
 
 def test_a_lora_run_against_a_server_without_lora_fails_before_its_first_step(
