@@ -88,7 +88,8 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     state = TrainerState(global_step=step, epoch=epoch, max_steps=job.max_steps)
     metrics = await score_groups_async(groups, job.rewards, state)
     for broken in broken_rewards(groups, job.rewards):  # said at once; the flow decides to stop
-        _run_logger().error("step %d: %s\n%s", step, broken.line(), broken.trace or "")
+        say = _run_logger().error if broken.required else _run_logger().warning
+        say("step %d: %s\n%s", step, broken.line(), broken.trace or "")
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
     metrics.update(servers)

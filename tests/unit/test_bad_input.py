@@ -50,7 +50,26 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (no_tok / "config.json").write_text("{}")
     missing_reward = tmp / "missing-reward.yaml"
     missing_reward.write_text("rewards:\n  - name: r\n    fn: examples.rewards:no_such_reward\n")
+    causal = tmp / "causal-lm"
+    causal.mkdir()
+    (causal / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (causal / "tokenizer.json").write_text("{}")
+    rows = _jsonl(tmp / "conv.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
     return {
+        "unknown completions form": (
+            ["--set", "rewards=[{name: r, fn: 'examples.rewards:letter_fraction', completions: chat}]"],
+            "rewards.0.completions",
+        ),
+        "reward with neither fn nor model": (["--set", "rewards=[{name: r}]"], "set exactly one of fn"),
+        "reward model that is no classifier": (
+            ["--set", f"rewards=[{{name: rm, model: '{causal}'}}]"],
+            "rewards[0].model: "
+            + f"{causal} is not a sequence-classification model (architectures: LlamaForCausalLM)",
+        ),
+        "dataset split that does not exist": (
+            ["--set", f"data.dataset={{path: json, data_files: '{rows}', split: test}}"],
+            "data.dataset.split: no split 'test'",
+        ),
         "malformed value": (["--set", "generation.group_size=1"], "generation.group_size"),
         "wrong type": (["--set", "learner.lr=fast"], "learner.lr"),
         "missing reward import": (["--config", str(missing_reward)], "examples.rewards:no_such_reward"),
@@ -82,6 +101,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "resume of an unknown run",
         "lora rank 0",
         "merged adapters without lora",
+        "unknown completions form",
+        "reward with neither fn nor model",
+        "reward model that is no classifier",
+        "dataset split that does not exist",
     ],
 )
 def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
