@@ -511,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     from flows.config import ConfigError
     from storage.records import InvalidRunIdError
     from storage.sql import QueryError
+    from tasks.broken_rewards import BrokenRewardError
     from tasks.push import LoraUnsupportedError
-    from tasks.score import BrokenRewardError
 
     try:
         if not getattr(args, "runs_flows", False):

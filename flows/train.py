@@ -162,7 +162,7 @@ class RewardWatch:
         self.streak: dict[str, list[int]] = {}  # reward name -> the steps of its current streak
 
     def step(self, step: int, groups) -> None:
-        from tasks.score import BrokenRewardError, broken_rewards
+        from tasks.broken_rewards import BrokenRewardError, broken_rewards
 
         limit = self.cfg.run.max_failed_reward_steps
         broken = [b for b in broken_rewards(groups, self.cfg.rewards) if b.required]

@@ -1,11 +1,11 @@
 """Concurrent reward scoring with a status for every (completion, reward function) cell.
 
 All reward functions of a batch run at once: `async def` ones each on their own event loop, sync ones
-on daemon threads (or a process pool for CPU-bound functions, or Ray tasks on a cluster), each under
-its own timeout. A result
-is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong length, non-numeric) or `timeout`;
-nothing is silently turned into 0. An optional reward's missing value is imputed with its group's
-mean (neutral for the advantage), the cell keeping its status.
+on daemon threads (or a process pool for CPU-bound functions, or Ray tasks on a cluster), a reward
+`model` on a thread of its own, each under its own timeout. They get TRL's keywords
+(tasks/reward_kwargs.py). A result is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong
+length, non-numeric) or `timeout`; nothing is silently turned into 0. An optional reward's missing
+value is imputed with its group's mean (neutral for the advantage), the cell keeping its status.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
 from storage.faults import failpoint
@@ -269,61 +268,6 @@ def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
     mean, std = _stats([c.reward for c in comps if c.reward_valid])
     out["reward/mean"], out["reward/std"] = mean, std
     out["reward/valid_frac"] = sum(c.reward_valid for c in comps) / max(1, len(comps))
-    return out
-
-
-@dataclass(frozen=True)
-class BrokenReward:
-    """A reward that failed (raised, timed out, returned the wrong number of values) on every
-    completion of a batch: a bug in the function or its config, not data to mask."""
-
-    index: int  # its place in `rewards`
-    name: str
-    required: bool
-    failed: int
-    total: int
-    reason: str  # the first cell's
-    trace: str | None  # the first traceback, when the function raised
-    hint: str | None  # what to change, when the failure looks like the completions' form
-
-    def line(self) -> str:
-        kind = "" if self.required else " (optional: imputed)"
-        out = f"reward {self.name!r}{kind} failed on {self.failed}/{self.total} completions: {self.reason}"
-        return f"{out}; {self.hint}" if self.hint else out
-
-
-class BrokenRewardError(RuntimeError):
-    """A required reward failed on every completion of `run.max_failed_reward_steps` steps in a row:
-    the run stops (resumable) rather than train on nothing."""
-
-
-_FORMAT_ERRORS = ("TypeError:", "KeyError:")
-
-
-def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> list[BrokenReward]:
-    """The rewards that failed on every completion of `groups` (scored). A TypeError or KeyError from a
-    text-form reward while the prompts are conversational reads as TRL code indexing a completion as
-    messages: its hint says to set `completions: messages`."""
-    comps = [c for g in groups for c in g.completions]
-    conversational = any(
-        is_conversational(c.prompt_input if c.prompt_input is not None else g.row.get("prompt", g.prompt))
-        for g in groups
-        for c in g.completions
-    )
-    out = []
-    for i, spec in enumerate(specs):
-        cells = [x for c in comps for x in c.reward_cells if x.name == spec.name]
-        if not cells or any(x.status not in ("failed", "timeout") for x in cells):
-            continue
-        first = cells[0]
-        hint = None
-        if conversational and spec.completions == "text" and first.reason.startswith(_FORMAT_ERRORS):
-            hint = (
-                f"the prompts are conversational: if the function reads completions as messages "
-                f"(TRL's form), set rewards[{i}].completions: messages"
-            )
-        out.append(BrokenReward(i, spec.name, spec.required, len(cells), len(cells), first.reason,
-                                first.trace, hint))  # fmt: skip
     return out
 
 

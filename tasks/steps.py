@@ -77,7 +77,8 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from tasks.score import broken_rewards, score_groups_async
+    from tasks.broken_rewards import broken_rewards
+    from tasks.score import score_groups_async
 
     t0 = time.perf_counter()
     groups = await _generate(rows, prompt_indices, job)

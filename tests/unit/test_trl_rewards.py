@@ -9,9 +9,10 @@ import pytest
 from storage.records import RewardCell, TaggedMessage, ToolCallRecord
 from storage.rollouts import RolloutStore
 from storage.sql import query
+from tasks.broken_rewards import broken_rewards
 from tasks.config import RewardConfig
 from tasks.reward_kwargs import TrainerState, completion_messages
-from tasks.score import broken_rewards, score_groups
+from tasks.score import score_groups
 from tests.support import make_groups
 
 pytestmark = pytest.mark.unit
@@ -224,7 +225,7 @@ def _scored(specs, fail: bool):
 
 
 def test_a_required_reward_broken_for_max_failed_reward_steps_stops_the_run_in_one_line():
-    from tasks.score import BrokenRewardError
+    from tasks.broken_rewards import BrokenRewardError
 
     watch, specs = _watched(2)
     watch.step(0, _scored(specs, fail=True))  # one broken step: logged, not yet stopped
