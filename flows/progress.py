@@ -120,6 +120,10 @@ class StepReporter:
         except Exception as e:  # the UI's progress lags; training goes on
             self.log.warning("progress artifact not updated: %r", e)
 
+    def flush(self) -> None:
+        """Wait until every step line submitted so far is shown."""
+        self._shows.submit(lambda: None).result()
+
     def finish(self) -> None:
         self._shows.shutdown(wait=True)
         if self.bar is not None:

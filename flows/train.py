@@ -33,6 +33,7 @@ from flows.serve import inference_servers, replica_names
 from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
+from tasks.broken_rewards import BrokenRewardError, broken_rewards
 from tasks.config import InferenceConfig, LoraConfig
 from tasks.push import weight_push
 from tasks.steps import assign_advantages
@@ -141,14 +142,18 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
             store.write_step(run_id, step, runner.end(rec))
-            # After its rows: the failed cells are in the tables; the step is redone on resume.
-            watch.step(step, batch.groups)
-            if _due(step, cfg.run.checkpoint_every, steps):
+            # After its rows (the failed cells are in the tables) and before its checkpoint (a resume
+            # redoes the step), a reward broken for too long stops the run, once its line is shown.
+            stop = watch.step(step, batch.groups)
+            if stop is None and _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, step + 1)
                 rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints)
                 store.write_step(run_id, step, runner.end(rec))  # the same row, with the checkpoint
                 compactor.submit(step, final=step == steps - 1)  # now closed; a background thread
             reporter.step(rec)
+            if stop is not None:
+                reporter.flush()
+                raise stop
         reporter.finish()
     return reporter.summary()
 
@@ -161,9 +166,8 @@ class RewardWatch:
         self.cfg, self.run_id = cfg, run_id
         self.streak: dict[str, list[int]] = {}  # reward name -> the steps of its current streak
 
-    def step(self, step: int, groups) -> None:
-        from tasks.broken_rewards import BrokenRewardError, broken_rewards
-
+    def step(self, step: int, groups) -> BrokenRewardError | None:
+        """Count the step's broken rewards; the error to stop the run with, once one's streak is due."""
         limit = self.cfg.run.max_failed_reward_steps
         broken = [b for b in broken_rewards(groups, self.cfg.rewards) if b.required]
         names = {b.name for b in broken}
@@ -173,7 +177,7 @@ class RewardWatch:
             steps.append(step)
             if limit and len(steps) >= limit:
                 where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-                raise BrokenRewardError(
+                return BrokenRewardError(
                     " ".join(
                         f"reward {b.name!r} failed on every completion of {where} "
                         f"(run.max_failed_reward_steps={limit}): {b.reason}"
@@ -181,6 +185,7 @@ class RewardWatch:
                         f"continue the run with --resume {self.run_id}".split()
                     )  # one line, whatever the exception's message holds
                 )
+        return None
 
 
 def _due(step: int, every: int, steps: int) -> bool:
