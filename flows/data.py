@@ -272,6 +272,10 @@ def confine_dataset(ds: DatasetConfig) -> None:
     """`data.dataset`'s local paths inside the worker's allow-lists (tasks/allowlist.py); its files
     are read locally only."""
     if not ds.is_builder():
+        if not Path(ds.path).exists():  # a Hub name: load_dataset would download from the network
+            raise NotAllowedError(
+                f"data.dataset.path: {ds.path!r} is not a local path; this run reads local files only"
+            )
         check_path(ds.path, "data.dataset.path")
     for f in ds.file_list():
         if "://" in f:

@@ -295,6 +295,7 @@ def test_worker_allow_lists_cover_the_dataset_paths(tmp_path, monkeypatch):
             ["data.dataset={path: json, data_files: 'https://example.com/rows.jsonl'}"],
             "data.dataset.data_files",
         ),
+        (["data.dataset={path: trl-lib/DeepMath-103K}"], "data.dataset.path"),  # a Hub name: never fetched
     ]:
         with pytest.raises(ConfigError) as e:
             confine(load_config(None, [root, *sets]))

@@ -169,3 +169,16 @@ def _fresh_cache():
     yield
     rm._cache.clear()
     rm._key_locks.clear()
+
+
+def test_worker_allow_lists_bound_a_reward_model_path(tmp_path, monkeypatch):
+    from flows.config import ConfigError, load_config
+    from flows.runs import confine
+
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    monkeypatch.setenv("GRPOFLOW_ALLOWED_ROOTS", str(inside))
+    root = f"storage.root={inside / 'store'}"
+    confine(load_config(None, [root, f"rewards=[{{name: rm, model: '{inside / 'rm'}'}}]"]))
+    with pytest.raises(ConfigError, match=r"^rewards\[0\]\.model: .* is outside GRPOFLOW_ALLOWED_ROOTS"):
+        confine(load_config(None, [root, f"rewards=[{{name: rm, model: '{tmp_path / 'rm'}'}}]"]))
