@@ -221,39 +221,20 @@ def save_reward_model(
         LlamaForSequenceClassification,
     )
 
-    if arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            n_positions=max_position_embeddings,
-            num_labels=1,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-        torch.manual_seed(seed)
-        GPT2ForSequenceClassification(config).save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        return out
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_position_embeddings,
-        num_labels=1,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
+    # one label, and no pad/bos/eos ids of its own: the tokenizer's
+    common = dict(
+        vocab_size=len(tokenizer), num_labels=1, pad_token_id=None, bos_token_id=None, eos_token_id=None
     )
+    if arch == "gpt2":
+        kind = GPT2ForSequenceClassification
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=max_position_embeddings, **common)
+    else:
+        kind = LlamaForSequenceClassification
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position_embeddings,
+                             **common)  # fmt: skip
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config)
-    model.save_pretrained(out)
+    kind(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
