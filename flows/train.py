@@ -33,7 +33,7 @@ from flows.serve import inference_servers, replica_names
 from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
-from tasks.broken_rewards import BrokenRewardError, broken_rewards
+from tasks.broken_rewards import BrokenReward, BrokenRewardError
 from tasks.config import InferenceConfig, LoraConfig
 from tasks.push import weight_push
 from tasks.steps import assign_advantages
@@ -144,7 +144,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             store.write_step(run_id, step, runner.end(rec))
             # After its rows (the failed cells are in the tables) and before its checkpoint (a resume
             # redoes the step), a reward broken for too long stops the run, once its line is shown.
-            stop = watch.step(step, batch.groups)
+            stop = watch.step(step, batch.broken)
             if stop is None and _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, step + 1)
                 rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints)
@@ -166,10 +166,11 @@ class RewardWatch:
         self.cfg, self.run_id = cfg, run_id
         self.streak: dict[str, list[int]] = {}  # reward name -> the steps of its current streak
 
-    def step(self, step: int, groups) -> BrokenRewardError | None:
-        """Count the step's broken rewards; the error to stop the run with, once one's streak is due."""
+    def step(self, step: int, broken: list[BrokenReward]) -> BrokenRewardError | None:
+        """Count the step's broken rewards (its batch's); the error to stop the run with, once one's
+        streak is due."""
         limit = self.cfg.run.max_failed_reward_steps
-        broken = [b for b in broken_rewards(groups, self.cfg.rewards) if b.required]
+        broken = [b for b in broken if b.required]
         names = {b.name for b in broken}
         self.streak = {k: v for k, v in self.streak.items() if k in names}
         for b in broken:

@@ -176,6 +176,11 @@ class RolloutGroup:
     def prompt_of(self, c: RolloutCompletion) -> str:
         return self.prompt if c.prompt is None else c.prompt
 
+    def prompt_input_of(self, c: RolloutCompletion) -> Any:
+        """The prompt completion `c` was generated from as reward functions receive it: the row's form
+        (a string or its messages), reset notes included."""
+        return self.row.get("prompt", self.prompt) if c.prompt_input is None else c.prompt_input
+
 
 # ---------------------------------------------------------------------------------------------
 # Arrow schemas

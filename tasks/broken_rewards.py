@@ -45,11 +45,7 @@ def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> lis
     text-form reward while the prompts are conversational reads as TRL code indexing a completion as
     messages: its hint says to set `completions: messages`."""
     comps = [c for g in groups for c in g.completions]
-    conversational = any(
-        is_conversational(c.prompt_input if c.prompt_input is not None else g.row.get("prompt", g.prompt))
-        for g in groups
-        for c in g.completions
-    )
+    conversational = any(is_conversational(g.prompt_input_of(c)) for g in groups for c in g.completions)
     out = []
     for i, spec in enumerate(specs):
         cells = [x for c in comps for x in c.reward_cells if x.name == spec.name]

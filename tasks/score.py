@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import functools
 import inspect
 import math
@@ -65,8 +66,7 @@ def _batch_inputs(groups: list[RolloutGroup]) -> dict[str, list[Any]]:
         cols[k] = []
     for g in groups:
         for c in g.completions:
-            own = c.prompt_input  # the prompt this completion was generated from (reset notes included)
-            cols["prompts"].append(own if own is not None else g.row.get("prompt", g.prompt))
+            cols["prompts"].append(g.prompt_input_of(c))
             cols["completions"].append(c.completion)
             cols["completion_ids"].append(c.completion_ids)
             cols["environments"].append(c.environment)
@@ -137,8 +137,8 @@ async def _run_one(
     except Exception as e:
         return _failed(spec, e, n, t0), RewardLog(n)
     cells = _cells_from_values(spec, values, n, time.perf_counter() - t0)
-    for i, c in enumerate(cells):
-        c.extra = log.cell_extra(i)
+    if log.extra:  # a copy per completion: a failed batch's cells are one object n times
+        cells = [dataclasses.replace(c, extra=log.cell_extra(i)) for i, c in enumerate(cells)]
     return cells, log
 
 

@@ -27,6 +27,7 @@ from storage.checkpoints import CheckpointStore
 from storage.faults import failpoint
 from storage.records import RolloutGroup
 from storage.rollouts import RolloutStore
+from tasks.broken_rewards import BrokenReward, broken_rewards
 from tasks.config import AlgorithmConfig, GenerationConfig, InferenceConfig, RewardConfig, ToolsConfig
 from tasks.grpo import group_advantages
 from tasks.push import PushStats, WeightPush, push_version
@@ -43,6 +44,7 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     body_start: float = 0.0  # perf_counter at task-body start/end (Prefect overhead accounting)
     body_end: float = 0.0
+    broken: list[BrokenReward] = field(default_factory=list)  # rewards failed on every completion
 
 
 @dataclass
@@ -77,7 +79,6 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from tasks.broken_rewards import broken_rewards
     from tasks.score import score_groups_async
 
     t0 = time.perf_counter()
@@ -88,14 +89,15 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     epoch = prompt_indices[0] / job.rows_per_epoch if job.rows_per_epoch and prompt_indices else 0.0
     state = TrainerState(global_step=step, epoch=epoch, max_steps=job.max_steps)
     metrics = await score_groups_async(groups, job.rewards, state)
-    for broken in broken_rewards(groups, job.rewards):  # said at once; the flow decides to stop
-        say = _run_logger().error if broken.required else _run_logger().warning
-        say("step %d: %s\n%s", step, broken.line(), broken.trace or "")
+    broken = broken_rewards(groups, job.rewards)
+    for b in broken:  # said at once; the flow decides to stop
+        say = _run_logger().error if b.required else _run_logger().warning
+        say("step %d: %s\n%s", step, b.line(), b.trace or "")
     t2 = time.perf_counter()
     metrics.update(_generation_metrics(groups, t1 - t0))
     metrics.update(servers)
     metrics["score_seconds"] = t2 - t1
-    return RolloutBatch(step, groups, metrics, t0, t2)
+    return RolloutBatch(step, groups, metrics, t0, t2, broken)
 
 
 def _run_logger():

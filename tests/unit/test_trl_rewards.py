@@ -217,11 +217,9 @@ def _scored(specs, fail: bool):
         for g in groups:
             for c in g.completions:
                 c.messages = [TaggedMessage("assistant", c.completion, True)]
-    score_groups(
-        groups,
-        specs if fail else [specs[0], RewardConfig(name="docs", fn=lambda completions, **_: [0.0] * 4)],
-    )
-    return groups
+    scored = specs if fail else [specs[0], RewardConfig(name="docs", fn=lambda completions, **_: [0.0] * 4)]
+    score_groups(groups, scored)
+    return broken_rewards(groups, scored)  # what the step's batch carries
 
 
 def test_a_required_reward_broken_for_max_failed_reward_steps_stops_the_run_in_one_line():
@@ -267,3 +265,15 @@ def test_the_step_line_says_nothing_trained_and_which_rewards_failed():
     )
     fine = {"reward/mean": 0.5, "train/samples": 8.0, "train/loss": 0.125, "wall_seconds": 1.0}
     assert StepReporter.line(me, fine) == "reward 0.500  loss 0.1250  1.0s/step"
+
+
+def test_a_failed_batch_keeps_each_completions_own_logged_columns():
+    def short(completions, log_extra, **_):
+        log_extra("i", list(range(len(completions))))
+        return [1.0]  # the wrong number of values: every cell fails
+
+    groups = make_groups(1, 3)
+    score_groups(groups, [RewardConfig(name="s", fn=short)])
+    cells = [c.reward_cells[0] for c in groups[0].completions]
+    assert all(x.status == "failed" for x in cells)
+    assert [x.extra for x in cells] == [{"i": 0}, {"i": 1}, {"i": 2}]
