@@ -252,3 +252,10 @@ def by_hand(path: Path, texts: list[str]) -> list[float]:
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
             out.append(float(model(**ids).logits[0, 0]))
     return out
+
+
+def assistant_text(tok, ids: list[int]) -> str:
+    """A single-turn completion's assistant message as generation records it (and `completions:
+    messages` hands it to rewards): the tokens as the model wrote them, special ones kept, less a final EOS."""
+    text = tok.decode(ids, skip_special_tokens=False)
+    return text.removesuffix(tok.eos_token) if tok.eos_token else text

@@ -16,7 +16,7 @@ import torch
 
 from flows.drill import clean_store, random_kill_drill, store_check
 from storage.sql import query
-from tests.support import REPO
+from tests.support import REPO, assistant_text
 
 pytestmark = pytest.mark.integration
 
@@ -158,6 +158,7 @@ def test_a_trl_project_on_smollm2_every_cell_valid_and_what_rewards_log_stored(
     import re
 
     from datasets import Dataset
+    from transformers import AutoTokenizer
 
     from flows.config import load_config
     from flows.train import grpo_train
@@ -190,13 +191,19 @@ def test_a_trl_project_on_smollm2_every_cell_valid_and_what_rewards_log_stored(
         (row,) = [r for r in rows if r["prompt"][1]["content"] in prompt]
         assert solution == row["solution"] and parsed is not None
     # the documentation-style reward's log_metric, in the steps
-    _, means = query(tmp_path, 'SELECT "reward/docs/mean_chars" FROM steps ORDER BY step')
-    assert len(means) == steps and all(m > 0 for (m,) in means)
+    # (each step's mean length of the assistant messages it read)
+    tok = AutoTokenizer.from_pretrained(smollm2_lora_server.model_dir)
+    _, means = query(tmp_path, 'SELECT step, "reward/docs/mean_chars" FROM steps ORDER BY step')
+    assert [s for s, _ in means] == list(range(steps))
+    for step, mean in means:
+        _, ids = query(tmp_path, f"SELECT completion_ids FROM rollouts WHERE step = {step}")
+        chars = [len(assistant_text(tok, i)) for (i,) in ids]
+        assert mean == pytest.approx(sum(chars) / len(chars))
     # think_format_reward saw each completion's own text, as the assistant message
-    _, think = query(tmp_path, "SELECT r.completion, w.value FROM rewards w JOIN rollouts r "
+    _, think = query(tmp_path, "SELECT r.completion_ids, w.value FROM rewards w JOIN rollouts r "
                                "USING (run_id, step, group_id, sample_index) WHERE w.reward_name = 'think'")  # fmt: skip
-    for completion, value in think:
-        text = completion.removesuffix("<|im_end|>")
+    for ids, value in think:
+        text = assistant_text(tok, ids)
         assert value == (1.0 if re.match(r"^<think>(?!.*<think>)(.*?)</think>.*$", text, re.DOTALL) else 0.0)
 
 

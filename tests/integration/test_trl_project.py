@@ -16,7 +16,7 @@ import pytest
 
 from storage.rollouts import RolloutStore
 from storage.sql import query
-from tests.support import REPO, by_hand, save_reward_model
+from tests.support import REPO, assistant_text, by_hand, save_reward_model
 
 pytestmark = pytest.mark.integration
 
@@ -82,12 +82,16 @@ def test_a_broken_trl_reward_stops_the_run_loudly_and_resumes_once_fixed(
     assert rows == [(0, "docs", "failed", PROMPTS * G), (0, "rm", "valid", PROMPTS * G)] + [
         (s, name, "valid", PROMPTS * G) for s in range(1, STEPS) for name in ("docs", "rm")
     ]
-    _, rows = query(
-        tmp_path, "SELECT step, \"reward/docs/mean_chars\" FROM steps WHERE run_id = 'trl' ORDER BY step"
-    )
-    assert (
-        [s for s, _ in rows] == list(range(STEPS)) and rows[0][1] is None and all(v > 0 for _, v in rows[1:])
-    )
+    # its log_metric: each step's mean length of the assistant messages it read (the text as generated)
+    _, rows = query(tmp_path, "SELECT step, \"reward/docs/mean_chars\" FROM steps WHERE run_id = 'trl' ORDER BY step")  # fmt: skip
+    assert [s for s, _ in rows] == list(range(STEPS)) and rows[0][1] is None
+    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for step, mean in rows[1:]:
+        _, ids = query(
+            tmp_path, f"SELECT completion_ids FROM rollouts WHERE run_id = 'trl' AND step = {step}"
+        )
+        chars = [len(assistant_text(tiny, i)) for (i,) in ids]
+        assert mean == pytest.approx(sum(chars) / len(chars))
 
     # The reward model's cells are what the model says of the prompt (its chat template) + completion.
     _, cells = query(tmp_path, "SELECT r.prompt, r.completion, w.value FROM rollouts r JOIN rewards w USING "
