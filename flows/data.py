@@ -212,14 +212,21 @@ def split_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training rows, eval rows) of the dataset `rows`.
 
-    `data.eval_path` (or `data.eval_split`, a split of the same Hugging Face dataset): its rows are the
-    eval split, and training rows with one of their ids are left out of training. `data.eval_fraction`:
+    `data.eval_path` (or `data.eval_split`, a split of the same Hugging Face dataset, or the generator's
+    rows for `data.eval_generator_kwargs`): its rows are the eval split, and training rows with one of their ids are left out of training. `data.eval_fraction`:
     a row is held out by a hash of its id (`held_out`), so the same rows are held out in every run and
     resume, and as the data grows. None of them: no eval split."""
     d = cfg.data
-    if d.eval_path or d.eval_split:
-        eval_rows = _eval_split_rows(cfg) if d.eval_split else _read_rows(d.eval_path, "data.eval_path", cfg)
-        _check_rows(eval_rows, "data.eval_split" if d.eval_split else "data.eval_path")
+    if d.eval_path or d.eval_split or d.eval_generator_kwargs is not None:
+        if d.eval_generator_kwargs is not None:
+            field = "data.eval_generator_kwargs"
+            gen = resolve_import(d.generator, "data.generator")
+            eval_rows = list(gen(**{**d.generator_kwargs, **d.eval_generator_kwargs}))
+        elif d.eval_split:
+            field, eval_rows = "data.eval_split", _eval_split_rows(cfg)
+        else:
+            field, eval_rows = "data.eval_path", _read_rows(d.eval_path, "data.eval_path", cfg)
+        _check_rows(eval_rows, field)
         ids = {row_id_of(r) for r in eval_rows}
         train = [r for r in rows if row_id_of(r) not in ids]
     elif d.eval_fraction > 0:

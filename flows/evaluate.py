@@ -15,6 +15,7 @@ loaded through the `lora` weight push, and requests name it. Eval rollouts are w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -36,7 +37,7 @@ from tasks.config import LoraConfig
 from tasks.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
 from tasks.lora_push import adapter_rank
 from tasks.replicas import Replica, ReplicaSet
-from tasks.steps import persist, rollout_batch
+from tasks.steps import RolloutBatch, RolloutJob, persist, rollout_batch
 
 
 def model_for(cfg: GRPOConfig, run_id: str | None, checkpoint: str | None) -> tuple[str, int]:
@@ -127,12 +128,8 @@ def evaluate_model(
         pusher = weight_push(cfg.storage.root, eval_run, sync, cfg.inference)
         load_version(pusher, url, model, step)
         replicas.model_name = pusher.model_name  # an adapter: requests name it
-    cursor = list(range(len(rows)))
-    job = rollout_job(cfg, replicas, tokenizer or model)
-    batch = rollout_batch(step, rows, cursor, quote(job))
-    for g in batch.groups:
-        g.split = "eval"
-        g.group_id = g.group_id.replace("train-", "eval-")
+    job = dataclasses.replace(rollout_job(cfg, replicas, tokenizer or model), split="eval")
+    batch = rollout_batch(step, rows, list(range(len(rows))), quote(job))
     persist(cfg.storage.root, eval_run, step, quote(batch.groups))
     return batch.groups
 
@@ -172,6 +169,33 @@ def grpo_evaluate(
         groups = evaluate_model(cfg, model, step, eval_run, rows, server.url,
                                 load=server_url is not None or lora is not None, tokenizer=base)  # fmt: skip
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
+
+
+class TrainingEval:
+    """`run.eval_every`: the held-out split (at most `run.eval_prompts` rows, in split order) scored after
+    every N-th step and the last, on the run's own servers, with grpo-evaluate's seeded sampling (seed
+    by row position and sample), so every eval of a run sees the same rows and draws."""
+
+    def __init__(self, cfg: GRPOConfig, job: RolloutJob):
+        self.every, self.last = cfg.run.eval_every, cfg.run.steps - 1
+        self.rows = eval_rows(cfg, cfg.run.eval_prompts)[0] if self.every else []
+        self.job = dataclasses.replace(job, split="eval")
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and ((step + 1) % self.every == 0 or step == self.last)
+
+
+def eval_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The `eval/` metrics of a held-out batch: its reward/ figures (mean over valid completions, valid
+    fraction, per reward function), the pass rate (reward >= 1; an invalid completion fails) and the mean
+    completion length (the `rollouts.completion_tokens` column's)."""
+    comps = [c for g in batch.groups for c in g.completions]
+    s = scores(batch.groups, 1.0)
+    return {f"eval/{k}": v for k, v in batch.metrics.items() if k.startswith("reward/")} | {
+        "eval/pass_rate": s["pass_rate"],
+        "eval/completions": float(len(comps)),
+        "eval/completion_tokens": statistics.fmean(len(c.completion_ids) for c in comps) if comps else 0.0,
+    }
 
 
 def scores(groups, threshold: float) -> dict[str, Any]:

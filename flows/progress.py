@@ -124,7 +124,9 @@ class StepReporter:
         """Wait until every step line submitted so far is shown."""
         self._shows.submit(lambda: None).result()
 
-    def finish(self) -> None:
+    def finish(self, links: dict[str, str] | None = None) -> None:
+        """Show what is left, then write the step table and the summary (with `links`: tracker name ->
+        where its tracking run is)."""
         self._shows.shutdown(wait=True)
         if self.bar is not None:
             self.bar.stop()
@@ -135,7 +137,7 @@ class StepReporter:
                 description=f"Step metrics of {self.run.run_id}",
             )
         create_markdown_artifact(
-            markdown=self.markdown(),
+            markdown=self.markdown(links or {}),
             key=artifact_key(f"{self.run.run_id}-summary"),
             description="Run summary",
         )
@@ -150,14 +152,17 @@ class StepReporter:
             "store": str(Path(self.cfg.storage.root).resolve()),
         }
 
-    def markdown(self) -> str:
+    def markdown(self, links: dict[str, str] | None = None) -> str:
         s = self.summary()
         root = s["store"]
+        tracked = "".join(f"- {TRACKER_NAMES.get(k, k)}: {_link(v)}\n" for k, v in (links or {}).items())
+        if tracked:
+            tracked = f"\nTracking runs (steps up to the last checkpoint):\n\n{tracked}"
         return f"""# grpo-train `{self.run.run_id}`
 
 Trained steps {self.run.start_step}..{self.run.start_step + len(self.rows) - 1}; reward (valid completions
 only) went from **{s["first_reward"]}** to **{s["last_reward"]}**.
-
+{tracked}
 Rollouts, rewards and step metrics are Parquet files under `{root}`:
 
 ```
@@ -167,6 +172,14 @@ grpoflow sql --root {root} "SELECT step, avg(reward) FILTER (reward_valid) AS re
 grpoflow sql --root {root} "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL"
 ```
 """
+
+
+TRACKER_NAMES = {"tensorboard": "TensorBoard", "mlflow": "MLflow", "wandb": "W&B"}
+
+
+def _link(where: str) -> str:
+    """A URL as a markdown link; a directory as code."""
+    return f"[{where}]({where})" if where.startswith(("http://", "https://")) else f"`{where}`"
 
 
 def artifact_key(s: str) -> str:

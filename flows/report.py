@@ -3,7 +3,8 @@
 Figures (matplotlib, Agg, object API only: no pyplot global state; imported lazily so importing this
 module stays cheap), one PNG each, step on the x axis:
 
-- `reward.png`: reward mean (± std) over valid completions, and the valid fraction.
+- `reward.png`: reward mean (± std) over valid completions, and the valid fraction; with
+  `run.eval_every`, the held-out split's (dashed, diamonds) beside them.
 - `reward_status.png`: per reward function, its invalid / failed / timeout rates.
 - `tool_calls.png`: tool calls (succeeded / failed) and their success rate; a run without tool calls
   still gets the figure, saying so.
@@ -52,14 +53,14 @@ _REWARD_STATUS_SQL = """
            avg(CASE WHEN status = 'invalid' THEN 1.0 ELSE 0.0 END) AS invalid,
            avg(CASE WHEN status = 'failed' THEN 1.0 ELSE 0.0 END) AS failed,
            avg(CASE WHEN status = 'timeout' THEN 1.0 ELSE 0.0 END) AS timeout
-    FROM rewards WHERE run_id = $run
+    FROM rewards WHERE run_id = $run AND split = 'train'
     GROUP BY reward_name, step ORDER BY reward_name, step"""
 
 # Per step (every step with rollouts, zero-call steps included): tool calls and failed ones.
 _TOOL_CALLS_SQL = """
     SELECT s.step, count(t.name) AS calls, count(*) FILTER (WHERE t.failed) AS failed
-    FROM (SELECT DISTINCT step FROM rollouts WHERE run_id = $run) s
-    LEFT JOIN (SELECT * FROM tool_calls WHERE run_id = $run) t ON t.step = s.step
+    FROM (SELECT DISTINCT step FROM rollouts WHERE run_id = $run AND split = 'train') s
+    LEFT JOIN (SELECT * FROM tool_calls WHERE run_id = $run AND split = 'train') t ON t.step = s.step
     GROUP BY s.step ORDER BY s.step"""
 
 
@@ -77,6 +78,8 @@ def report_data(root: str | Path, run_id: str) -> dict[str, Any]:
     run = {"run": run_id}
     _, curve = query(root, CANNED["reward_curve"], run)  # run_id, step, mean, std, valid_frac, n
     curve = [r[1:] for r in curve]
+    _, held = query(root, CANNED["eval_curve"], run)  # the held-out split (run.eval_every), same columns
+    held = [r[1:] for r in held]
     _, totals = query(root, CANNED["invalid_rate"], run)  # run_id, name, cells, rate, inv, fail, tout
     _, per_step = query(root, _REWARD_STATUS_SQL, run)
     _, lengths = query(root, CANNED["lengths"], run)  # run_id, step, mean, min, max, ...
@@ -102,6 +105,8 @@ def report_data(root: str | Path, run_id: str) -> dict[str, Any]:
         "reward_curve": _series(curve, 1),
         "reward_std": _series(curve, 2),
         "valid_frac": _series(curve, 3),
+        "eval_curve": _series(held, 1),
+        "eval_valid_frac": _series(held, 3),
         "reward_status": status,
         "reward_status_totals": {
             r[1]: {"cells": r[2], "invalid": r[4] / r[2], "failed": r[5] / r[2], "timeout": r[6] / r[2]}
@@ -189,6 +194,11 @@ def reward_figure(data: dict[str, Any]) -> Figure:
         steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)],
         color="C0", alpha=0.2, linewidth=0, label="± std",
     )  # fmt: skip
+    held = data["eval_curve"]
+    if held:  # scored every run.eval_every steps: few points, always marked
+        top.plot(*_xy(held), color="C3", linestyle="--", marker="D", markersize=5, label="held-out eval")
+        bottom.plot(*_xy(data["eval_valid_frac"]), color="C3", linestyle="--", marker="D", markersize=5,
+                    label="held-out valid fraction")  # fmt: skip
     bottom.plot(*_xy(data["valid_frac"]), color="C2", label="valid fraction", **_marker(curve))
     bottom.set_ylim(-0.05, 1.05)
     if not curve:
@@ -318,6 +328,7 @@ def _markdown(run_id: str, data: dict[str, Any]) -> str:
         f"-> {_fmt(curve[-1] if curve else None)}; valid fraction "
         f"{_fmt(sum(valid) / len(valid) if valid else None)} on average.",
         "",
+        *_eval_line(data),
         "![reward](reward.png)",
         "",
         "Reward cells per reward function, whole run:",
@@ -358,6 +369,20 @@ def _markdown(run_id: str, data: dict[str, Any]) -> str:
         ]
     md += ["![step time](step_time.png)", "", "![completion length](completion_length.png)"]
     return "\n".join(md) + "\n"
+
+
+def _eval_line(data: dict[str, Any]) -> list[str]:
+    """The held-out curve in words (run.eval_every), or nothing for a run that never scored it."""
+    held = [(s, v) for s, v in data["eval_curve"] if v is not None]
+    if not held:
+        return []
+    (s0, first), (s1, last) = held[0], held[-1]
+    best = max(held, key=lambda p: p[1])
+    return [
+        f"Held-out eval reward (the eval split, same rows and seeds each time): {first:.3f} at step {s0} -> "
+        f"{last:.3f} at step {s1}, best {best[1]:.3f} at step {best[0]} ({len(held)} evals).",
+        "",
+    ]
 
 
 def write_report(root: str | Path, run_id: str, out_dir: str | Path | None = None) -> Path:

@@ -30,7 +30,9 @@ from tasks.push import PushStats, WeightPush
 from tasks.replicas import ReplicaSet
 from tasks.steps import (
     RolloutBatch,
+    RolloutJob,
     StepRecord,
+    eval_batch,
     persist,
     push_weights,
     save_checkpoint,
@@ -63,9 +65,10 @@ class StepRunner:
         return self.record
 
     def end(self, record: StepRecord) -> dict[str, float]:
-        """The step's `steps` row as of now (again after a checkpoint: the same row, longer)."""
+        """The step's `steps` row as of now (again after a checkpoint: the same row, longer). Its wall
+        time leaves out the held-out eval, which is no part of training."""
         self._end = time.perf_counter()
-        record.times.wall = self._end - self._start
+        record.times.wall = self._end - self._start - (record.times.eval or 0.0)
         return record.row()
 
     def submit(self, task: Task, *args: Any) -> Future | Any:
@@ -159,6 +162,14 @@ class StepUnits:
     def first_push(self, version: int) -> PushStats:
         """A run's first push (resume, external servers): the servers must serve the learner's weights."""
         return self._as_task(push_weights, self.learner, version, self.pusher, self.servers)
+
+    def evaluate(self, step: int, rows: list[dict], job: RolloutJob, train_groups) -> RolloutBatch:
+        """Generate and score the held-out `rows` (`job`: split 'eval', seeded by row position) on the
+        servers, as the `eval-batch` task run, and write them into the step's files beside its training
+        rows (a resume that redoes the step redoes its eval); the eval batch."""
+        batch = self._as_task(eval_batch, step, rows, list(range(len(rows))), job)
+        self._as_task(persist, self.root, self.run_id, step, [*train_groups, *batch.groups])
+        return batch
 
     def checkpoint(self, step: int, state: dict, keep: int) -> float:
         return self.runner.call(save_checkpoint, self.learner, root=self.root, run_id=self.run_id, step=step,

@@ -51,7 +51,15 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
     check_imports(cfg)  # reward / tool / environment / generator import paths
     check_reward_models(cfg)
-    rows, _ = split_rows(cfg, load_rows(cfg))
+    if cfg.run.report_to:
+        from flows.tracking import check_trackers  # each tracker's library only when it is named
+
+        check_trackers(cfg)
+    rows, held = split_rows(cfg, load_rows(cfg))
+    if cfg.run.eval_every and not held:
+        raise ConfigError(
+            f"run.eval_every: the eval split holds no rows ({_eval_source(cfg)}); nothing to score"
+        )
     check_lora_installed(cfg)
     if cfg.model.path != "tiny":
         if not Path(cfg.model.path).exists():
@@ -69,6 +77,15 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     elif cfg.run.run_id and store.read_run_meta(cfg.run.run_id) is not None:
         raise ConfigError(f"run.run_id: run {cfg.run.run_id!r} already exists; use --resume {cfg.run.run_id}")
     return rows
+
+
+def _eval_source(cfg: GRPOConfig) -> str:
+    d = cfg.data
+    if d.eval_path:
+        return f"data.eval_path {d.eval_path}"
+    if d.eval_generator_kwargs is not None:
+        return f"data.eval_generator_kwargs {d.eval_generator_kwargs}"
+    return f"data.eval_split {d.eval_split}" if d.eval_split else f"data.eval_fraction {d.eval_fraction}"
 
 
 def check_reward_models(cfg: GRPOConfig) -> None:
@@ -131,12 +148,30 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
             if r.model is not None:
                 check_path(r.model, f"rewards[{i}].model")
         check_path(cfg.storage.root, "storage.root")
+        _confine_trackers(cfg)
         if cfg.inference.url:
             check_server(cfg.inference.url, "inference.url")
         for i, url in enumerate(cfg.inference.urls):
             check_server(url, f"inference.urls[{i}]")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None
+
+
+def _confine_trackers(cfg: GRPOConfig) -> None:
+    """A worker-started run's trackers: an MLflow server is a server like any other, a local MLflow
+    store a path; W&B online sends the run off the machine, to no server a worker allowed."""
+    t = cfg.tracking
+    if "mlflow" in cfg.run.report_to and t.mlflow_tracking_uri:
+        uri = t.mlflow_tracking_uri
+        if uri.startswith(("http://", "https://")):
+            check_server(uri, "tracking.mlflow_tracking_uri")
+        else:  # file:///dir, sqlite:///file.db, or a plain directory
+            check_path(uri.split(":///", 1)[-1] if ":///" in uri else uri, "tracking.mlflow_tracking_uri")
+    if "wandb" in cfg.run.report_to and t.wandb_mode == "online":
+        raise NotAllowedError(
+            "tracking.wandb_mode: online sends the run to W&B's servers, which a worker-started run may not "
+            "contact; use offline (the default) and wandb sync"
+        )
 
 
 def prepare_model(cfg: GRPOConfig) -> Path:

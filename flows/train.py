@@ -8,6 +8,7 @@ Parquet every step; checkpoints make the run resumable.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from prefect.context import FlowRunContext
 
 from flows.cluster import ray_cluster
 from flows.config import GRPOConfig, load_config
+from flows.evaluate import TrainingEval, eval_metrics
 from flows.pipeline import RolloutPipeline, replica_set
 from flows.progress import StepReporter
+from flows.report import write_report
 from flows.runner import StepRunner, StepUnits
 from flows.runs import (
     RunState,
@@ -30,6 +33,7 @@ from flows.runs import (
     write_meta,
 )
 from flows.serve import inference_servers, replica_names
+from flows.tracking import Tracking, tracking
 from storage.compact import BackgroundCompactor
 from storage.processes import identity
 from storage.rollouts import RolloutStore
@@ -107,8 +111,12 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     compactor = BackgroundCompactor(root, run_id, cfg.storage.compact_every, log=get_run_logger())
     pusher = weight_push(root, run_id, cfg.sync, cfg.inference)  # sync.backend
     watch = RewardWatch(cfg, run_id)
+    flow_run = FlowRunContext.get()
+    trackers = tracking(cfg, run_id, flow_run_id=str(flow_run.flow_run.id) if flow_run else None,
+                        logger=get_run_logger())  # fmt: skip  # run.report_to; None without
     with (
         contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
+        _finished(trackers),  # a failed run's trackers get what closed before it, then are closed
         inference_servers(
             cfg.inference, run.model_path, root, f"vllm-{run_id}", lora=served_lora(cfg)
         ) as started,
@@ -121,11 +129,14 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         # the first step too (which also finds a server that cannot load adapters before anything trains).
         if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
-        pipeline = RolloutPipeline(cfg, rows, servers, rollout_job(cfg, servers, run.base_model, len(rows)), run.start_step,
-                                   runner)  # fmt: skip
+        job = rollout_job(cfg, servers, run.base_model, len(rows))
+        pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step, runner)
+        evals = TrainingEval(cfg, job)  # run.eval_every
         units.recover = pipeline.recover
         if run.checkpoint is not None:  # steps closed before a kill, and a killed compaction's leftovers
             compactor.submit(run.start_step - 1, final=run.start_step >= steps)
+            if trackers is not None:  # and what the trackers missed of them
+                trackers.closed(run.start_step - 1)
         for step in range(run.start_step, steps):
             rec = runner.begin(step)
             batch = pipeline.next_batch(step)  # generate -> score, submitted up to max_staleness ahead
@@ -139,6 +150,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                     rec.push = units.push(step + 1)
                 rec.times.write = written()
             rec.policy_version, rec.server_restarts = servers.version, pipeline.restarts
+            if evals.due(step):  # between steps, on the weights just pushed; its time is not the step's
+                t0 = time.perf_counter()
+                rec.eval = eval_metrics(units.evaluate(step, evals.rows, evals.job, batch.groups))
+                rec.times.eval = time.perf_counter() - t0
             # The steps row lands before the checkpoint: a kill in between resumes from the previous
             # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
             store.write_step(run_id, step, runner.end(rec))
@@ -150,12 +165,38 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints)
                 store.write_step(run_id, step, runner.end(rec))  # the same row, with the checkpoint
                 compactor.submit(step, final=step == steps - 1)  # now closed; a background thread
+                if trackers is not None:  # closed steps only: a resume never redoes what they show
+                    trackers.closed(step)
             reporter.step(rec)
             if stop is not None:
                 reporter.flush()
                 raise stop
-        reporter.finish()
+        if trackers is not None:
+            trackers.finish(_report(root, run_id))  # the report's plots go to the trackers too
+        reporter.finish(trackers.links() if trackers is not None else None)
     return reporter.summary()
+
+
+def _report(root: str, run_id: str) -> Path | None:
+    """`grpoflow report`'s files of the run (<root>/reports/<run>), for the trackers; a report that
+    cannot be drawn costs the trackers their plots, never the run."""
+    try:
+        return write_report(root, run_id)
+    except Exception as e:
+        get_run_logger().warning("report not written for the trackers: %r", e)
+        return None
+
+
+@contextlib.contextmanager
+def _finished(trackers: Tracking | None):
+    """Trackers of a run that fails still get the steps that closed before, and are closed (at most
+    tracking.finish_timeout_s: a dead tracking server never holds the run)."""
+    try:
+        yield
+    except BaseException:
+        if trackers is not None:
+            trackers.finish(None)
+        raise
 
 
 class RewardWatch:

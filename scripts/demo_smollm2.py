@@ -2,8 +2,8 @@
 
 Scores a held-out set greedily with the base model, trains configs/smollm2-demo.yaml, prints the mean
 reward of the first and last 5 steps, then scores the same held-out set greedily with the trained
-checkpoint. Held-out rows are the generator's `part: eval` pairs, which training never draws. All three
-share one embedded vLLM server (training pushes its weights into it; the last evaluation pushes the
+checkpoint. Held-out rows are the config's eval split (`data.eval_generator_kwargs`: the generator's
+`part: eval` pairs), which training never draws. All three share one embedded vLLM server (training pushes its weights into it; the last evaluation pushes the
 final checkpoint), so the model loads once.
 
     .venv/bin/python scripts/demo_smollm2.py [--seed N] [--root DIR] [--config YAML] [--set KEY=VALUE ...]
@@ -55,7 +55,7 @@ def main() -> int:
         ) as srv,
     ):
         cfg = load_config(config, [*sets, f"inference.url={srv.url}"])
-        held_out = load_config(config, [*sets, f"inference.url={srv.url}", "data.generator_kwargs.part=eval"])
+        held_out = cfg  # the config's eval split: the generator's `part: eval` pairs
         before = grpo_evaluate(config=held_out, prompts=args.eval_prompts, greedy=True, server_url=srv.url)
         t0 = time.perf_counter()
         summary = grpo_train(config=cfg)

@@ -154,13 +154,22 @@ CANNED: dict[str, str] = {
                count(*) AS completions
         FROM rollouts WHERE split = 'train' AND {_RUN}
         GROUP BY run_id, step ORDER BY run_id, step""",
+    # The held-out split scored during training (run.eval_every) or by grpo-evaluate: the same figures.
+    "eval_curve": f"""
+        SELECT run_id, step,
+               avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
+               stddev_pop(reward) FILTER (WHERE reward_valid) AS reward_std,
+               avg(CASE WHEN reward_valid THEN 1.0 ELSE 0.0 END) AS valid_frac,
+               count(*) AS completions
+        FROM rollouts WHERE split = 'eval' AND {_RUN}
+        GROUP BY run_id, step ORDER BY run_id, step""",
     "invalid_rate": f"""
         SELECT run_id, reward_name, count(*) AS cells,
                avg(CASE WHEN status <> 'valid' THEN 1.0 ELSE 0.0 END) AS invalid_rate,
                count(*) FILTER (WHERE status = 'invalid') AS invalid,
                count(*) FILTER (WHERE status = 'failed') AS failed,
                count(*) FILTER (WHERE status = 'timeout') AS timeout
-        FROM rewards WHERE {_RUN}
+        FROM rewards WHERE split = 'train' AND {_RUN}
         GROUP BY run_id, reward_name ORDER BY run_id, reward_name""",
     "tool_failures": f"""
         SELECT run_id, name AS tool, count(*) AS calls,
@@ -173,7 +182,7 @@ CANNED: dict[str, str] = {
                min(completion_tokens) AS min_tokens, max(completion_tokens) AS max_tokens,
                quantile_cont(completion_tokens, 0.5) AS p50_tokens,
                avg(CASE WHEN truncated THEN 1.0 ELSE 0.0 END) AS truncated_rate
-        FROM rollouts WHERE {_RUN}
+        FROM rollouts WHERE split = 'train' AND {_RUN}
         GROUP BY run_id, step ORDER BY run_id, step""",
     # A lineage's promotion history (--run names the lineage): what was served after each decision.
     "promotions": """
@@ -205,8 +214,9 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     by_run = {r[0]: r for r in rows}
     _, last = query(
         root,
+        # The last step's training rows; a run of eval rows only (grpo-evaluate's): its eval rows.
         """SELECT run_id, avg(reward) FILTER (WHERE reward_valid) FROM rollouts
-           WHERE (run_id, step) IN (SELECT run_id, max(step) FROM rollouts GROUP BY run_id)
+           WHERE (run_id, step, split) IN (SELECT run_id, max(step), max(split) FROM rollouts GROUP BY run_id)
            GROUP BY run_id""",
     )
     last_reward = dict(last)

@@ -121,6 +121,11 @@ class DataConfig(Section):
         description="A split of the same Hugging Face dataset (data.dataset, or a DatasetDict directory in "
         "data.path) whose rows are the eval rows, handled like data.eval_path.",
     )
+    eval_generator_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="With data.generator: the eval rows are the generator's rows for generator_kwargs updated "
+        "by these (e.g. {part: eval}), handled like data.eval_path.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -134,6 +139,14 @@ class DataConfig(Section):
         for other in ("eval_path", "eval_fraction"):
             if self.eval_split and getattr(self, other):
                 raise ValueError(f"data.eval_split: set data.eval_split or data.{other}, not both")
+        if self.eval_generator_kwargs is not None:
+            if self.path or self.dataset:
+                raise ValueError(
+                    "data.eval_generator_kwargs: needs data.generator (not data.path or data.dataset)"
+                )
+            for other in ("eval_path", "eval_fraction", "eval_split"):
+                if getattr(self, other):
+                    raise ValueError(f"data.eval_generator_kwargs: set it or data.{other}, not both")
         if self.eval_split and not self.path and not self.dataset:
             raise ValueError("data.eval_split: needs data.dataset or a DatasetDict directory in data.path")
         return self
@@ -582,6 +595,30 @@ class RunConfig(Section):
         "out, returns the wrong number of values) on every completion of this many consecutive steps; "
         "each such step is logged at once. 0: never stop.",
     )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Trackers that get every step's metrics, the config, sample tables and the report's plots "
+        "(settings: the `tracking` section). Each is an optional extra: pip install 'grpoflow[tracking]'. "
+        "A step reaches them once a checkpoint closes it, so a resume never shows a step twice.",
+    )
+    log_samples_every: int = Field(
+        10,
+        ge=0,
+        description="With run.report_to: every N steps, a table of the step's rollouts (prompt, completion, "
+        "reward, each reward's status, advantage) goes to the trackers. 0: never.",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Score the held-out split (data.eval_path / eval_fraction / eval_split) every N steps and "
+        "after the last, on the run's servers with grpo-evaluate's seeded sampling: split='eval' rows at the "
+        "step, eval/* metrics and eval_seconds in `steps`. A multiple of sync.sync_every. 0: off.",
+    )
+    eval_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="With run.eval_every: at most this many eval rows, in split order (None: all).",
+    )
     step_task_runs: bool = Field(
         True,
         description="Show each step's rollout-batch and train-step as Prefect task runs (the UI's "
@@ -601,3 +638,28 @@ def _check_import_path(v: str) -> str:
     if ":" not in v or not all(v.split(":", 1)):
         raise ValueError(f"expected an import path 'module:attribute', got {v!r}")
     return v
+
+
+class TrackingConfig(Section):
+    """Where the trackers of `run.report_to` write (TensorBoard needs no setting: its event files go to
+    <root>/tensorboard/<run>)."""
+
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI: an `mlflow server` URL (http://host:5000) or a local store. None: "
+        "$MLFLOW_TRACKING_URI, else a local store under <root>/mlflow.",
+    )
+    mlflow_experiment: str = Field("grpoflow", min_length=1, description="MLflow experiment name.")
+    wandb_project: str = Field("grpoflow", min_length=1, description="W&B project.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None: W&B's default.")
+    wandb_mode: Literal["offline", "online"] | None = Field(
+        None,
+        description="W&B mode. None: $WANDB_MODE, else offline (runs under <root>/wandb; `wandb sync` "
+        "uploads them later), since many training machines have no internet.",
+    )
+    finish_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long the run waits at its end for trackers to take what is queued; a tracker "
+        "still busy then (a server down) is left, and a resume logs what it missed.",
+    )

@@ -1,6 +1,6 @@
 """The units of work of one training step, each with one name, and the step's record.
 
-generate -> score (`rollout_batch`, task `rollout-batch`), advantages (`assign_advantages`), update
+generate -> score (`rollout_batch`, task `rollout-batch`; the held-out split's: `eval-batch`), advantages (`assign_advantages`), update
 (`update`), persist (`persist`, task `persist-step`), push (`push_weights`, task `push-weights`),
 checkpoint (`save_checkpoint`, task `checkpoint`); `train_step` (task `train-step`) is the task run that
 records the learner's side of a step (update, persist, push) in the Prefect UI. How they run, as task
@@ -61,6 +61,7 @@ class RolloutJob:
     servers: ReplicaSet
     max_steps: int = 0  # the run's steps, and its dataset's rows: reward functions' `trainer_state`
     rows_per_epoch: int = 0
+    split: str = "train"  # the groups' split: 'eval' for the held-out rows (grpo-evaluate, run.eval_every)
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
@@ -69,7 +70,7 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
     from tasks.replicas import Servers
 
     kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
-              seed=job.seed)  # fmt: skip
+              seed=job.seed, split=job.split)  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(client_for(url, job.inference, job.generation.max_in_flight))
@@ -151,6 +152,10 @@ def rollout_batch(
     if handoff is not None:
         handoff.set_result(batch)
     return batch
+
+
+# The held-out split scored between training steps (run.eval_every): the same unit, its own name.
+eval_batch = rollout_batch.with_options(name="eval-batch")
 
 
 def handed_over(future, handoff: Future):
@@ -245,6 +250,7 @@ class StepTimes:
     write: float = 0.0  # the step's rollouts and rewards, beside the update
     prefect: float = 0.0  # Prefect's task runs on the step's critical path
     checkpoint: float | None = None  # a checkpoint's save, when one was due
+    eval: float | None = None  # the held-out split scored after the step (run.eval_every): not in `wall`
 
 
 @dataclass
@@ -259,6 +265,7 @@ class StepRecord:
     push: PushStats | None = None  # when the step pushed
     policy_version: int = 0  # what the servers serve once the step is done
     server_restarts: int = 0
+    eval: dict[str, float] = field(default_factory=dict)  # eval/: the held-out split, when it was scored
     times: StepTimes = field(default_factory=StepTimes)
 
     def row(self) -> dict[str, float]:
@@ -277,6 +284,8 @@ class StepRecord:
         }
         if t.checkpoint is not None:
             out["checkpoint_seconds"] = t.checkpoint
+        if t.eval is not None:
+            out |= self.eval | {"eval_seconds": t.eval}
         return out
 
     def summary(self) -> str:

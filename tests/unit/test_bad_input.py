@@ -84,6 +84,22 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "resume of an unknown run": (["--resume", "ghost"], "--resume: no run 'ghost'"),
         "lora rank 0": (["--set", "learner.lora={rank: 0}"], "learner.lora.rank"),
         "merged adapters without lora": (["--set", "sync.backend=lora_merged"], "learner.lora is not set"),
+        "eval during training without an eval split": (
+            ["--set", "run.eval_every=5"],
+            "run.eval_every 5 needs a held-out split to score: set data.eval_path, data.eval_fraction",
+        ),
+        "eval between pushes": (
+            [
+                *("--set", "run.eval_every=3", "--set", "sync.sync_every=2"),
+                *("--set", "data.eval_fraction=0.2", "--set", "algorithm.max_staleness=1"),
+            ],
+            "run.eval_every 3 must be a multiple of sync.sync_every 2",
+        ),
+        "eval split with no rows": (
+            ["--set", "run.eval_every=5", "--set", f"data.eval_path={_jsonl(tmp / 'no-eval.jsonl', [])}"],
+            "data.eval_path",
+        ),
+        "unknown tracker": (["--set", "run.report_to=[comet]"], "run.report_to.0"),
     }
 
 
@@ -105,6 +121,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward with neither fn nor model",
         "reward model that is no classifier",
         "dataset split that does not exist",
+        "eval during training without an eval split",
+        "eval between pushes",
+        "eval split with no rows",
+        "unknown tracker",
     ],
 )
 def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):

@@ -7,10 +7,11 @@ import json
 import pytest
 
 from flows.config import ConfigError, GRPOConfig, load_config
-from flows.data import split_rows
+from flows.data import load_rows, split_rows
 from flows.evaluate import eval_rows
 from flows.runs import preflight
 from storage.records import held_out, row_id_of
+from tests.support import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +77,17 @@ def test_bad_eval_settings_name_the_field(tmp_path):
     every.write_text('{"prompt": "p", "id": 1}\n')
     with pytest.raises(ConfigError, match="none is left to train on"):
         split_rows(cfg_with(eval_path=str(every)), [{"prompt": "p", "id": 1}])
+
+
+def test_a_generators_eval_part_is_the_eval_split_and_never_trained_on():
+    """data.eval_generator_kwargs: the generator's own held-out rows (the SmolLM2 demo's `part: eval`
+    pairs) are the eval split; its rows' ids differ from the training rows', so none is dropped."""
+    cfg = load_config(REPO / "configs" / "smollm2-demo.yaml")
+    train, held = split_rows(cfg, load_rows(cfg))
+    assert len(train) == 512 and len(held) == 64
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert eval_rows(cfg, 8) == (held[:8], "eval")
+    with pytest.raises(
+        ValueError, match="data.eval_generator_kwargs: set it or data.eval_fraction, not both"
+    ):
+        cfg_with(eval_generator_kwargs={"part": "eval"}, eval_fraction=0.1)

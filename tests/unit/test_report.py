@@ -205,3 +205,34 @@ def test_run_without_tool_calls_or_newer_columns(old_run, tmp_path):
     out = write_report(old_run, "old", tmp_path / "out")
     assert all((out / f"{name}.png").stat().st_size > 10_000 for name in FIGURES)
     assert f"Tool calls: {NO_TOOL_CALLS}." in (out / "report.md").read_text()
+
+
+def test_held_out_curve_is_drawn_from_the_eval_rows_and_leaves_the_training_curves_alone(tmp_path):
+    """run.eval_every writes split='eval' groups into the steps' files: the reward figure draws them as
+    their own series, and every training figure and total counts the training rows only."""
+    _write_run(tmp_path, "run", tools=True, metrics=_all_metrics)
+    store = RolloutStore(tmp_path)
+    for step in (1, 3):
+        train = store.read_groups("run", step)
+        held = RolloutGroup(f"eval-{step}", 0, "q", [0], [_completion(step + 4, i, False) for i in range(3)],
+                            split="eval")  # fmt: skip
+        store.write_rollouts("run", step, [*train, held])
+        store.write_rewards("run", step, [*train, held])
+    data = report_data(tmp_path, "run")
+    reward, valid = (_plotted(ax) for ax in figures(data)["reward"].axes)
+    held = _sql(tmp_path, "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts "
+                "WHERE run_id = $run AND split = 'eval' GROUP BY step ORDER BY step")  # fmt: skip
+    assert reward["held-out eval"] == ([1, 3], pytest.approx([r for _, r in held]))
+    assert valid["held-out valid fraction"] == ([1, 3], pytest.approx([2 / 3, 2 / 3]))
+    train = _sql(tmp_path, "SELECT step, avg(reward) FILTER (WHERE reward_valid) FROM rollouts "
+                 "WHERE run_id = $run AND split = 'train' GROUP BY step ORDER BY step")  # fmt: skip
+    assert reward["reward mean"] == (list(range(STEPS)), pytest.approx([r for _, r in train]))
+    assert data["reward_status_totals"]["acc"]["cells"] == 3 * STEPS  # the eval cells are not in it
+    assert [s for s, _ in data["mean_tokens"]] == list(range(STEPS))
+    assert data["mean_tokens"][1][1] == pytest.approx(3.0)  # step 1's training lengths 2, 3, 4
+    out = write_report(tmp_path, "run")
+    first, last = held[0][1], held[-1][1]
+    assert (
+        f"Held-out eval reward (the eval split, same rows and seeds each time): {first:.3f} at step 1 -> "
+        f"{last:.3f} at step 3" in (out / "report.md").read_text()
+    )
