@@ -304,6 +304,31 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_ui(args) -> int:
+    import asyncio
+
+    from flows.config import ConfigError
+    from flows.ui import check_bind, serve
+
+    try:
+        check_bind(args.host, args.api_key or os.environ.get("GRPOFLOW_UI_API_KEY"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not Path(_root(args)).is_dir():
+        raise ConfigError(f"--root: {_root(args)!r} is not a directory (a store written by grpoflow train)")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            serve(
+                _root(args),
+                args.host,
+                args.port,
+                args.api_key,
+                ready=lambda url: print(f"rollout explorer at {url} (Ctrl+C stops it)", flush=True),
+            )
+        )
+    return 0
+
+
 def cmd_make_tiny_model(args) -> int:
     from tasks.tiny_model import build_tiny_model
 
@@ -463,6 +488,15 @@ def _store_commands(sub) -> None:
     s.add_argument("--root", help=ROOT_HELP)
     s.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     s.set_defaults(fn=cmd_sql)
+
+    u = sub.add_parser("ui", help="the rollout explorer: runs, curves, rollouts, groups and SQL in a browser")
+    u.add_argument("--root", help=ROOT_HELP)
+    u.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default: loopback; others need --api-key)"
+    )
+    u.add_argument("--port", type=int, default=8300, help="port (default: 8300; 0 picks a free one)")
+    u.add_argument("--api-key", help="key browsers must send (default: $GRPOFLOW_UI_API_KEY)")
+    u.set_defaults(fn=cmd_ui)
 
     r = sub.add_parser("runs", help="list runs in the store")
     r.add_argument("--root", help=ROOT_HELP)

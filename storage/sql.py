@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from storage.layout import reading, visible_parts
 from storage.promotions import PROMOTIONS_SCHEMA
-from storage.records import SCHEMAS
+from storage.records import SCHEMAS, validate_run_id
 
 VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
 
@@ -47,12 +47,17 @@ def _one_line(e: duckdb.Error) -> str:
     return " ".join(line.strip() for line in head.splitlines() if line.strip())
 
 
-def table_files(root: Path, table: str) -> list[str]:
-    """The visible files of `table`, every run's (call it under `reading(root)`)."""
+def table_files(root: Path, table: str, runs: list[str] | None = None) -> list[str]:
+    """The visible files of `table`, every run's or those of `runs` (call it under `reading(root)`).
+    A lineage's promotions live under its name: `runs` names lineages there."""
     base = root / table
     if not base.is_dir():
         return []
-    dirs = sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if runs is not None:
+        dirs = [base / f"run_id={validate_run_id(r)}" for r in sorted(set(runs))]
+        dirs = [d for d in dirs if d.is_dir()]
+    else:
+        dirs = sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
     return [str(p.path) for d in dirs for p in visible_parts(d)]
 
 
@@ -60,7 +65,7 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
-def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
+def connect(root: str | Path, runs: list[str] | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory connection with the store's views, confined to the store: DuckDB's own external
     access settings let queries read files under the store root only (its table functions would
     otherwise read any file the process can: `read_text('/etc/passwd')`), extensions never load, and
@@ -68,11 +73,12 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
 
     The views read the files visible now: hold `storage.layout.reading(root)` from this call until
     the last query on the connection is answered (`query` does), or a compaction may delete a file
-    they list."""
+    they list. `runs`: the views hold those runs' rows only (and those lineages' promotions), and
+    list and open only their files: a page about one run need not read the whole store's metadata."""
     root = Path(root).resolve()  # symlinks resolved: the allowed directory is the real store
     con = duckdb.connect(":memory:")
     for table, schema in VIEWS.items():
-        files = table_files(root, table)
+        files = table_files(root, table, runs)
         if files:
             # By name: steps' metric columns differ between runs (and within a compacted range), and
             # files written before a column existed (rewards' `imputed`, rollouts' `row_id`) must not

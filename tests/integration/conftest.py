@@ -41,6 +41,31 @@ def lora_server(tiny_model_dir, tmp_path_factory):
         handle.stop()
 
 
+CHAOS_STEPS = 6
+
+
+@pytest.fixture(scope="session")
+def chaos_store(vllm_server, tiny_model_dir, prefect_api, tmp_path_factory):
+    """The store of one fault drill (configs/tiny-faults.yaml, CHAOS_STEPS steps, run id `chaos`): reward
+    cells of every status, tool calls that succeed, fail and time out. Its 16 prompt rows come round
+    again every two steps (one prompt across steps). Trained once per session; test_faults asserts
+    on it, the explorer test browses a copy of it. Tests only read it."""
+    from pathlib import Path
+
+    from flows.config import load_config
+    from flows.train import grpo_train
+
+    root = tmp_path_factory.mktemp("chaos")
+    cfg = load_config(
+        Path(__file__).resolve().parents[2] / "configs" / "tiny-faults.yaml",
+        [f"storage.root={root}", f"model.path={tiny_model_dir}",  # the warm-up teaches it to call flaky_lookup
+         f"inference.url={vllm_server.url}", f"run.steps={CHAOS_STEPS}", "run.run_id=chaos",
+         "data.generator_kwargs.n=16"],
+    )  # fmt: skip
+    summary = grpo_train(config=cfg)
+    return root, summary
+
+
 @pytest.fixture(autouse=True)
 def _base_weights_after_each_test(request, tmp_path_factory):
     """Tests share one server, and training runs push new weights into it: after every test that used

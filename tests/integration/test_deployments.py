@@ -104,6 +104,7 @@ def test_deploy_all_then_run_deployments_through_the_api(
             assert defs["GenerationConfig"]["properties"]["group_size"]["description"]
     # the evaluation wrote its rollouts with split='eval'
     assert RolloutStore(store).steps_written("rollouts", "base-eval") == [0]
+    explorer_from_a_worker(api, tmp_path, store)
     cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server)
     shell_as_a_tool_is_refused(api, tmp_path, tiny_model_dir)
 
@@ -112,6 +113,40 @@ def test_deploy_all_then_run_deployments_through_the_api(
     dom = chromium(f"{ui}/deployments/deployment/{train.id}/run", tmp_path / "grpo-train-form.png")
     assert "grpo-train" in dom
     assert "Completions per prompt (G)" in dom  # GenerationConfig.group_size's description
+
+
+def explorer_from_a_worker(api, tmp_path, store) -> None:
+    """The rollout-explorer deployment serves the store's runs from the cpu worker on loopback until its
+    flow run is cancelled; then the port is closed."""
+    import urllib.request
+
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    port = free_port()
+
+    def runs():
+        try:
+            with urllib.request.urlopen(f"http://localhost:{port}/api/runs", timeout=5) as resp:
+                return sorted(r["run_id"] for r in json.load(resp)["runs"])
+        except OSError:
+            return None
+
+    worker_log = lambda: (tmp_path / "worker.log").read_text()[-3000:]  # noqa: E731
+    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        run = run_deployment("rollout-explorer/rollout-explorer", parameters={"root": str(store), "port": port},
+                             timeout=0)  # fmt: skip
+        assert wait_for(runs, 120, "the explorer deployment to serve", 0.5, why=worker_log) == [
+            "base-eval",
+            "r",
+        ]
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+        wait_for(
+            lambda: client.read_flow_run(run.id).state.is_cancelled(), 120, "the cancel", 1, why=worker_log
+        )
+    wait_for(lambda: runs() is None, 30, "the explorer's port to close")
 
 
 def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -> None:

@@ -17,23 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_failing_rewards_and_hanging_tools_run_completes_with_rates(
-    tmp_path, vllm_server, tiny_model_dir, prefect_api
-):
-    from flows.train import grpo_train
+def test_failing_rewards_and_hanging_tools_run_completes_with_rates(chaos_store):
+    from tests.integration.conftest import CHAOS_STEPS
 
-    steps = 6
-    cfg = load_config(
-        REPO / "configs" / "tiny-faults.yaml",
-        [
-            f"storage.root={tmp_path}",
-            f"model.path={tiny_model_dir}",  # the config's warm-up teaches it to call flaky_lookup
-            f"inference.url={vllm_server.url}",
-            f"run.steps={steps}",
-            "run.run_id=chaos",
-        ],
-    )
-    summary = grpo_train(config=cfg)
+    tmp_path, summary = chaos_store
+    steps = CHAOS_STEPS
     assert summary["steps_trained"] == steps
 
     # every (completion, reward) cell has a status; ~30% of `letters` cells are broken in mixed ways

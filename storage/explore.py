@@ -1,0 +1,373 @@
+"""The rollout explorer's reads: each page's figures as plain dicts, from the store's views.
+
+Every function takes an open connection from `explorer_connection(root, runs)`: the confined,
+read-only DuckDB views of storage/sql.py, held under the store's read lock for as long as the page's
+queries run. Nothing here reads the Parquet layout itself, and nothing writes. Values that JSON
+cannot hold (NaN, infinities) come back as None; timestamps as ISO strings.
+
+Long runs are bucketed, never truncated: a curve of 10,000 steps is the mean of each run of
+`bucket` consecutive steps (at most `MAX_POINTS` points), so a page costs the same at any length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from storage.layout import reading
+from storage.sql import connect
+
+MAX_POINTS = 600  # points per curve on a run page
+TREND_POINTS = 40  # points of a run's sparkline on the runs page
+PAGE_MAX = 200  # rollouts per page at most
+PREVIEW = 200  # characters of a prompt / completion in a table row
+STATUSES = ("valid", "invalid", "failed", "timeout")
+
+# The run page's panels: title -> which `steps` columns it draws (the first panel that matches wins).
+_STEP_TIME = ("wall_seconds", "gen_seconds", "score_seconds", "train/seconds", "sync_seconds", "write_seconds",
+              "checkpoint_seconds", "eval_seconds", "wait_seconds", "prefect_overhead_seconds")  # fmt: skip
+PANELS: list[tuple[str, re.Pattern]] = [
+    ("Reward", re.compile(r"^reward/(mean|std|valid_frac|[^/]+/mean)$")),
+    ("Held-out eval", re.compile(r"^eval/(reward/(mean|valid_frac|[^/]+/mean)|pass_rate)$")),
+    ("Loss", re.compile(r"^train/loss$")),
+    ("KL", re.compile(r"^train/\w*kl$")),
+    ("Clipping", re.compile(r"^train/(clip_frac\w*|is_capped_frac|is_masked_frac)$")),
+    ("Staleness", re.compile(r"^staleness_(mean|max)$")),
+    ("Step time (s)", re.compile("^(" + "|".join(re.escape(c) for c in _STEP_TIME) + ")$")),
+]
+
+
+class NotFound(LookupError):
+    """The run, rollout or group asked for is not in the store (the message names it)."""
+
+
+@contextmanager
+def explorer_connection(
+    root: str | Path, runs: list[str] | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """The store's confined views (of `runs` only, when given), under the read lock until closed."""
+    with reading(Path(root).resolve()):
+        con = connect(root, runs)
+        try:
+            yield con
+        finally:
+            con.close()
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, datetime):
+        return v.isoformat()
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    return v
+
+
+def _dicts(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | None = None) -> list[dict]:
+    rel = con.execute(sql, params or {})
+    cols = [d[0] for d in rel.description]
+    return [{c: _clean(v) for c, v in zip(cols, row, strict=True)} for row in rel.fetchall()]
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+
+def runs_overview(con: duckdb.DuckDBPyConnection, metas: dict[str, dict]) -> list[dict]:
+    """Every run of `metas` (run id -> runs/<run>.json) with its progress, status, sparkline and the
+    promotions of the lineage it belongs to."""
+    from storage.sql import run_status
+
+    progress = {r["run_id"]: r for r in _dicts(con, """
+        SELECT run_id, count(DISTINCT step) AS steps, max(step) AS last_step, count(*) AS completions
+        FROM rollouts GROUP BY run_id""")}  # fmt: skip
+    trend: dict[str, list] = {}
+    for r in _dicts(
+        con,
+        f"""
+        WITH b AS (SELECT run_id, greatest(1, ceil((max(step) + 1) / {TREND_POINTS}))::BIGINT AS w
+                   FROM rollouts WHERE split = 'train' GROUP BY run_id)
+        SELECT r.run_id, min(r.step) AS step, avg(r.reward) FILTER (WHERE r.reward_valid) AS reward
+        FROM rollouts r JOIN b USING (run_id) WHERE r.split = 'train'
+        GROUP BY r.run_id, r.step // b.w ORDER BY r.run_id, step""",
+    ):
+        trend.setdefault(r["run_id"], []).append([r["step"], r["reward"]])
+    last = {r["run_id"]: r["reward"] for r in _dicts(con, """
+        SELECT run_id, avg(reward) FILTER (WHERE reward_valid) AS reward FROM rollouts
+        WHERE (run_id, step, split) IN (SELECT run_id, max(step), max(split) FROM rollouts GROUP BY run_id)
+        GROUP BY run_id""")}  # fmt: skip
+    decisions = _promotions(con)
+    lineage_of = {}
+    for lineage, rows in decisions.items():
+        lineage_of.setdefault(lineage, lineage)
+        for d in rows:
+            lineage_of.setdefault(d["candidate_run"], lineage)
+    out = []
+    for run_id, meta in sorted(metas.items()):
+        p = progress.get(run_id, {})
+        lineage = lineage_of.get(run_id)
+        out.append({
+            "run_id": run_id, "status": run_status(meta), "steps": p.get("steps", 0),
+            "last_step": p.get("last_step"), "completions": p.get("completions", 0),
+            "last_reward": last.get(run_id), "base_model": meta.get("base_model"),
+            "created_at": meta.get("created_at"), "updated_at": meta.get("updated_at"),
+            "lineage": lineage, "promotions": decisions.get(lineage, []) if lineage else [],
+            "trend": trend.get(run_id, []),
+        })  # fmt: skip
+    return out
+
+
+def _promotions(con: duckdb.DuckDBPyConnection) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in _dicts(
+        con,
+        """
+        SELECT lineage, decision_id, decision, reason, candidate_run, candidate_step, created_at
+        FROM promotions ORDER BY lineage, decision_id""",
+    ):
+        out.setdefault(r.pop("lineage"), []).append(r)
+    return out
+
+
+def run_detail(con: duckdb.DuckDBPyConnection, run_id: str, meta: dict) -> dict:
+    """One run's header: status, what its rows hold (splits, reward names, servers), its promotions."""
+    from storage.sql import run_status
+
+    [facts] = _dicts(con, """
+        SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps,
+               list(DISTINCT split ORDER BY split) AS splits,
+               list(DISTINCT server ORDER BY server) FILTER (WHERE server IS NOT NULL) AS servers,
+               bool_or(len(tool_calls) > 0) AS has_tool_calls
+        FROM rollouts WHERE run_id = $run""", {"run": run_id})  # fmt: skip
+    names = [
+        r["reward_name"]
+        for r in _dicts(
+            con,
+            """
+        SELECT DISTINCT reward_name FROM rewards WHERE run_id = $run ORDER BY reward_name""",
+            {"run": run_id},
+        )
+    ]
+    return {
+        "run_id": run_id, "status": run_status(meta), "base_model": meta.get("base_model"),
+        "created_at": meta.get("created_at"), "updated_at": meta.get("updated_at"),
+        "flow_runs": meta.get("flow_runs", []), "config": meta.get("config"),
+        **facts, "splits": facts["splits"] or [], "servers": facts["servers"] or [],
+        "has_tool_calls": bool(facts["has_tool_calls"]), "has_eval": "eval" in (facts["splits"] or []),
+        "reward_names": names, "promotions": _promotions(con).get(run_id, []),
+    }  # fmt: skip
+
+
+def _bucket(con: duckdb.DuckDBPyConnection, table: str, run_id: str, points: int = MAX_POINTS) -> int:
+    [(hi,)] = con.execute(f"SELECT max(step) FROM {table} WHERE run_id = $run", {"run": run_id}).fetchall()
+    return max(1, math.ceil(((hi or 0) + 1) / points))
+
+
+def curves(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
+    """The run page's curves: every numeric `steps` column a panel draws, bucketed to MAX_POINTS."""
+    numeric = ("DOUBLE", "FLOAT", "BIGINT", "INTEGER", "HUGEINT", "SMALLINT", "TINYINT", "DECIMAL")
+    cols = [
+        name for name, kind, *_ in con.execute("DESCRIBE steps").fetchall()
+        if name not in ("step", "policy_version") and str(kind).startswith(numeric)
+    ]  # fmt: skip
+    panels: dict[str, list[str]] = {}
+    for c in cols:
+        title = next((t for t, pat in PANELS if pat.search(c)), None)
+        if title:
+            panels.setdefault(title, []).append(c)
+    wanted = [c for names in panels.values() for c in names]
+    w = _bucket(con, "steps", run_id)
+    series: dict[str, list] = {c: [] for c in wanted}
+    if wanted:
+        sel = ", ".join(f"avg({_ident(c)}) AS {_ident(c)}" for c in wanted)
+        rel = con.execute(
+            f"SELECT min(step) AS step, {sel} FROM steps WHERE run_id = $run GROUP BY step // {w} ORDER BY 1",
+            {"run": run_id},
+        )
+        for row in rel.fetchall():
+            for c, v in zip(wanted, row[1:], strict=True):
+                if v is not None and math.isfinite(v):
+                    series[c].append([row[0], v])
+    order = [t for t, _ in PANELS]
+    return {
+        "bucket": w,
+        "series": {c: s for c, s in series.items() if s},
+        "panels": [{"title": t, "names": [c for c in panels[t] if series[c]]} for t in order
+                   if any(series[c] for c in panels.get(t, []))],
+    }  # fmt: skip
+
+
+def status_mix(con: duckdb.DuckDBPyConnection, run_id: str, split: str = "train") -> dict:
+    """Per reward function and (bucketed) step, how many cells had each status."""
+    w = _bucket(con, "rewards", run_id)
+    counts = ", ".join(f"count(*) FILTER (WHERE status = '{s}') AS {s}" for s in STATUSES)
+    rows = _dicts(
+        con,
+        f"""
+        SELECT min(step) AS step, reward_name, {counts} FROM rewards
+        WHERE run_id = $run AND split = $split
+        GROUP BY reward_name, step // {w} ORDER BY reward_name, step""",
+        {"run": run_id, "split": split},
+    )
+    return {"bucket": w, "reward_names": sorted({r["reward_name"] for r in rows}), "rows": rows}
+
+
+# -- rollouts --------------------------------------------------------------------------------------
+
+_ROW_COLUMNS = f"""split, step, group_id, sample_index, row_id, reward, reward_valid, advantage, trained,
+    drop_reason, truncated, num_turns, len(tool_calls) AS tool_calls,
+    len(list_filter(tool_calls, lambda t: t.failed)) AS tool_failures, server, policy_version, staleness,
+    completion_tokens, left(prompt, {PREVIEW}) AS prompt_preview,
+    left(completion, {PREVIEW}) AS completion_preview"""
+
+
+def rollout_page(con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str, Any], offset: int = 0,
+                 limit: int = 50) -> dict:  # fmt: skip
+    """One page of a run's rollouts matching `filters` (see `_where`), with their reward cells."""
+    limit = max(1, min(int(limit), PAGE_MAX))
+    offset = max(0, int(offset))
+    where, params = _where(run_id, filters)
+    [(total,)] = con.execute(f"SELECT count(*) FROM rollouts r WHERE {where}", params).fetchall()
+    rows = _dicts(
+        con,
+        f"""
+        SELECT {_ROW_COLUMNS} FROM rollouts r WHERE {where}
+        ORDER BY step, group_id, sample_index LIMIT {limit} OFFSET {offset}""",
+        params,
+    )
+    _attach_cells(con, run_id, rows, with_reason=False)
+    return {"total": total, "offset": offset, "limit": limit, "rows": rows}
+
+
+def _where(run_id: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The WHERE clause of a rollout filter: every value is a bound parameter, never SQL text."""
+    parts = ["r.run_id = $run", "r.split = $split"]
+    params: dict[str, Any] = {"run": run_id, "split": f.get("split") or "train"}
+    for key, cond in (("step_min", "r.step >= $step_min"), ("step_max", "r.step <= $step_max"),
+                      ("reward_min", "r.reward >= $reward_min"), ("reward_max", "r.reward <= $reward_max"),
+                      ("server", "r.server = $server"), ("truncated", "r.truncated = $truncated")):  # fmt: skip
+        if f.get(key) is not None:
+            parts.append(cond)
+            params[key] = f[key]
+    if f.get("tool_failed"):
+        parts.append("len(list_filter(r.tool_calls, lambda t: t.failed)) > 0")
+    if f.get("text"):
+        parts.append("(contains(lower(r.completion), $text) OR contains(lower(r.prompt), $text))")
+        params["text"] = str(f["text"]).lower()
+    if f.get("status") or f.get("reward_name"):
+        cell = ["w.run_id = r.run_id", "w.split = r.split", "w.step = r.step", "w.group_id = r.group_id",
+                "w.sample_index = r.sample_index"]  # fmt: skip
+        if f.get("status"):
+            cell.append("w.status = $status")
+            params["status"] = f["status"]
+        if f.get("reward_name"):
+            cell.append("w.reward_name = $reward_name")
+            params["reward_name"] = f["reward_name"]
+        parts.append(f"EXISTS (SELECT 1 FROM rewards w WHERE {' AND '.join(cell)})")
+    return " AND ".join(parts), params
+
+
+def _attach_cells(con: duckdb.DuckDBPyConnection, run_id: str, rows: list[dict], with_reason: bool) -> None:
+    """Each row's reward cells as {name: {status, value[, reason]}}, read for exactly these rows."""
+    for r in rows:
+        r["cells"] = {}
+    if not rows:
+        return
+    keys = {(r["split"], r["step"], r["group_id"], r["sample_index"]): r for r in rows}
+    lo, hi = min(r["step"] for r in rows), max(r["step"] for r in rows)
+    reason = ", reason" if with_reason else ""
+    cells = con.execute(f"""
+        SELECT split, step, group_id, sample_index, reward_name, status, value{reason} FROM rewards
+        WHERE run_id = $run AND step BETWEEN $lo AND $hi AND group_id IN (SELECT unnest($groups))
+        ORDER BY reward_name""",
+        {"run": run_id, "lo": lo, "hi": hi, "groups": sorted({r["group_id"] for r in rows})},
+    ).fetchall()  # fmt: skip
+    for split, step, group, sample, name, status, value, *rest in cells:
+        row = keys.get((split, step, group, sample))
+        if row is not None:
+            row["cells"][name] = {"status": status, "value": _clean(value)}
+            if with_reason:
+                row["cells"][name]["reason"] = rest[0]
+
+
+def rollout(
+    con: duckdb.DuckDBPyConnection, run_id: str, split: str, step: int, group: str, sample: int
+) -> dict:
+    """One completion with everything the store holds about it, and its reward cells."""
+    key = {"run": run_id, "split": split, "step": step, "group": group, "sample": sample}
+    where = (
+        "run_id = $run AND split = $split AND step = $step AND group_id = $group AND sample_index = $sample"
+    )
+    found = _dicts(con, f"SELECT * EXCLUDE (prompt_ids) FROM rollouts WHERE {where}", key)
+    if not found:
+        raise NotFound(f"no rollout {group!r} sample {sample} at step {step} ({split}) in run {run_id!r}")
+    r = found[0]
+    r["cells"] = _dicts(
+        con,
+        f"""
+        SELECT reward_name, weight, value, status, reason, duration_s, imputed, imputed_value, extra
+        FROM rewards WHERE {where} ORDER BY reward_name""",
+        key,
+    )
+    for c in r["cells"]:
+        c["extra"] = json.loads(c["extra"]) if c["extra"] else None
+    return r
+
+
+def group(con: duckdb.DuckDBPyConnection, run_id: str, split: str, step: int, group_id: str) -> dict:
+    """The G completions of one prompt at one step, highest advantage first."""
+    params = {"run": run_id, "split": split, "step": step, "group": group_id}
+    rows = _dicts(
+        con,
+        f"""
+        SELECT {_ROW_COLUMNS}, prompt_index, prompt, completion FROM rollouts
+        WHERE run_id = $run AND split = $split AND step = $step AND group_id = $group
+        ORDER BY advantage DESC, sample_index""",
+        params,
+    )
+    if not rows:
+        raise NotFound(f"no group {group_id!r} at step {step} ({split}) in run {run_id!r}")
+    _attach_cells(con, run_id, rows, with_reason=True)
+    first = rows[0]
+    return {"run_id": run_id, "split": split, "step": step, "group_id": group_id, "row_id": first["row_id"],
+            "prompt_index": first["prompt_index"], "prompt": first["prompt"], "completions": rows}  # fmt: skip
+
+
+def occurrences(con: duckdb.DuckDBPyConnection, row_id: str, split: str = "train") -> list[dict]:
+    """Every (run, step) where the dataset row `row_id` was sampled, with the group's mean reward."""
+    return _dicts(
+        con,
+        """
+        SELECT run_id, split, step, group_id, avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
+               count(*) AS completions
+        FROM rollouts WHERE row_id = $row AND split = $split
+        GROUP BY run_id, split, step, group_id ORDER BY run_id, step, group_id""",
+        {"row": row_id, "split": split},
+    )
+
+
+def group_of_row(
+    con: duckdb.DuckDBPyConnection, run_id: str, step: int, row_id: str, split: str = "train"
+) -> dict:
+    """The group that sampled `row_id` at `step` of `run_id` (the first, if a step sampled it twice)."""
+    found = con.execute(
+        "SELECT min(group_id) FROM rollouts WHERE run_id = $run AND step = $step AND row_id = $row AND split = $split",
+        {"run": run_id, "step": step, "row": row_id, "split": split},
+    ).fetchall()  # fmt: skip
+    if not found or found[0][0] is None:
+        raise NotFound(f"prompt row {row_id!r} was not sampled at step {step} ({split}) of run {run_id!r}")
+    return group(con, run_id, split, step, found[0][0])
