@@ -163,9 +163,9 @@ def cmd_compact(args) -> int:
 def check_serve(args) -> None:
     """`serve`'s bad input, refused before the Prefect API starts (one line, no traceback)."""
     from flows.config import ConfigError
-    from flows.serve import _is_loopback
+    from flows.serve import is_loopback
 
-    if not args.api_key and not _is_loopback(args.host):
+    if not args.api_key and not is_loopback(args.host):
         raise ConfigError(
             f"--host {args.host}: refusing to serve off loopback without an API key; give --api-key "
             "or set GRPOFLOW_API_KEY (the default 127.0.0.1 needs none)"

@@ -47,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -213,12 +213,12 @@ def server_command(
     cores its engine binds to on a CPU-only machine (default: all this process may use).
     `lora_rank`: the server loads LoRA adapters at runtime (`/v1/load_lora_adapter`) up to this rank
     (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch."""
-    if not _is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
             "(or --api-key); the default 127.0.0.1 needs none"
         )
-    port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
+    port = port or free_port(host if is_loopback(host) else "127.0.0.1")
     args = _vllm_args(model_dir, host, port, served_model_name, max_model_len)
     cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
     if lora_rank is not None:

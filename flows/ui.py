@@ -20,7 +20,8 @@ Safety:
 API (query-string parameters; JSON; errors as {"error": message} with 400 or 404):
   /api/runs  /api/run?run=  /api/curves?run=  /api/status_mix?run=&split=
   /api/rollouts?run=&split=&step_min=&step_max=&reward_min=&reward_max=&status=&reward_name=
-                &truncated=&tool_failed=&server=&text=&offset=&limit=
+                &truncated=&tool_failed=&server=&text=&offset=&limit=   (total: null under a text search)
+  /api/rollouts_count?(the same filters)
   /api/rollout?run=&split=&step=&group=&sample=   /api/group?run=&split=&step=&group=
   /api/occurrences?row_id=&split=   /api/compare?row_id=&a_run=&a_step=&b_run=&b_step=&split=
   /api/canned   /api/sql?q= | ?canned=&run=  [&format=csv]
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import ipaddress
 import json
 import os
 from collections.abc import Callable
@@ -41,6 +41,7 @@ from typing import Any
 from aiohttp import web
 from prefect import flow, get_run_logger
 
+from flows.serve import is_loopback
 from storage import explore
 from storage.records import InvalidRunIdError, validate_run_id
 from storage.rollouts import RolloutStore
@@ -63,15 +64,6 @@ LOOPBACK = web.AppKey("loopback", bool)
 
 class BadRequest(ValueError):
     """A parameter the page sent is missing or malformed (the message names it)."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -205,6 +197,12 @@ class Explorer:
         offset, limit = _param(q, "offset", int, 0), _param(q, "limit", int, 50)
         with explore.explorer_connection(self.root, [run_id]) as con:
             return explore.rollout_page(con, run_id, filters, offset, limit)
+
+    def rollouts_count(self, q) -> dict:
+        run_id = _run(q)
+        filters = rollout_filters(q)
+        with explore.explorer_connection(self.root, [run_id]) as con:
+            return {"total": explore.rollout_count(con, run_id, filters)}
 
     def rollout(self, q) -> dict:
         run_id, split = _run(q), _split(q)
@@ -341,7 +339,7 @@ def make_app(root: str | Path, *, api_key: str | None = None, loopback: bool = T
 
     app.router.add_get("/", page)
     app.router.add_get("/static/{name}", static)
-    for name in ("runs", "run", "curves", "status_mix", "rollouts", "rollout", "group", "occurrences",
+    for name in ("runs", "run", "curves", "status_mix", "rollouts", "rollouts_count", "rollout", "group", "occurrences",
                  "compare", "canned"):  # fmt: skip
         app.router.add_get(f"/api/{name}", _api(getattr(explorer, name)))
     app.router.add_get("/api/sql", _sql)

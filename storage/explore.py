@@ -237,20 +237,64 @@ _ROW_COLUMNS = f"""split, step, group_id, sample_index, row_id, reward, reward_v
 
 def rollout_page(con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str, Any], offset: int = 0,
                  limit: int = 50) -> dict:  # fmt: skip
-    """One page of a run's rollouts matching `filters` (see `_where`), with their reward cells."""
+    """One page of a run's rollouts matching `filters` (see `_where`), in (step, group, sample) order,
+    with their reward cells; `more`: whether a next page exists. `total` is the count of every match,
+    except under a text search, where counting means reading every row's text (~0.5 s on 640,000
+    rows): then it is None and `rollout_count` answers it in a request of its own."""
     limit = max(1, min(int(limit), PAGE_MAX))
     offset = max(0, int(offset))
     where, params = _where(run_id, filters)
-    [(total,)] = con.execute(f"SELECT count(*) FROM rollouts r WHERE {where}", params).fetchall()
-    rows = _dicts(
-        con,
-        f"""
-        SELECT {_ROW_COLUMNS} FROM rollouts r WHERE {where}
-        ORDER BY step, group_id, sample_index LIMIT {limit} OFFSET {offset}""",
-        params,
-    )
+    keys = _page_keys(con, where, params, offset, limit + 1, windowed=bool(filters.get("text")))
+    more, keys = len(keys) > limit, keys[:limit]
+    rows = _rows_at(con, run_id, params["split"], keys)
     _attach_cells(con, run_id, rows, with_reason=False)
-    return {"total": total, "offset": offset, "limit": limit, "rows": rows}
+    total = None if filters.get("text") else rollout_count(con, run_id, filters)
+    return {"total": total, "more": more, "offset": offset, "limit": limit, "rows": rows}
+
+
+def rollout_count(con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str, Any]) -> int:
+    where, params = _where(run_id, filters)
+    return con.execute(f"SELECT count(*) FROM rollouts r WHERE {where}", params).fetchall()[0][0]
+
+
+def _page_keys(con: duckdb.DuckDBPyConnection, where: str, params: dict, offset: int, n: int,
+               windowed: bool, width: int = 256) -> list[tuple]:  # fmt: skip
+    """The (step, group_id, sample_index) keys of matches offset..offset+n, in order. Keys only: a
+    deep page then sorts three narrow columns, not every row's text. A text search walks the steps in
+    doubling windows and stops once it holds enough matches, so its first pages read only the
+    first steps' text (the store's row groups are in step order, and DuckDB skips the others)."""
+    order = "ORDER BY step, group_id, sample_index"
+    base = f"SELECT step, group_id, sample_index FROM rollouts r WHERE {where}"
+    if not windowed:
+        return con.execute(f"{base} {order} LIMIT {n} OFFSET {offset}", params).fetchall()
+    [(lo, hi)] = con.execute("SELECT min(step), max(step) FROM rollouts r WHERE r.run_id = $run AND r.split = $split",
+                             {"run": params["run"], "split": params["split"]}).fetchall()  # fmt: skip
+    if lo is None:
+        return []
+    lo, hi = max(lo, params.get("step_min", lo)), min(hi, params.get("step_max", hi))
+    keys: list[tuple] = []
+    while lo <= hi and len(keys) < offset + n:
+        keys += con.execute(
+            f"{base} AND r.step BETWEEN {lo} AND {min(hi, lo + width - 1)} {order} LIMIT {offset + n - len(keys)}",
+            params,
+        ).fetchall()
+        lo, width = lo + width, width * 2
+    return keys[offset : offset + n]
+
+
+def _rows_at(con: duckdb.DuckDBPyConnection, run_id: str, split: str, keys: list[tuple]) -> list[dict]:
+    """The table rows of these rollouts, in the order of `keys`."""
+    if not keys:
+        return []
+    found = _dicts(con, f"""
+        SELECT {_ROW_COLUMNS} FROM rollouts r
+        WHERE r.run_id = $run AND r.split = $split AND r.step BETWEEN $lo AND $hi
+          AND list_contains($keys, r.step::VARCHAR || '/' || r.sample_index::VARCHAR || '/' || r.group_id)""",
+        {"run": run_id, "split": split, "lo": min(k[0] for k in keys), "hi": max(k[0] for k in keys),
+         "keys": [f"{st}/{i}/{g}" for st, g, i in keys]},
+    )  # fmt: skip
+    at = {(r["step"], r["group_id"], r["sample_index"]): r for r in found}
+    return [at[k] for k in keys]
 
 
 def _where(run_id: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -266,8 +310,10 @@ def _where(run_id: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if f.get("tool_failed"):
         parts.append("len(list_filter(r.tool_calls, lambda t: t.failed)) > 0")
     if f.get("text"):
-        parts.append("(contains(lower(r.completion), $text) OR contains(lower(r.prompt), $text))")
-        params["text"] = str(f["text"]).lower()
+        # Case-insensitive as a literal: RE2 with the text escaped beats lower() on both sides (which
+        # copies every row's text) by ~30%.
+        parts.append("(regexp_matches(r.completion, $text) OR regexp_matches(r.prompt, $text))")
+        params["text"] = "(?i)" + re.escape(str(f["text"]))
     if f.get("status") or f.get("reward_name"):
         cell = ["w.run_id = r.run_id", "w.split = r.split", "w.step = r.step", "w.group_id = r.group_id",
                 "w.sample_index = r.sample_index"]  # fmt: skip

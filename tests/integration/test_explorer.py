@@ -47,16 +47,18 @@ class Page:
     def __init__(self, driver, url: str):
         self.d, self.url = driver, url
 
-    def _settled(self, before) -> None:
+    def _settled(self, before, error: bool = False) -> None:
+        """Run `before` (a click, a navigation), then wait until the page says it rendered (or, with
+        `error`, that it shows an error)."""
         from selenium.webdriver.support.ui import WebDriverWait
 
         def ready(d):
             state = d.execute_script(
                 "const s = document.getElementById('page-status'); return s && s.dataset.state"
             )
-            if state == "error":
+            if state == ("ready" if error else "error"):
                 raise AssertionError("the page reported: " + d.find_element("id", "page-status").text)
-            return state == "ready"
+            return state == ("error" if error else "ready")
 
         self.d.execute_script("document.getElementById('page-status').dataset.state = 'stale'")
         before()
@@ -72,9 +74,9 @@ class Page:
             )
         self._settled(lambda: self.d.execute_script("location.hash = arguments[0]", hash_route))
 
-    def click(self, css: str, within=None) -> None:
+    def click(self, css: str, within=None, error: bool = False) -> None:
         target = (within or self.d).find_element("css selector", css)
-        self._settled(target.click)
+        self._settled(target.click, error)
 
     def all(self, css: str):
         return self.d.find_elements("css selector", css)
@@ -97,6 +99,18 @@ def _xss_run(root: Path) -> str:
     store.write_rewards("xss-run", 0, [group])
     store.write_run_meta("xss-run", {"run_id": "xss-run", "status": "completed"})
     return group.group_id
+
+
+def _live_step(root: Path, step: int) -> None:
+    """One step of a run that is `running`, owned by this (live) process, as a run writes it."""
+    from storage.processes import identity
+
+    c = RolloutCompletion(0, f"step {step}", [60], [1], [-0.5], reward=float(step), reward_valid=True)
+    group = RolloutGroup(f"train-live-{step}", step, "prompt", [1], [c], row_id="live")
+    store = RolloutStore(root)
+    store.write_rollouts("live", step, [group])
+    store.write_rewards("live", step, [group])
+    store.write_run_meta("live", {"run_id": "live", "status": "running", "owner": identity()})
 
 
 @pytest.fixture
@@ -217,7 +231,7 @@ def test_browse_a_fault_drill_run(explorer, tmp_path):
         p.shot("sql")
         driver.find_element("id", "sql-text").clear()
         driver.find_element("id", "sql-text").send_keys("DELETE FROM rollouts")
-        p.click("#sql-run")
+        p.click("#sql-run", error=True)
         assert "read-only" in p.text("#sql-error")
 
         # Markup in a completion, its prompt and a reward reason is text: shown as written, never run.
@@ -230,8 +244,21 @@ def test_browse_a_fault_drill_run(explorer, tmp_path):
         assert XSS in p.text("#group-columns")
         p.shot("xss")
         assert driver.execute_script("return window.__xss") is None
-        assert (
-            driver.execute_script("return document.querySelectorAll('img, b, script:not([src])').length") == 0
+        # no element was made from it: no image, no inline script, no <b> holding its "bold"
+        made = "[...document.querySelectorAll('img, script:not([src]), b')].filter(e => e.tagName !== 'B' || e.textContent === 'bold')"
+        assert driver.execute_script(f"return {made}.length") == 0
+
+        # A running run's row updates as its steps land, without a reload.
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        _live_step(root, 0)
+        p.go("#/")
+        steps = lambda: driver.execute_script(  # noqa: E731
+            "const r = document.querySelector(\"#runs-table tr[data-run='live']\"); "
+            "return r && [r.cells[1].textContent, r.cells[2].textContent]"
         )
+        assert steps() == ["running", "1"]
+        _live_step(root, 1)
+        WebDriverWait(driver, 30, 0.2).until(lambda d: steps() == ["running", "2"])
     finally:
         driver.quit()

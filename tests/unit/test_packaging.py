@@ -1,6 +1,6 @@
 """The real build of the package: setuptools says nothing about packages it would leave out (a fresh
 clone's `make install` / `make demo` once opened with a 40-line warning block about
-`flows.vllm_plugins`), and the wheel carries the vLLM server's plugin modules."""
+`flows.vllm_plugins`), and the wheel carries the vLLM server's plugin modules and the explorer's page."""
 
 from __future__ import annotations
 
@@ -37,3 +37,5 @@ def test_the_wheel_builds_without_a_warning_and_carries_the_vllm_plugins(tmp_pat
     names = set(zipfile.ZipFile(wheel).namelist())
     plugins = {f"flows/vllm_plugins/{p.name}" for p in (REPO / "flows" / "vllm_plugins").glob("*.py")}
     assert plugins and plugins <= names
+    page = {f"flows/ui_static/{name}" for name in ("index.html", "app.js", "style.css")}  # grpoflow ui
+    assert page <= names
