@@ -168,7 +168,7 @@ Rollouts, rewards and step metrics are Parquet files under `{root}`:
 ```
 grpoflow sql --root {root} --canned reward_curve --run {self.run.run_id}
 grpoflow sql --root {root} "SELECT step, avg(reward) FILTER (reward_valid) AS reward, avg(completion_tokens)
-    FROM rollouts WHERE run_id = '{self.run.run_id}' GROUP BY step ORDER BY step"
+    FROM rollouts WHERE run_id = '{self.run.run_id}' AND split = 'train' GROUP BY step ORDER BY step"
 grpoflow sql --root {root} "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL"
 ```
 """

@@ -293,7 +293,7 @@ def _serve_file(path: Path) -> web.Response:
 
 @web.middleware
 async def _guard(request: web.Request, handler) -> web.StreamResponse:
-    """Method, Host and API key checks before any handler; security headers on every answer."""
+    """Method, Host and API key checks before any handler."""
     app = request.app
     if request.method not in ("GET", "HEAD"):
         return web.Response(status=405, text="the explorer is read-only")
@@ -311,17 +311,21 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
         sent = auth[7:] if auth.startswith("Bearer ") else request.cookies.get(COOKIE, "")
         if not hmac.compare_digest(sent, key):
             return web.Response(status=401, text="an API key is required: add ?key=KEY to the address")
-    resp = await handler(request)
+    return await handler(request)
+
+
+async def _headers(request: web.Request, resp: web.StreamResponse) -> None:
+    """On every answer, refusals and errors included: only the page's own script may run."""
     resp.headers.setdefault("Content-Security-Policy", CSP)
     resp.headers.setdefault("X-Content-Type-Options", "nosniff")
     resp.headers.setdefault("Referrer-Policy", "no-referrer")
-    return resp
 
 
 def make_app(root: str | Path, *, api_key: str | None = None, loopback: bool = True) -> web.Application:
     if not Path(root).is_dir():
         raise FileNotFoundError(f"root: {str(root)!r} is not a directory (a store written by grpoflow train)")
     app = web.Application(middlewares=[_guard])
+    app.on_response_prepare.append(_headers)
     app[EXPLORER] = explorer = Explorer(root)
     app[API_KEY] = api_key
     app[LOOPBACK] = loopback

@@ -181,7 +181,7 @@ CANNED: dict[str, str] = {
         SELECT run_id, name AS tool, count(*) AS calls,
                count(*) FILTER (WHERE failed) AS failed,
                avg(CASE WHEN failed THEN 1.0 ELSE 0.0 END) AS failure_rate
-        FROM tool_calls WHERE {_RUN}
+        FROM tool_calls WHERE split = 'train' AND {_RUN}
         GROUP BY run_id, name ORDER BY run_id, name""",
     "lengths": f"""
         SELECT run_id, step, avg(completion_tokens) AS mean_tokens,

@@ -253,7 +253,9 @@ async def test_only_reads_only_named_files_only_for_localhost(client):
     for path in ("/static/..%2F..%2Fpyproject.toml", "/static/../ui.py", "/static/ui.py", "/runs/exp.json"):
         assert (await client.get(path)).status == 404, path
     # DNS rebinding: a page on another origin that resolves to 127.0.0.1 sends its own Host
-    assert (await client.get("/api/runs", headers={"Host": "evil.example:8300"})).status == 403
+    refused = await client.get("/api/runs", headers={"Host": "evil.example:8300"})
+    assert refused.status == 403 and "script-src 'self'" in refused.headers["Content-Security-Policy"]
+    assert "Content-Security-Policy" in (await client.get("/nowhere")).headers  # errors too
     assert (await client.get("/api/runs", headers={"Host": "localhost:8300"})).status == 200
 
 
