@@ -53,6 +53,21 @@ def number_only(
     return out
 
 
+def soft_overlong_penalty(completion_ids: list[list[int]], max_tokens: int, buffer: int, **_) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 for a completion of at most
+    `max_tokens` - `buffer` tokens, then falling linearly to -1 over the last `buffer` tokens of the
+    budget, and -1 beyond it. Set `max_tokens` to the budget the completions are cut at
+    (generation.max_tokens, or generation.max_rollout_tokens for multi-turn rollouts, whose
+    completion_ids hold tool results too) and add it beside the task's reward:
+
+        - {name: overlong, fn: examples.rewards:soft_overlong_penalty, kwargs: {max_tokens: 512, buffer: 128}}
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"soft_overlong_penalty: buffer {buffer} must be in 1..max_tokens ({max_tokens})")
+    free = max_tokens - buffer
+    return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / buffer) for ids in completion_ids]
+
+
 def env_reward(environments: list, **_) -> list[float | None]:
     """The environment snapshot's reward: `get_reward()` if it has one, else its `reward` attribute."""
     out = []

@@ -334,10 +334,17 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
 
 
 def rollout_job(
-    cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str, rows_per_epoch: int = 0
+    cfg: GRPOConfig, servers: ReplicaSet, tokenizer_path: str, train_rows: list[dict] | None = None
 ) -> RolloutJob:
-    """What each step's rollout task needs: the servers it generates on, and the config's sections."""
+    """What each step's rollout task needs: the servers it generates on, and the config's sections;
+    `train_rows`: the training split (its size is an epoch; dynamic sampling draws from it)."""
+    from tasks.sampling import DynamicSampling
     from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
+
+    sampling = None
+    if cfg.algorithm.dynamic_sampling and train_rows:
+        sampling = DynamicSampling(train_rows, cfg.data.prompts_per_step, cfg.run.seed,
+                                   cfg.algorithm.max_sampling_rounds)  # fmt: skip
 
     return RolloutJob(
         tokenizer_path=tokenizer_path,
@@ -348,7 +355,8 @@ def rollout_job(
         seed=cfg.run.seed,
         servers=servers,
         max_steps=cfg.run.steps,
-        rows_per_epoch=rows_per_epoch,
+        rows_per_epoch=len(train_rows or []),
+        sampling=sampling,
     )
 
 

@@ -129,7 +129,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         # the first step too (which also finds a server that cannot load adapters before anything trains).
         if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
-        job = rollout_job(cfg, servers, run.base_model, len(rows))
+        job = rollout_job(cfg, servers, run.base_model, rows)
         pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step, runner)
         evals = TrainingEval(cfg, job)  # run.eval_every
         units.recover = pipeline.recover

@@ -168,6 +168,7 @@ class RolloutGroup:
     split: str = "train"
     policy_version: int = 0  # min version over the group's completions
     row_id: str = ""  # the dataset row's stable id (row_id_of)
+    dropped: str | None = None  # why the step does not train on it at all (dynamic sampling); not persisted
 
     def prompt_ids_of(self, c: RolloutCompletion) -> list[int]:
         """The prompt tokens completion `c` was generated from (and is trained on)."""

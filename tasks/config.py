@@ -350,6 +350,25 @@ class AlgorithmConfig(Section):
         },
     )
     filter_zero_std: bool = Field(False, description="Drop groups whose valid rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (Yu et al. 2025): a step keeps generating further prompts "
+        "until it holds data.prompts_per_step groups whose valid rewards differ (at most "
+        "max_sampling_rounds rounds, then it trains on what it has). Groups without reward variance, and "
+        "those beyond prompts_per_step, land in the store with their drop reason; the data cursor "
+        "stays a function of the step (further prompts come from a stream seeded by (seed, step, round)).",
+    )
+    max_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="With dynamic_sampling: generation rounds per step at most, the first included.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO's overlong filtering: completions cut at the token budget are left out of the "
+        "loss (their reward still counts in the group's baseline); drop reason recorded.",
+    )
     num_iterations: int = Field(
         1,
         ge=1,

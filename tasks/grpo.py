@@ -41,6 +41,12 @@ def _flat(xs: list[float], std: float) -> bool:
     return std <= ZERO_STD_RTOL * max(1.0, max(abs(x) for x in xs))
 
 
+def has_signal(valid_rewards: list[float]) -> bool:
+    """Whether a group's valid rewards can teach anything: at least two, not all equal (the same test
+    as `group_advantages`' zero std). DAPO's dynamic sampling keeps the groups that have it."""
+    return len(valid_rewards) >= 2 and not _flat(valid_rewards, _std(valid_rewards))
+
+
 def group_advantages(
     rewards: list[list[float | None]],
     valid: list[list[bool]],

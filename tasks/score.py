@@ -271,6 +271,17 @@ def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
     return out
 
 
+def reward_metrics(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dict[str, float | None]:
+    """The reward figures of already scored groups (`score_groups_async`'s, score_seconds aside): a
+    step whose groups were scored in several rounds (dynamic sampling) reports them over all."""
+    per_fn = [
+        [x for g in groups for c in g.completions for x in c.reward_cells if x.name == s.name] for s in specs
+    ]
+    out = _metrics(groups, specs, per_fn, 0.0)
+    del out["score_seconds"]
+    return out
+
+
 _PROCESS_POOL: cf.ProcessPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

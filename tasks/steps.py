@@ -33,6 +33,7 @@ from tasks.grpo import group_advantages
 from tasks.push import PushStats, WeightPush, push_version
 from tasks.replicas import ReplicaSet
 from tasks.reward_kwargs import TrainerState
+from tasks.sampling import NO_SIGNAL, DynamicSampling, select
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RolloutJob:
     max_steps: int = 0  # the run's steps, and its dataset's rows: reward functions' `trainer_state`
     rows_per_epoch: int = 0
     split: str = "train"  # the groups' split: 'eval' for the held-out rows (grpo-evaluate, run.eval_every)
+    sampling: DynamicSampling | None = None  # algorithm.dynamic_sampling (training batches only)
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
@@ -80,7 +82,7 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from tasks.score import score_groups_async
+    from tasks.score import reward_metrics, score_groups_async
 
     t0 = time.perf_counter()
     groups = await _generate(rows, prompt_indices, job)
@@ -90,15 +92,60 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     epoch = prompt_indices[0] / job.rows_per_epoch if job.rows_per_epoch and prompt_indices else 0.0
     state = TrainerState(global_step=step, epoch=epoch, max_steps=job.max_steps)
     metrics = await score_groups_async(groups, job.rewards, state)
+    gen_s, score_s = t1 - t0, metrics["score_seconds"]
+    if job.sampling is not None and job.split == "train":
+        more, gen_more, score_more, rounds = await _more_rounds(step, groups, job, state)
+        groups += more
+        gen_s, score_s = gen_s + gen_more, score_s + score_more
+        metrics.update(reward_metrics(groups, job.rewards))
+        metrics.update(_sampling_metrics(groups, job.sampling, len(groups) - len(more), rounds))
     broken = broken_rewards(groups, job.rewards)
     for b in broken:  # said at once; the flow decides to stop
         say = _run_logger().error if b.required else _run_logger().warning
         say("step %d: %s\n%s", step, b.line(), b.trace or "")
-    t2 = time.perf_counter()
-    metrics.update(_generation_metrics(groups, t1 - t0))
+    metrics.update(_generation_metrics(groups, gen_s))
     metrics.update(servers)
-    metrics["score_seconds"] = t2 - t1
-    return RolloutBatch(step, groups, metrics, t0, t2, broken)
+    metrics["score_seconds"] = score_s
+    return RolloutBatch(step, groups, metrics, t0, time.perf_counter(), broken)
+
+
+async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, state: TrainerState):
+    """Dynamic sampling's further rounds, while the step holds fewer than prompts_per_step groups with
+    reward variance: (the new groups, their generation seconds, their scoring seconds)."""
+    from tasks.score import score_groups_async
+
+    ds, more, gen_s, score_s, rounds = job.sampling, [], 0.0, 0.0, 1
+    for rnd in range(1, ds.max_rounds):
+        kept = select(groups + more, ds.per_step)
+        if kept >= ds.per_step:
+            break
+        rows, indices = ds.round_rows(step, rnd, ds.next_round_size(kept, len(groups) + len(more)))
+        t0 = time.perf_counter()
+        new = await _generate(rows, indices, job)
+        t1 = time.perf_counter()
+        await score_groups_async(new, job.rewards, state)
+        gen_s, score_s = gen_s + t1 - t0, score_s + time.perf_counter() - t1
+        more += new
+        rounds = rnd + 1
+    kept = select(groups + more, ds.per_step)
+    if kept < ds.per_step:
+        _run_logger().warning("step %d: dynamic sampling found %d of %d groups with reward variance in %d "
+                              "rounds; training on those", step, kept, ds.per_step, ds.max_rounds)  # fmt: skip
+    return more, gen_s, score_s, rounds
+
+
+def _sampling_metrics(
+    groups: list[RolloutGroup], ds: DynamicSampling, first_round: int, rounds: int
+) -> dict[str, float]:
+    kept = sum(g.dropped is None for g in groups)
+    return {
+        "sampling/rounds": float(rounds),
+        "sampling/groups_generated": float(len(groups)),
+        "sampling/extra_groups": float(len(groups) - first_round),
+        "sampling/groups_kept": float(kept),
+        "sampling/groups_short": float(ds.per_step - kept),
+        "sampling/signal_frac": sum(g.dropped != NO_SIGNAL for g in groups) / max(1, len(groups)),
+    }
 
 
 def _run_logger():
@@ -197,7 +244,10 @@ def assign_advantages(
     fresh, stale, limit = [], 0, max_lag(algorithm.max_staleness, sync_every)
     for g in groups:
         staleness = max(step - c.policy_version for c in g.completions) if g.completions else 0
-        if staleness > limit:
+        if g.dropped is not None:  # dynamic sampling left it out of the step
+            for c in g.completions:
+                c.trained, c.advantage, c.drop_reason = False, 0.0, g.dropped
+        elif staleness > limit:
             stale += 1
             for c in g.completions:
                 c.trained, c.advantage = False, 0.0
@@ -218,9 +268,14 @@ def assign_advantages(
         parts=parts,
         filter_zero_std=algorithm.filter_zero_std,
     )
+    truncated = 0
     for g, a_row, m_row in zip(fresh, adv, mask, strict=True):
         n_valid = sum(c.reward_valid for c in g.completions)
         for c, a, m in zip(g.completions, a_row, m_row, strict=True):
+            if m and c.truncated and algorithm.mask_truncated:
+                # DAPO's overlong filtering: its reward stays in the group's baseline, its tokens out of the loss
+                m, truncated = False, truncated + 1
+                c.drop_reason = "truncated at the token budget (algorithm.mask_truncated)"
             c.advantage, c.trained = float(a), bool(m)
             if not m and c.drop_reason is None:
                 if not c.reward_valid:
@@ -231,6 +286,8 @@ def assign_advantages(
                     c.drop_reason = "group filtered (zero reward variance)"
     out = {f"adv/{k}": float(v) for k, v in metrics.items() if isinstance(v, int | float)}
     out["groups_dropped_stale"] = float(stale)
+    if algorithm.mask_truncated:
+        out["adv/truncated_masked"] = float(truncated)
     out["staleness_max"] = float(
         max((step - c.policy_version for g in groups for c in g.completions), default=0)
     )

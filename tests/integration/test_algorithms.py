@@ -76,3 +76,64 @@ def test_cispo_leave_one_out_seq_tis_in_mini_batches(tmp_path, vllm_server, tiny
         std = (sum((r - total / n) ** 2 for r in rewards) / (n - 1)) ** 0.5
         expected = [(r - (total - r) / (n - 1)) / (std + 1e-4) for r in rewards]
         assert advantages == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_overlong_filtering_through_the_server(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """DAPO's dynamic sampling with a reward that gives rows whose id is not a multiple of 3 no spread
+    (0.0 whatever the model writes): those groups always drop for zero variance, so a step whose own
+    rows include one always generates a further round, from the rows (seed, step, round) fix."""
+    from flows.data import rows_for_step
+    from flows.train import grpo_train
+    from tasks.sampling import EXTRA_BASE, MAX_ROUNDS, NO_SIGNAL, STEP_FULL, DynamicSampling
+
+    per_step, steps, rounds = 4, 2, 3
+    sets = {
+        "run.steps": steps, "run.run_id": "dapo", "run.seed": 3, "data.prompts_per_step": per_step,
+        "algorithm.dynamic_sampling": "true", "algorithm.max_sampling_rounds": rounds,
+        "algorithm.mask_truncated": "true",
+        "rewards": "[{name: third, fn: 'tests.unit.reward_fns:letters_on_every_third_row'}]",
+    }  # fmt: skip
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets)
+    grpo_train(config=cfg)
+    from flows.data import load_rows, split_rows
+
+    rows = split_rows(cfg, load_rows(cfg))[0]  # the training rows, as the run draws from
+    ds = DynamicSampling(rows, per_step, cfg.run.seed, rounds)
+    _, metrics = query(tmp_path, 'SELECT step, "sampling/rounds", "sampling/groups_generated", '
+                                 '"sampling/groups_short", "train/samples" FROM steps ORDER BY step')  # fmt: skip
+    _, groups = query(tmp_path, """
+        SELECT step, group_id, min(prompt_index), min(row_id), any_value(drop_reason),
+               stddev_pop(reward) FILTER (WHERE reward_valid), count(*) FILTER (WHERE trained),
+               count(*) FILTER (WHERE truncated AND trained)
+        FROM rollouts GROUP BY step, group_id ORDER BY step, min(prompt_index)""")  # fmt: skip
+    assert [m[0] for m in metrics] == list(range(steps))
+    for step, n_rounds, generated, short, _ in metrics:
+        mine = [g for g in groups if g[0] == step]
+        assert len(mine) == generated and 1 <= n_rounds <= rounds
+        own, _ = rows_for_step(rows, step, per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        if any(r["id"] % 3 for r in own):  # a group that cannot have signal: a further round, always
+            assert n_rounds >= 2
+        # the extra groups are the rows (seed, step, round) name, in their own index space
+        extra = [g for g in mine if g[2] >= EXTRA_BASE]
+        by_round: dict[int, list] = {}
+        for g in extra:
+            by_round.setdefault((g[2] - EXTRA_BASE) // (per_step * 4) - step * MAX_ROUNDS, []).append(g)
+        assert sorted(by_round) == list(range(1, n_rounds))
+        for rnd, gs in by_round.items():
+            expected = ds.round_rows(step, rnd, len(gs))[0]
+            assert [g[3] for g in gs] == [str(r["id"]) for r in expected]
+        # which groups train, and why the others do not
+        kept = [g for g in mine if not (g[4] or "").startswith("dynamic sampling")]
+        assert len(kept) == per_step - short
+        assert all(int(g[3]) % 3 == 0 and g[5] > 0 for g in kept)
+        assert all(g[5] is None or g[5] <= 1e-6 for g in mine if g[4] == NO_SIGNAL)
+        assert all(g[4] == NO_SIGNAL for g in mine if int(g[3]) % 3)
+        assert all(g[5] > 0 for g in mine if g[4] == STEP_FULL)
+        assert all(g[6] == 0 for g in mine if g not in kept) and all(g[7] == 0 for g in mine)
+    _, reasons = query(tmp_path, "SELECT count(*) FROM rollouts WHERE truncated AND reward_valid AND NOT trained "
+                                 "AND drop_reason NOT LIKE 'dynamic sampling%' AND drop_reason <> "
+                                 "'truncated at the token budget (algorithm.mask_truncated)'")  # fmt: skip
+    assert reasons == [(0,)]

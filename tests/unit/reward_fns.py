@@ -39,3 +39,12 @@ def trl_docs_length(completions, log_metric=None, **kwargs) -> list[float]:
     if log_metric is not None:
         log_metric("mean_chars", sum(lengths) / len(lengths))
     return [min(n, 50) / 50 for n in lengths]
+
+
+def letters_on_every_third_row(completions: list[str], id: list[int], **_) -> list[float]:
+    """The fraction of letters "a" on rows whose id is a multiple of 3, and 0.0 on every other row: the
+    other rows' groups never have reward variance, whatever the model writes (dynamic sampling's test)."""
+    return [
+        c.lower().count("a") / max(1, len(c)) if i % 3 == 0 else 0.0
+        for c, i in zip(completions, id, strict=True)
+    ]
