@@ -150,25 +150,23 @@ def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> t
 
 _RUN = "($run IS NULL OR run_id = $run)"
 
+
+def _curve(split: str) -> str:
+    return f"""
+        SELECT run_id, step,
+               avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
+               stddev_pop(reward) FILTER (WHERE reward_valid) AS reward_std,
+               avg(CASE WHEN reward_valid THEN 1.0 ELSE 0.0 END) AS valid_frac,
+               count(*) AS completions
+        FROM rollouts WHERE split = '{split}' AND {_RUN}
+        GROUP BY run_id, step ORDER BY run_id, step"""
+
+
 CANNED: dict[str, str] = {
     # Reward per step over valid completions only; invalid ones are counted, never scored 0.
-    "reward_curve": f"""
-        SELECT run_id, step,
-               avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
-               stddev_pop(reward) FILTER (WHERE reward_valid) AS reward_std,
-               avg(CASE WHEN reward_valid THEN 1.0 ELSE 0.0 END) AS valid_frac,
-               count(*) AS completions
-        FROM rollouts WHERE split = 'train' AND {_RUN}
-        GROUP BY run_id, step ORDER BY run_id, step""",
+    "reward_curve": _curve("train"),
     # The held-out split scored during training (run.eval_every) or by grpo-evaluate: the same figures.
-    "eval_curve": f"""
-        SELECT run_id, step,
-               avg(reward) FILTER (WHERE reward_valid) AS reward_mean,
-               stddev_pop(reward) FILTER (WHERE reward_valid) AS reward_std,
-               avg(CASE WHEN reward_valid THEN 1.0 ELSE 0.0 END) AS valid_frac,
-               count(*) AS completions
-        FROM rollouts WHERE split = 'eval' AND {_RUN}
-        GROUP BY run_id, step ORDER BY run_id, step""",
+    "eval_curve": _curve("eval"),
     "invalid_rate": f"""
         SELECT run_id, reward_name, count(*) AS cells,
                avg(CASE WHEN status <> 'valid' THEN 1.0 ELSE 0.0 END) AS invalid_rate,

@@ -95,8 +95,14 @@ def test_prefect_yaml_train_defaults_equal_the_tiny_letters_config():
 
     repo = Path(__file__).resolve().parents[2]
     deployments = {d["name"]: d for d in yaml.safe_load((repo / "prefect.yaml").read_text())["deployments"]}
-    assert set(deployments) == {"grpo-train", "grpo-retrain", "grpo-evaluate", "policy-server", "rollout-sql",
-                               "rollout-explorer"}
+    assert set(deployments) == {
+        "grpo-train",
+        "grpo-retrain",
+        "grpo-evaluate",
+        "policy-server",
+        "rollout-sql",
+        "rollout-explorer",
+    }
     inline = GRPOConfig.model_validate(deployments["grpo-train"]["parameters"]["config"])
     assert inline.model_dump() == load_config(repo / "configs" / "tiny-letters.yaml").model_dump()
     assert deployments["grpo-retrain"]["concurrency_limit"] == {
