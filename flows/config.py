@@ -176,6 +176,18 @@ class GRPOConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _reproducible_on_one_server(self) -> GRPOConfig:
+        servers = len(self.inference.external()) or self.inference.replicas
+        if self.run.reproducible and servers > 1:
+            field = "inference.urls" if self.inference.urls else "inference.replicas"
+            raise ValueError(
+                f"run.reproducible needs one server, but {field} names {servers}: which server a group "
+                "goes to follows their timing, and so do its numerics; use one server or unset "
+                "run.reproducible"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unique_rewards(self) -> GRPOConfig:
         names = [r.name for r in self.rewards]
         dupes = sorted({n for n in names if names.count(n) > 1})

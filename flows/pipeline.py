@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -45,16 +46,22 @@ class RolloutPipeline:
     """
 
     def __init__(self, cfg: GRPOConfig, rows, servers: ReplicaSet, job: RolloutJob, first_step: int,
-                 runner: StepRunner):  # fmt: skip
+                 runner: StepRunner, kept: list[RolloutBatch] = ()):  # fmt: skip
         self.cfg, self.rows, self.servers, self.job, self.runner = cfg, rows, servers, job, runner
         self.ahead: deque[tuple[object, Future, int]] = deque()
         self.next_step = first_step
+        self.kept = {b.step: b for b in kept}  # batches a checkpoint kept (run.reproducible), by step
 
     @property
     def restarts(self) -> int:
         return sum(r.restarts for r in self.servers.replicas)
 
     def _submit(self, step: int) -> tuple[object, Future, int]:
+        kept = self.kept.pop(step, None)
+        if kept is not None:  # generated before the resume under the weights of its time: used as it is
+            done: Future = Future()
+            done.set_result(kept)
+            return done, done, step
         d = self.cfg.data
         batch_rows, cursor = rows_for_step(self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed,
                                            shuffle=d.shuffle)  # fmt: skip
@@ -81,6 +88,17 @@ class RolloutPipeline:
             self.runner.waited(batch, t_wait)
             return batch
 
+    def settle(self) -> list[RolloutBatch]:
+        """Wait until every batch submitted ahead is generated and scored, and return them in step order
+        (run.reproducible: called before a push, so that no batch changes weights mid-way and each is
+        generated wholly under the version served when it was submitted, and before a checkpoint, which
+        keeps them). A batch that failed is left out: next_batch recovers it."""
+        out = []
+        for future, handoff, _ in self.ahead:
+            with contextlib.suppress(Exception):
+                out.append(handed_over(future, handoff))
+        return out
+
     def recover(self, error: Exception) -> None:
         """No server answered: wait until a restarted embedded one serves the current weights, then
         generate the in-flight batches again; raise (resumable) when that cannot happen."""
@@ -98,5 +116,6 @@ class RolloutPipeline:
                 raise RuntimeError(
                     f"vLLM server unavailable ({servers.all_down()}); the run is resumable: {error}"
                 ) from error
-        # Every in-flight batch may have died with the servers: generate them again under new futures.
-        self.ahead = deque(self._submit(step) for *_, step in self.ahead)
+        # Every in-flight batch may have died with the servers: generate them again under new futures
+        # (a batch already handed over is kept).
+        self.ahead = deque(a if a[1].done() else self._submit(a[2]) for a in self.ahead)

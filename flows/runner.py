@@ -171,9 +171,9 @@ class StepUnits:
         self._as_task(persist, self.root, self.run_id, step, [*train_groups, *batch.groups])
         return batch
 
-    def checkpoint(self, step: int, state: dict, keep: int) -> float:
+    def checkpoint(self, step: int, state: dict, keep: int, kept: list[RolloutBatch] = ()) -> float:
         return self.runner.call(save_checkpoint, self.learner, root=self.root, run_id=self.run_id, step=step,
-                                state=state, keep=keep)  # fmt: skip
+                                state=state, keep=keep, kept=kept)  # fmt: skip
 
     def _again(self, task: Task, what: str, error: Exception, *args: Any) -> Any:
         """The one place a failed unit is run again: as its own task run (its retries)."""

@@ -302,6 +302,11 @@ def _server_env(
         # every core this process may use; the OS shares them with the learner. A value in the
         # environment wins.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores or os.sched_getaffinity(0)))
+        # vLLM's CPU attention splits a sequence's KV across threads by how many sequences the batch
+        # holds, so a completion's logprobs followed what else was running (their last bits, measured:
+        # BENCHMARKS.md, "Reproducibility"). Unsplit, a request's numbers are its own; the linear
+        # layers (oneDNN) already are batch-invariant here.
+        env.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
     return env
 
 

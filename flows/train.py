@@ -32,7 +32,7 @@ from flows.runs import (
     rollout_job,
     write_meta,
 )
-from flows.serve import inference_servers, replica_names
+from flows.serve import inference_servers, replica_names, vllm_python
 from flows.tracking import Tracking, tracking
 from storage.compact import BackgroundCompactor
 from storage.processes import identity
@@ -40,6 +40,7 @@ from storage.rollouts import RolloutStore
 from tasks.broken_rewards import BrokenReward, BrokenRewardError
 from tasks.config import InferenceConfig, LoraConfig
 from tasks.push import weight_push
+from tasks.reproducible import environment, load_kept
 from tasks.steps import assign_advantages
 
 
@@ -84,6 +85,8 @@ def grpo_train(
         "running",
         flow_run_id=str(flow_run.flow_run.id) if flow_run else None,
         owner=identity(),  # host + pid + start time: `grpoflow runs` tells a dead owner from a live one
+        # what a rerun must match to give the same bits (benchmarks/reproducibility.py compares them)
+        reproducibility=environment(cfg.run.seed, None if cfg.inference.external() else vllm_python()),
     )
     try:
         with ray_cluster(
@@ -130,7 +133,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
         job = rollout_job(cfg, servers, run.base_model, rows)
-        pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step, runner)
+        kept = load_kept(run.checkpoint) if cfg.run.reproducible else []  # generated before the resume
+        pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step, runner, kept)
         evals = TrainingEval(cfg, job)  # run.eval_every
         units.recover = pipeline.recover
         if run.checkpoint is not None:  # steps closed before a kill, and a killed compaction's leftovers
@@ -147,6 +151,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 written = units.persist(step, batch.groups)  # on a thread, beside the update
                 rec.train = units.update(batch.groups)
                 if _due(step, cfg.sync.sync_every, steps):
+                    if cfg.run.reproducible:  # no batch generated ahead changes weights mid-way
+                        t0 = time.perf_counter()
+                        pipeline.settle()
+                        rec.times.settle = time.perf_counter() - t0
                     rec.push = units.push(step + 1)
                 rec.times.write = written()
             rec.policy_version, rec.server_restarts = servers.version, pipeline.restarts
@@ -162,7 +170,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             stop = watch.step(step, batch.broken)
             if stop is None and _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, step + 1)
-                rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints)
+                kept = (
+                    pipeline.settle() if cfg.run.reproducible else []
+                )  # a resume trains on them as they are
+                rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints, kept)
                 store.write_step(run_id, step, runner.end(rec))  # the same row, with the checkpoint
                 compactor.submit(step, final=step == steps - 1)  # now closed; a background thread
                 if trackers is not None:  # closed steps only: a resume never redoes what they show

@@ -638,6 +638,15 @@ class RunConfig(Section):
         ge=1,
         description="With run.eval_every: at most this many eval rows, in split order (None: all).",
     )
+    reproducible: bool = Field(
+        False,
+        description="Reruns of this config with the same seed on the same machine and thread settings "
+        "give bit-identical rollouts, rewards, advantages, metrics and weights, at any max_staleness and "
+        "across a resume: each push first waits for the batches generated ahead (none then changes "
+        "weights mid-way; the step's wait is its settle_seconds), and each checkpoint keeps those "
+        "batches for a resume instead of generating them again under its weights. One server only. "
+        "README, 'Reproducible runs'.",
+    )
     step_task_runs: bool = Field(
         True,
         description="Show each step's rollout-batch and train-step as Prefect task runs (the UI's "

@@ -32,6 +32,7 @@ from tasks.config import AlgorithmConfig, GenerationConfig, InferenceConfig, Rew
 from tasks.grpo import group_advantages
 from tasks.push import PushStats, WeightPush, push_version
 from tasks.replicas import ReplicaSet
+from tasks.reproducible import save_kept
 from tasks.reward_kwargs import TrainerState
 from tasks.sampling import NO_SIGNAL, DynamicSampling, select
 
@@ -304,6 +305,7 @@ class StepTimes:
 
     wall: float = 0.0  # since the previous step ended (its row write and report are in this step)
     wait: float = 0.0  # the learner idling for generation
+    settle: float | None = None  # run.reproducible: a push waiting for the batches generated ahead
     write: float = 0.0  # the step's rollouts and rewards, beside the update
     prefect: float = 0.0  # Prefect's task runs on the step's critical path
     checkpoint: float | None = None  # a checkpoint's save, when one was due
@@ -341,6 +343,8 @@ class StepRecord:
         }
         if t.checkpoint is not None:
             out["checkpoint_seconds"] = t.checkpoint
+        if t.settle is not None:
+            out["settle_seconds"] = t.settle
         if t.eval is not None:
             out |= self.eval | {"eval_seconds": t.eval}
         return out
@@ -399,8 +403,16 @@ def train_step(outcome: Future) -> StepRecord:
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)
-def save_checkpoint(learner, *, root: str, run_id: str, step: int, state: dict, keep: int) -> float:
+def save_checkpoint(learner, *, root: str, run_id: str, step: int, state: dict, keep: int,
+                    kept: list[RolloutBatch] = ()) -> float:  # fmt: skip
+    """The learner's state, and `kept`: the batches generated ahead (run.reproducible), which a resume
+    from this checkpoint trains on as they are."""
     t0 = time.perf_counter()
-    CheckpointStore(Path(root)).save(run_id, step, learner.save, state, keep_last=keep)
+
+    def write(directory: Path) -> None:
+        learner.save(directory)
+        save_kept(directory, list(kept))
+
+    CheckpointStore(Path(root)).save(run_id, step, write, state, keep_last=keep)
     failpoint("checkpoint_done")
     return time.perf_counter() - t0
