@@ -6,7 +6,10 @@ and run `repro-b` one after the other in this process (`flows.train.grpo_train`,
 same store root), and compares what they wrote:
 
     .venv/bin/python benchmarks/reproducibility.py --config configs/tiny-letters.yaml
-        [--set KEY=VALUE ...] [--steps 12] [--seed 7] [--root DIR] [--keep]
+        [--set KEY=VALUE ...] [--steps 12] [--seed 7] [--kills N [--kill-window A B]] [--root DIR] [--keep]
+
+--kills N: run `repro-b` as `grpoflow train` processes instead, SIGKILLed N times at seeded random
+moments --kill-window A B seconds (default 4 14) after each launch and resumed after each (flows/drill.py's random-moment drill).
 
 --root DIR keeps the store there (it must not hold runs `repro-a` / `repro-b` yet); without it a temp
 dir is used, removed at the end unless --keep.
@@ -17,7 +20,8 @@ masks, policy versions, prompt_ids, finish_reason, truncated; how many rows are 
 2. rewards (value, status per reward function), 3. rollouts' reward, reward_valid, advantage, trained,
 drop_reason, 4. steps (every numeric column but times and machine-dependent ones; the max abs
 difference of each column that differs), 5. the final checkpoints' weights (max abs difference, the
-worst tensor, bitwise equality). Last a JSON line: {"rollouts_identical", "rollouts_total",
+worst tensor, bitwise equality), 6. what the runs' metadata says they ran on (seed, machine, threads,
+library versions: tasks/reproducible.py), any difference named. Last a JSON line: {"rollouts_identical", "rollouts_total",
 "rewards_equal", "advantages_equal", "steps_equal", "weights_max_abs_diff", "weights_bitwise_equal"}.
 
 The compare_* functions take (root, run_a, run_b) and return plain dicts, so a test can reuse them.
@@ -191,6 +195,16 @@ def compare_weights(root: Path, run_a: str, run_b: str) -> dict:
             "worst": worst, "differing": sum(d > 0 for d in diffs.values()), "bitwise_equal": bitwise}  # fmt: skip
 
 
+def compare_environments(root: Path, run_a: str, run_b: str) -> list[str]:
+    """6. What differs between the runs' reproducibility records (their run metadata)."""
+    from storage.rollouts import RolloutStore
+    from tasks.reproducible import mismatches
+
+    store = RolloutStore(root)
+    a, b = ((store.read_run_meta(r) or {}).get("reproducibility") for r in (run_a, run_b))
+    return mismatches(a, b)
+
+
 def report(root: Path, run_a: str, run_b: str) -> dict:
     """Print every comparison; return the summary of the final JSON line."""
 
@@ -215,6 +229,8 @@ def report(root: Path, run_a: str, run_b: str) -> dict:
           f"{w['differing']} differ; max |A-B| {w['max_abs_diff']:.6g}"
           + (f" (worst: {w['worst']})" if w["differing"] else "")
           + f"; bitwise {'equal' if w['bitwise_equal'] else 'NOT equal'}", flush=True)  # fmt: skip
+    env = compare_environments(root, run_a, run_b)
+    print("6. ran on: " + ("the same seed, machine, threads and versions" if not env else "; ".join(env)))
     return {
         "rollouts_identical": ro["equal"],
         "rollouts_total": ro["total"],
@@ -223,6 +239,7 @@ def report(root: Path, run_a: str, run_b: str) -> dict:
         "steps_equal": st["first"] is None,
         "weights_max_abs_diff": w["max_abs_diff"],
         "weights_bitwise_equal": w["bitwise_equal"],
+        "environment_differences": env,
     }
 
 
@@ -235,8 +252,10 @@ def base_weights(url: str, model_dir: Path, inference) -> None:
         load_version(weight_push(tmp, "restore", SyncConfig(), inference), url, model_dir, 0)
 
 
-def train_twice(config: str, overrides: list[str], root: Path) -> None:
-    """Runs RUNS one after the other on one shared server, each from the base weights."""
+def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
+                window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
+    """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
+    the second one SIGKILLed that many times and resumed."""
     from flows.cli import quiet_prefect_task_logs
     from flows.config import load_config
     from flows.prefect_api import owned_prefect_api
@@ -256,12 +275,31 @@ def train_twice(config: str, overrides: list[str], root: Path) -> None:
         try:
             for run in RUNS:
                 base_weights(server.url, model, base.inference)
-                cfg = load_config(config, [*overrides, f"inference.url={server.url}", f"run.run_id={run}"])
+                sets = [*overrides, f"inference.url={server.url}"]
                 t0 = time.perf_counter()
-                grpo_train(config=cfg)
+                if kills and run == RUNS[-1]:
+                    print(f"{run}: {killed(config, sets, root, run, kills, window_s)}", flush=True)
+                else:
+                    grpo_train(config=load_config(config, [*sets, f"run.run_id={run}"]))
                 print(f"trained {run} in {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             server.stop()
+
+
+def killed(
+    config: str, sets: list[str], root: Path, run: str, kills: int, window_s: tuple[float, float]
+) -> dict:
+    """`run` trained by `grpoflow train` processes, SIGKILLed `kills` times at seeded random moments
+    and resumed after each; the drill's figures."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.drill import random_kill_drill
+
+    fig = random_kill_drill(root, run, sets, kills=kills, seed=0, window_s=window_s, config=config,
+                            env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
+    if not fig["completed"]:
+        raise RuntimeError(f"{run} did not complete after its kills: {fig['final_output']}")
+    return {k: fig[k] for k in ("kills", "kill_moments_s", "finished_early", "orphans")}
 
 
 def main() -> None:
@@ -270,6 +308,15 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--kills", type=int, default=0, help="SIGKILL the second run this many times")
+    ap.add_argument(
+        "--kill-window",
+        type=float,
+        nargs=2,
+        default=(4.0, 14.0),
+        metavar=("A", "B"),
+        help="seconds after each launch a kill's moment is drawn from",
+    )
     ap.add_argument("--root", type=Path, help="the store (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp store")
     args = ap.parse_args()
@@ -277,7 +324,7 @@ def main() -> None:
     overrides = [f"storage.root={root}", *args.set, f"run.steps={args.steps}", f"run.seed={args.seed}"]
     print(f"config {args.config} {' '.join(args.set)} steps={args.steps} seed={args.seed} store={root}")
     try:
-        train_twice(args.config, overrides, root)
+        train_twice(args.config, overrides, root, args.kills, tuple(args.kill_window))
         summary = report(root, *RUNS)
         print(json.dumps(summary), flush=True)
     finally:

@@ -106,11 +106,13 @@ def random_kill_drill(
     window_s: tuple[float, float],
     env: dict | None = None,
     timeout_s: float = 600,
+    config: str | None = None,
 ) -> dict:
     """`kills` SIGKILLs of `grpoflow train` (then `--resume RUN`) at moments drawn uniformly from
     `window_s` seconds after each launch, then one last resume that must finish. Returns the figures."""
     rng = random.Random(seed)
     set_args = [a for s in [f"storage.root={root}", *sets] for a in ("--set", s)]
+    set_args = ["--config", str(config), *set_args] if config else set_args
     env = {**os.environ, **(env or {})}
     first = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
     again = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
