@@ -304,6 +304,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from flows.compare import identical, report
+    from storage.records import validate_run_id
+
+    for run in (args.run_a, args.run_b):
+        validate_run_id(run)
+    return 0 if identical(report(_root(args), args.run_a, args.run_b)) else 1
+
+
 def cmd_ui(args) -> int:
     import asyncio
 
@@ -502,6 +511,14 @@ def _store_commands(sub) -> None:
     r.add_argument("--root", help=ROOT_HELP)
     r.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     r.set_defaults(fn=cmd_runs)
+
+    cm = sub.add_parser(
+        "compare", help="did a rerun reproduce? two runs compared bit for bit, first difference"
+    )
+    cm.add_argument("run_a", help="run id")
+    cm.add_argument("run_b", help="run id")
+    cm.add_argument("--root", help=ROOT_HELP)
+    cm.set_defaults(fn=cmd_compare)
 
     k = sub.add_parser("compact", help="merge runs' closed steps into few Parquet files (SQL gets faster)")
     k.add_argument("run", nargs="?", help="run id (default: every run in the store)")

@@ -1,0 +1,77 @@
+"""Reruns reproduce, bit for bit, on the real vLLM server: the same config and seed trained twice give
+the same rollouts (token ids and vLLM's logprobs), reward cells, advantages, `steps` metrics (times
+aside) and final weights (flows/compare.py, what `grpoflow compare` prints). On-policy runs reproduce
+as they are; runs that generate ahead (max_staleness 2) with run.reproducible, with tools and an
+environment, also when the second one is SIGKILLed mid-run and resumed.
+
+The two runs of a test share the session's server, one after the other, each from the base weights
+(the run's first push loads them: inference.url is external)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.compare import identical, report
+from flows.config import load_config
+from tests.support import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _sets(root: Path, model: Path, url: str, *more: str) -> list[str]:
+    return [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", "run.seed=7", *more]
+
+
+def _same(root: Path, a: str, b: str) -> dict:
+    summary = report(root, a, b)
+    assert identical(summary), summary
+    assert summary["environment_differences"] == [], summary
+    return summary
+
+
+def test_an_on_policy_run_trained_twice_is_the_same_bits(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+    from flows.train import grpo_train
+
+    sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=4", "algorithm.max_staleness=0")
+    for run in ("a", "b"):
+        grpo_train(config=load_config(CONFIGS / "tiny-letters.yaml", [*sets, f"run.run_id={run}"]))
+    summary = _same(tmp_path, "a", "b")
+    assert summary["rollouts_total"] == 4 * 8 * 8
+
+
+def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_bit(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """max_staleness 2: each push waits for the two batches generated ahead, and the checkpoint after
+    step 3 keeps batches 4 and 5. Run b is SIGKILLed as step 4 starts training (its 5th train step),
+    then resumed: steps 4 and 5 train on the kept batches, generated under versions 3 and 4 as in run
+    a, and nothing differs."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.train import grpo_train
+
+    config = CONFIGS / "tiny-counter-env.yaml"
+    sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=6", "run.checkpoint_every=2",
+                 "algorithm.max_staleness=2", "run.reproducible=true")  # fmt: skip
+    grpo_train(config=load_config(config, [*sets, "run.run_id=a"]))
+
+    args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    cmd = [sys.executable, "-m", "flows.cli", "train"]
+    killed = subprocess.run([*cmd, "--run-id", "b", *args], cwd=REPO, capture_output=True, text=True,
+                            env={**env, "GRPOFLOW_FAULTS": "train@5:kill"}, timeout=600)  # fmt: skip
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "b" / "step-000003" / "ahead.pkl").is_file()  # batches 4 and 5
+    resumed = subprocess.run([*cmd, "--resume", "b", *args], cwd=REPO, capture_output=True, text=True,
+                             env=env, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+
+    summary = _same(tmp_path, "a", "b")
+    assert summary["rollouts_total"] == 6 * 4 * 4
