@@ -66,6 +66,8 @@ def test_promote_reject_rollback_on_a_live_server(
         f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
         "data.eval_fraction=0.25", "algorithm.max_staleness=0", "run.checkpoint_every=100",
     ]  # fmt: skip
+    # Pinned: seed 0, on-policy (max_staleness 0 reproduces as it is): the candidate trained here and its
+    # eval are the same bits every run, so "it beats the base" below depends on no timing.
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", sets)
     gated = {"server_url": live_server.url, "eval_server_url": vllm_server.url}
     base_out = greedy(live_server.url, tok)

@@ -31,7 +31,9 @@ def ranks_alive() -> list[int]:
 def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     from flows.train import grpo_train
 
-    run = {"run.run_id": "ranks", "run.checkpoint_every": 7}
+    # Pinned: seed 0 with run.reproducible (generation and its versions depend on no timing; two gloo
+    # ranks sum their gradients in a fixed order), so the rise asserted below is the same every run.
+    run = {"run.run_id": "ranks", "run.checkpoint_every": 7, "run.reproducible": True}
     grpo_train(
         config=tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **run, **SHARDED, **{"run.steps": 14})
     )

@@ -73,6 +73,17 @@ def test_bad_values_name_the_field(override, field):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "servers, field",
+    [("inference.replicas=2", "inference.replicas"),
+     ("inference.urls=[http://127.0.0.1:1, http://127.0.0.1:2]", "inference.urls")],
+)  # fmt: skip
+def test_a_reproducible_run_is_refused_more_than_one_server(servers, field):
+    with pytest.raises(ConfigError, match=f"run.reproducible needs one server, but {field} names 2"):
+        load_config(None, ["run.reproducible=true", servers])
+    load_config(None, [servers])  # fine without it
+
+
 def test_set_overrides_parse_yaml_values():
     cfg = load_config(None, ["generation.max_tokens=7", "data.shuffle=false", "run.run_id=abc-1"])
     assert cfg.generation.max_tokens == 7 and cfg.data.shuffle is False and cfg.run.run_id == "abc-1"

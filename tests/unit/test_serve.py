@@ -28,6 +28,14 @@ def test_cpu_server_binds_its_engine_to_all_our_cores_unless_told_otherwise(monk
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
+def test_cpu_server_attention_is_unsplit_so_a_requests_numbers_are_its_own(monkeypatch):
+    monkeypatch.setattr(serve, "_cpu_only", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_ATTN_SPLIT_KV", raising=False)
+    assert server_command("m", python="py", port=9)[1]["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "1")  # the user's environment wins
+    assert server_command("m", python="py", port=9)[1]["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
+
+
 def test_a_lora_server_loads_adapters_of_the_runs_rank_at_runtime(monkeypatch):
     from tasks.config import InferenceConfig, LoraConfig
 

@@ -1,0 +1,123 @@
+"""run.reproducible's pieces without a server: the batches a checkpoint keeps, the pipeline's settle and
+its use of kept batches, and the record a rerun is compared by. (The same bits end to end, on the real
+server, with a kill and resume: tests/integration/test_reproducibility.py.)"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from flows.config import load_config
+from flows.pipeline import RolloutPipeline
+from tasks.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
+from tasks.steps import RolloutBatch
+from tests.support import rich_group
+
+pytestmark = pytest.mark.unit
+
+
+def _batch(step: int) -> RolloutBatch:
+    return RolloutBatch(step, [rich_group(f"train-{step:08d}")], {"reward/mean": 0.5})
+
+
+def test_a_checkpoint_keeps_its_batches_and_a_resume_reads_them_back(tmp_path):
+    save_kept(tmp_path, [_batch(4), _batch(5)])
+    back = load_kept(tmp_path)
+    assert [b.step for b in back] == [4, 5]
+    assert (
+        back[0].groups[0].completions[0].completion_ids == _batch(4).groups[0].completions[0].completion_ids
+    )
+    assert back[1].groups[0].group_id == "train-00000005" and back[1].metrics == {"reward/mean": 0.5}
+
+
+def test_nothing_to_keep_writes_nothing_and_reads_as_none(tmp_path):
+    save_kept(tmp_path, [])
+    assert not (tmp_path / KEPT_FILE).exists()
+    assert load_kept(tmp_path) == [] and load_kept(None) == []
+
+
+def test_a_batch_that_cannot_be_pickled_costs_the_resume_not_the_checkpoint(tmp_path, caplog):
+    batch = _batch(4)
+    batch.groups[0].row["lock"] = threading.Lock()  # e.g. an environment snapshot holding a lock
+    with caplog.at_level(logging.WARNING, logger="tasks.reproducible"):
+        save_kept(tmp_path, [batch])
+    assert not (tmp_path / KEPT_FILE).exists()
+    assert "generates them again" in caplog.text and "lock" in caplog.text
+
+
+def test_the_record_names_what_a_rerun_must_match():
+    import torch
+
+    env = environment(7)
+    assert env["seed"] == 7 and env["torch_threads"] == torch.get_num_threads()
+    assert env["versions"]["torch"].startswith(torch.__version__.split("+")[0])
+    assert mismatches(env, dict(env)) == []
+    other = {**env, "seed": 8, "threads_env": {**env["threads_env"], "OMP_NUM_THREADS": "3"}}
+    lines = mismatches(env, other)
+    assert "seed: 7 vs 8" in lines
+    assert any(line.startswith("threads_env.OMP_NUM_THREADS: ") and line.endswith("'3'") for line in lines)
+    assert mismatches(env, None) == [
+        "a run has no reproducibility record (run.reproducible was off, or it ran before it existed)"
+    ]
+
+
+class _Runner:
+    """Records what the pipeline submits (the real runner would start rollout-batch task runs)."""
+
+    def __init__(self):
+        self.submitted: list[int] = []
+
+    def submit(self, task, step, *args):
+        self.submitted.append(step)
+        return Future()
+
+    def waited(self, batch, t_wait):
+        pass
+
+
+def _pipeline(kept=(), max_staleness=2):
+    cfg = load_config(None, [f"algorithm.max_staleness={max_staleness}", "run.steps=10"])
+    rows = [{"prompt": f"p{i}"} for i in range(64)]
+    return RolloutPipeline(cfg, rows, servers=None, job=None, first_step=4, runner=_Runner(), kept=kept)
+
+
+def _done(value=None, error=None) -> Future:
+    f = Future()
+    f.set_exception(error) if error else f.set_result(value)
+    return f
+
+
+def test_a_resumed_pipeline_takes_its_kept_batches_and_generates_only_the_rest():
+    pipe = _pipeline(kept=[_batch(4), _batch(5)])
+    assert pipe.next_batch(4).step == 4  # kept: no rollout-batch submitted for it
+    assert pipe.runner.submitted == [6]  # steps 4..6 are due; 4 and 5 were kept
+    assert [s for *_, s in pipe.ahead] == [5, 6]
+
+
+def test_settle_waits_for_every_batch_ahead_and_leaves_a_failed_one_to_next_batch():
+    pipe = _pipeline()
+    late = Future()
+    pipe.ahead.extend([(_done(_batch(5)), _done(_batch(5)), 5), (late, Future(), 6),
+                       (_done(error=RuntimeError("no server")), Future(), 7)])  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(pipe.settle()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # batch 6 is still generating: a push must not land yet
+    late.set_result(_batch(6))
+    t.join(5)
+    assert [b.step for b in out] == [5, 6]
+
+
+def test_recovery_generates_again_only_the_batches_not_yet_handed_over():
+    pipe = _pipeline()
+    pipe.servers = SimpleNamespace(replicas=[SimpleNamespace(restart=lambda: None, healthy=True, alive=None)],
+                                   serving=lambda: True)  # fmt: skip
+    pipe.ahead.extend([(_done(_batch(5)), _done(_batch(5)), 5), (Future(), Future(), 6)])
+    pipe.recover(RuntimeError("connection refused"))
+    assert pipe.runner.submitted == [6]
+    assert pipe.ahead[0][1].result().step == 5
