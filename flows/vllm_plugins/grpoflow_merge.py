@@ -19,6 +19,12 @@ from __future__ import annotations
 import json
 import os
 
+import grpoflow_invariant
+
+# vLLM imports this module into every worker of a server grpoflow starts, before the model loads: where
+# the linear layers are made batch-invariant (grpoflow_invariant).
+grpoflow_invariant.install()
+
 LORA_A, LORA_B, PREFIX = ".lora_A.weight", ".lora_B.weight", "base_model.model."
 
 
