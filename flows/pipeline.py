@@ -88,11 +88,25 @@ class RolloutPipeline:
             self.runner.waited(batch, t_wait)
             return batch
 
-    def settle(self) -> list[RolloutBatch]:
-        """Wait until every batch submitted ahead is generated and scored, and return them in step order
-        (run.reproducible: called before a push, so that no batch changes weights mid-way and each is
-        generated wholly under the version served when it was submitted, and before a checkpoint, which
-        keeps them). A batch that failed is left out: next_batch recovers it."""
+    def before_push(self) -> float | None:
+        """run.reproducible: wait until every batch submitted ahead is generated, so that the push that
+        follows changes no batch's weights mid-way and each is generated wholly under the version served
+        when it was submitted (its submission, in the flow's thread, decides that); the seconds waited.
+        None (no wait) without it."""
+        if not self.cfg.run.reproducible:
+            return None
+        t0 = time.perf_counter()
+        self._settled()
+        return time.perf_counter() - t0
+
+    def to_keep(self) -> list[RolloutBatch]:
+        """run.reproducible: the batches submitted ahead, once generated, for the checkpoint to keep (a
+        resume trains on them as they are); none without it."""
+        return self._settled() if self.cfg.run.reproducible else []
+
+    def _settled(self) -> list[RolloutBatch]:
+        """The batches submitted ahead, in step order, once each is generated and scored; one that failed
+        is left out: next_batch recovers it."""
         out = []
         for future, handoff, _ in self.ahead:
             with contextlib.suppress(Exception):

@@ -133,7 +133,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
         if run.resumed or cfg.inference.external() or cfg.learner.lora is not None:
             units.first_push(run.policy_version)
         job = rollout_job(cfg, servers, run.base_model, rows)
-        kept = load_kept(run.checkpoint) if cfg.run.reproducible else []  # generated before the resume
+        kept = load_kept(run.checkpoint) if cfg.run.reproducible else []  # generated before a resume
         pipeline = RolloutPipeline(cfg, rows, servers, job, run.start_step, runner, kept)
         evals = TrainingEval(cfg, job)  # run.eval_every
         units.recover = pipeline.recover
@@ -151,10 +151,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 written = units.persist(step, batch.groups)  # on a thread, beside the update
                 rec.train = units.update(batch.groups)
                 if _due(step, cfg.sync.sync_every, steps):
-                    if cfg.run.reproducible:  # no batch generated ahead changes weights mid-way
-                        t0 = time.perf_counter()
-                        pipeline.settle()
-                        rec.times.settle = time.perf_counter() - t0
+                    rec.times.settle = pipeline.before_push()  # run.reproducible: the batches ahead finish
                     rec.push = units.push(step + 1)
                 rec.times.write = written()
             rec.policy_version, rec.server_restarts = servers.version, pipeline.restarts
@@ -171,8 +168,8 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             if stop is None and _due(step, cfg.run.checkpoint_every, steps):
                 state = checkpoint_state(cfg, run_id, step, step + 1)
                 kept = (
-                    pipeline.settle() if cfg.run.reproducible else []
-                )  # a resume trains on them as they are
+                    pipeline.to_keep()
+                )  # run.reproducible: a resume trains on the batches ahead as they are
                 rec.times.checkpoint = units.checkpoint(step, state, cfg.run.keep_checkpoints, kept)
                 store.write_step(run_id, step, runner.end(rec))  # the same row, with the checkpoint
                 compactor.submit(step, final=step == steps - 1)  # now closed; a background thread

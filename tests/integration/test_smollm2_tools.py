@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct through its own real vLLM server, with its own tokenizer, chat template and
 the calculator tool (configs/smollm2-tools.yaml as shipped, warm-up included, for two short steps): a
 template, tokenizer or tool-call parser regression on a real model fails here. It asserts mechanics
-(parsed calls, aligned masks, stored rows), never learning; benchmarks and BENCHMARKS.md cover that."""
+(parsed calls, aligned masks, stored rows), never learning; benchmarks and BENCHMARKS.md cover that.
+Then the same config trained again, on a server of its own, is the same run bit for bit."""
 
 from __future__ import annotations
 
@@ -29,15 +30,14 @@ def smollm2_model_dir():
 
 
 @pytest.mark.slow
-def test_smollm2_tool_rollouts_parse_align_and_store(tmp_path, smollm2_model_dir, prefect_api):
+def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2_model_dir, prefect_api):
+    from flows.compare import identical, report
     from flows.train import grpo_train
     from tasks.generate import load_tokenizer
 
-    cfg = load_config(
-        REPO / "configs" / "smollm2-tools.yaml",
-        [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
-         f"data.prompts_per_step={PROMPTS}", f"generation.group_size={G}", "run.run_id=smol-tools"],
-    )  # fmt: skip
+    sets = [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
+            f"data.prompts_per_step={PROMPTS}", f"generation.group_size={G}"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "smollm2-tools.yaml", [*sets, "run.run_id=smol-tools"])
     assert grpo_train(config=cfg)["steps_trained"] == STEPS  # its own embedded SmolLM2 server
     (warm,) = (tmp_path / "models").glob("warmup-*/warmup.json")
     assert json.loads(warm.read_text())["steps"] == cfg.warmup.steps
@@ -70,3 +70,10 @@ def test_smollm2_tool_rollouts_parse_align_and_store(tmp_path, smollm2_model_dir
         assert glue_text.startswith("\n<|im_start|>tool\n") or glue_text.startswith("<|im_start|>tool\n")
         assert tool_calls[0]["result"] in glue_text
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
+
+    # The same config again (on-policy: max_staleness 0), on a new embedded server started the same way:
+    # SmolLM2's tool-calling turns, vLLM's logprobs, rewards and weights are the same bits (a one-token
+    # decode batch once gave other last bits: flows/vllm_plugins/grpoflow_invariant.py).
+    grpo_train(config=load_config(REPO / "configs" / "smollm2-tools.yaml", [*sets, "run.run_id=smol-again"]))
+    summary = report(tmp_path, "smol-tools", "smol-again")
+    assert identical(summary) and summary["rollouts_total"] == STEPS * PROMPTS * G, summary

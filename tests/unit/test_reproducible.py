@@ -79,8 +79,9 @@ class _Runner:
         pass
 
 
-def _pipeline(kept=(), max_staleness=2):
-    cfg = load_config(None, [f"algorithm.max_staleness={max_staleness}", "run.steps=10"])
+def _pipeline(kept=(), max_staleness=2, reproducible=True):
+    cfg = load_config(None, [f"algorithm.max_staleness={max_staleness}", "run.steps=10",
+                             f"run.reproducible={reproducible}"])  # fmt: skip
     rows = [{"prompt": f"p{i}"} for i in range(64)]
     return RolloutPipeline(cfg, rows, servers=None, job=None, first_step=4, runner=_Runner(), kept=kept)
 
@@ -98,19 +99,27 @@ def test_a_resumed_pipeline_takes_its_kept_batches_and_generates_only_the_rest()
     assert [s for *_, s in pipe.ahead] == [5, 6]
 
 
-def test_settle_waits_for_every_batch_ahead_and_leaves_a_failed_one_to_next_batch():
+def test_a_push_waits_for_every_batch_ahead_and_a_checkpoint_keeps_them():
     pipe = _pipeline()
     late = Future()
     pipe.ahead.extend([(_done(_batch(5)), _done(_batch(5)), 5), (late, Future(), 6),
                        (_done(error=RuntimeError("no server")), Future(), 7)])  # fmt: skip
-    out: list = []
-    t = threading.Thread(target=lambda: out.extend(pipe.settle()))
+    waited: list = []
+    t = threading.Thread(target=lambda: waited.append(pipe.before_push()))
     t.start()
     t.join(0.2)
-    assert t.is_alive()  # batch 6 is still generating: a push must not land yet
+    assert t.is_alive()  # batch 6 is still generating: the push must not land yet
     late.set_result(_batch(6))
     t.join(5)
-    assert [b.step for b in out] == [5, 6]
+    assert waited[0] >= 0.2
+    # the failed batch 7 is left for next_batch to recover
+    assert [b.step for b in pipe.to_keep()] == [5, 6]
+
+
+def test_without_run_reproducible_a_push_waits_for_nothing_and_nothing_is_kept():
+    pipe = _pipeline(reproducible=False)
+    pipe.ahead.append((Future(), Future(), 5))  # generating, forever
+    assert pipe.before_push() is None and pipe.to_keep() == []
 
 
 def test_recovery_generates_again_only_the_batches_not_yet_handed_over():
