@@ -108,7 +108,7 @@ def mismatches(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
     """What differs between two runs' `environment` records, one line each ("seed: 7 vs 8"); a run
     without a record is one line."""
     if not a or not b:
-        return ["a run has no reproducibility record (run.reproducible was off, or it ran before it existed)"]
+        return ["a run has no reproducibility record (it ran before grpoflow recorded one)"]
     out = []
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key), b.get(key)

@@ -61,7 +61,7 @@ def test_the_record_names_what_a_rerun_must_match():
     assert "seed: 7 vs 8" in lines
     assert any(line.startswith("threads_env.OMP_NUM_THREADS: ") and line.endswith("'3'") for line in lines)
     assert mismatches(env, None) == [
-        "a run has no reproducibility record (run.reproducible was off, or it ran before it existed)"
+        "a run has no reproducibility record (it ran before grpoflow recorded one)"
     ]
 
 
@@ -130,3 +130,44 @@ def test_recovery_generates_again_only_the_batches_not_yet_handed_over():
     pipe.recover(RuntimeError("connection refused"))
     assert pipe.runner.submitted == [6]
     assert pipe.ahead[0][1].result().step == 5
+
+
+def _run(root, run: str, logprob: float, weight: float) -> None:
+    """A run of one step as the loop leaves it: rollouts, rewards, a steps row, a checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    from storage.checkpoints import CheckpointStore
+    from storage.rollouts import RolloutStore
+    from tests.support import make_groups
+
+    groups = make_groups()
+    groups[1].completions[2].logprobs[-1] = logprob
+    store = RolloutStore(root)
+    store.write_rollouts(run, 0, groups)
+    store.write_rewards(run, 0, groups)
+    store.write_step(run, 0, {"reward/mean": 0.5, "wall_seconds": 1.0 + weight})  # times never compared
+
+    def model(d):
+        (d / "model").mkdir()
+        save_file({"w": torch.full((2, 2), weight)}, str(d / "model" / "model.safetensors"))
+
+    CheckpointStore(root).save(run, 0, model, {"step": 0})
+
+
+def test_grpoflow_compare_says_identical_or_names_the_first_difference(tmp_path, capsys):
+    from flows import cli
+
+    _run(tmp_path, "a", -1.0, 0.5)
+    _run(tmp_path, "b", -1.0, 0.5)
+    _run(tmp_path, "c", -1.0000001, 0.5)
+    _run(tmp_path, "d", -1.0, 0.5000001)
+    assert cli.main(["compare", "a", "b", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.endswith(": identical") for line in out.splitlines()) == 4 and "bitwise equal" in out
+    assert cli.main(["compare", "a", "c", "--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "1. rollouts: 5/6 rows identical, 6/6 identical completions: FIRST DIFFERENCE rollouts" in out
+    assert "group_id=g1 sample_index=2 logprobs[2]: -1.0 vs -1.0000001" in out
+    assert cli.main(["compare", "a", "d", "--root", str(tmp_path)]) == 1
+    assert "5. weights: checkpoints at steps 0 / 0, 1 tensors, 1 differ" in capsys.readouterr().out
