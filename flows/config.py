@@ -182,8 +182,8 @@ class GRPOConfig(Section):
             field = "inference.urls" if self.inference.urls else "inference.replicas"
             raise ValueError(
                 f"run.reproducible needs one server, but {field} names {servers}: which server a group "
-                "goes to follows their timing, and so do its numerics; use one server or unset "
-                "run.reproducible"
+                "goes to follows their timing, and each has its own threads and version; use one server "
+                "or unset run.reproducible"
             )
         return self
 
