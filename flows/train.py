@@ -86,7 +86,9 @@ def grpo_train(
         flow_run_id=str(flow_run.flow_run.id) if flow_run else None,
         owner=identity(),  # host + pid + start time: `grpoflow runs` tells a dead owner from a live one
         # what a rerun must match to give the same bits (benchmarks/reproducibility.py compares them)
-        reproducibility=environment(cfg.run.seed, None if cfg.inference.external() else vllm_python()),
+        reproducibility=environment(
+            cfg.run.seed, None if cfg.inference.external() else vllm_python(), cfg.learner.torch_threads
+        ),
     )
     try:
         with ray_cluster(

@@ -58,9 +58,12 @@ def load_kept(directory: Path | None) -> list:
         return pickle.load(f)  # the run's own checkpoint, written by save_kept
 
 
-def environment(seed: int, server_python: str | None = None) -> dict[str, Any]:
+def environment(
+    seed: int, server_python: str | None = None, torch_threads: int | None = None
+) -> dict[str, Any]:
     """What a rerun must match to reproduce this one bit for bit: the seed, the machine, the thread
-    settings of this process and the server's, and the versions of the libraries doing the math."""
+    settings of this process and the server's, and the versions of the libraries doing the math.
+    `torch_threads`: the learner's (learner.torch_threads), when it sets its own."""
     import torch
 
     versions = {}
@@ -75,7 +78,7 @@ def environment(seed: int, server_python: str | None = None) -> dict[str, Any]:
         "seed": seed,
         "machine": f"{platform.machine()} {cpu_model()}",
         "cpus": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch_threads or torch.get_num_threads(),
         "threads_env": {k: os.environ[k] for k in THREAD_VARIABLES if k in os.environ},
         "versions": versions,
     }

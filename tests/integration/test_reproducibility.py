@@ -52,14 +52,16 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
     """max_staleness 2: each push waits for the two batches generated ahead, and the checkpoint after
     step 3 keeps batches 4 and 5. Run b is SIGKILLed as step 4 starts training (its 5th train step),
     then resumed: steps 4 and 5 train on the kept batches, generated under versions 3 and 4 as in run
-    a, and nothing differs."""
+    a, and nothing differs. Run a trains in this process and run b in `grpoflow train` processes, so
+    both set the learner's threads (learner.torch_threads): another thread count is another run, and
+    this process's count is whatever the tests before left."""
     from prefect.settings import PREFECT_API_URL
 
     from flows.train import grpo_train
 
     config = CONFIGS / "tiny-counter-env.yaml"
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=6", "run.checkpoint_every=2",
-                 "algorithm.max_staleness=2", "run.reproducible=true")  # fmt: skip
+                 "algorithm.max_staleness=2", "run.reproducible=true", "learner.torch_threads=1")  # fmt: skip
     grpo_train(config=load_config(config, [*sets, "run.run_id=a"]))
 
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]

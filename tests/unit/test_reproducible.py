@@ -54,6 +54,7 @@ def test_the_record_names_what_a_rerun_must_match():
 
     env = environment(7)
     assert env["seed"] == 7 and env["torch_threads"] == torch.get_num_threads()
+    assert environment(7, torch_threads=3)["torch_threads"] == 3  # the learner's own (learner.torch_threads)
     assert env["versions"]["torch"].startswith(torch.__version__.split("+")[0])
     assert mismatches(env, dict(env)) == []
     other = {**env, "seed": 8, "threads_env": {**env["threads_env"], "OMP_NUM_THREADS": "3"}}
