@@ -1,8 +1,11 @@
-"""SmolLM2-135M-Instruct through its own real vLLM server, with its own tokenizer, chat template and
-the calculator tool (configs/smollm2-tools.yaml as shipped, warm-up included, for two short steps): a
-template, tokenizer or tool-call parser regression on a real model fails here. It asserts mechanics
-(parsed calls, aligned masks, stored rows), never learning; benchmarks and BENCHMARKS.md cover that.
-Then the same config trained again, on a server of its own, is the same run bit for bit."""
+"""SmolLM2-135M-Instruct through a real vLLM server started for it, with its own tokenizer, chat
+template and the calculator tool (configs/smollm2-tools.yaml as shipped, warm-up included, for two
+short steps): a template, tokenizer or tool-call parser regression on a real model fails here. It
+asserts mechanics (parsed calls, aligned masks, stored rows), never learning; benchmarks and
+BENCHMARKS.md cover that. Then the same config trained again on the same server is the same run bit
+for bit. One SmolLM2 server, started as a run starts its embedded one, serves both runs (each loads
+its weights into it first, as with any external server): a second server would cost the suite a
+minute."""
 
 from __future__ import annotations
 
@@ -31,14 +34,28 @@ def smollm2_model_dir():
 
 @pytest.mark.slow
 def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2_model_dir, prefect_api):
+    from flows.serve import start_server
+
+    config = REPO / "configs" / "smollm2-tools.yaml"
+    sets = [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
+            f"data.prompts_per_step={PROMPTS}", f"generation.group_size={G}"]  # fmt: skip
+    inference = load_config(config).inference
+    server = start_server(smollm2_model_dir, max_model_len=inference.max_model_len, kv_cache_gb=inference.kv_cache_gb,
+                          log_path=tmp_path / "vllm.log", startup_timeout_s=600)  # fmt: skip
+    sets.append(f"inference.url={server.url}")
+    try:
+        _train_and_check(config, sets, smollm2_model_dir, tmp_path)
+    finally:
+        server.stop()
+
+
+def _train_and_check(config, sets, smollm2_model_dir, tmp_path):
     from flows.compare import identical, report
     from flows.train import grpo_train
     from tasks.generate import load_tokenizer
 
-    sets = [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
-            f"data.prompts_per_step={PROMPTS}", f"generation.group_size={G}"]  # fmt: skip
-    cfg = load_config(REPO / "configs" / "smollm2-tools.yaml", [*sets, "run.run_id=smol-tools"])
-    assert grpo_train(config=cfg)["steps_trained"] == STEPS  # its own embedded SmolLM2 server
+    cfg = load_config(config, [*sets, "run.run_id=smol-tools"])
+    assert grpo_train(config=cfg)["steps_trained"] == STEPS
     (warm,) = (tmp_path / "models").glob("warmup-*/warmup.json")
     assert json.loads(warm.read_text())["steps"] == cfg.warmup.steps
 
@@ -71,9 +88,9 @@ def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2
         assert tool_calls[0]["result"] in glue_text
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
 
-    # The same config again (on-policy: max_staleness 0), on a new embedded server started the same way:
-    # SmolLM2's tool-calling turns, vLLM's logprobs, rewards and weights are the same bits (a one-token
-    # decode batch once gave other last bits: flows/vllm_plugins/grpoflow_invariant.py).
-    grpo_train(config=load_config(REPO / "configs" / "smollm2-tools.yaml", [*sets, "run.run_id=smol-again"]))
+    # The same config again (on-policy: max_staleness 0): SmolLM2's tool-calling turns, vLLM's logprobs,
+    # rewards and weights are the same bits (a one-token decode batch once gave other last bits:
+    # flows/vllm_plugins/grpoflow_invariant.py).
+    grpo_train(config=load_config(config, [*sets, "run.run_id=smol-again"]))
     summary = report(tmp_path, "smol-tools", "smol-again")
     assert identical(summary) and summary["rollouts_total"] == STEPS * PROMPTS * G, summary
