@@ -50,12 +50,19 @@ def save_kept(directory: Path, batches: list) -> None:
 
 
 def load_kept(directory: Path | None) -> list:
-    """The batches a checkpoint kept (none for a checkpoint without them)."""
+    """The batches a checkpoint kept (none for a checkpoint without them). One that cannot be read back
+    (an environment's class since renamed or moved) costs the resume their reproducibility, never the
+    resume: it is logged and the resume generates them again."""
     path = Path(directory) / KEPT_FILE if directory is not None else None
     if path is None or not path.is_file():
         return []
-    with open(path, "rb") as f:
-        return pickle.load(f)  # the run's own checkpoint, written by save_kept
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)  # the run's own checkpoint, written by save_kept
+    except Exception as e:
+        log.warning("run.reproducible: the batches %s kept cannot be read back (%r); the resume generates "
+                    "them again under its weights", path, e)  # fmt: skip
+        return []
 
 
 def environment(
