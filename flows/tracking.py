@@ -685,14 +685,20 @@ class Tracking:
             t: Tracker = TRACKERS[name](self.cfg, self.run_id)
             self._trackers.append(t)
             with self._guard(t):
-                state = t.open(self._states.get(name))
+                prior = self._states.get(name) or {}
+                state = t.open(prior or None)
+                # Recorded before anything else reaches it: a kill from here on (another tracker's slow
+                # start included) resumes this tracking run instead of starting a second one; `setup`
+                # False says its params and tags may not all be in yet.
+                self._states[name] = {**state, "setup": False}
+                self._save()
                 self._done[name] = t.logged_through()
-                if t.new:
+                if t.new or not prior.get("setup", True):
                     params = params if params is not None else config_params(self.cfg)
                     t.log_params(params)
                 t.set_tags(tags)
                 self._links[name] = t.link()
-                self._states[name] = state  # once params and tags are in
+                self._states[name] = state  # params and tags are in
         self._save()
 
     def _samples_due(self, step: int) -> bool:

@@ -343,6 +343,35 @@ def test_a_continue_logs_each_step_once(tmp_path):
     assert _wandb_children() == []
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the "kill"
+def test_a_kill_while_another_tracker_starts_resumes_the_same_mlflow_run(tmp_path, monkeypatch):
+    """The process dies while W&B starts (its offline service takes seconds), after MLflow made its run:
+    the resume continues that run, with its params, instead of making a second one (seen in CI)."""
+    import flows.tracking as tracking_module
+
+    _write_store(tmp_path)
+    cfg = _cfg(tmp_path, "mlflow", "wandb")
+
+    class DiesStarting(tracking_module.WandbTracker):
+        def open(self, state):
+            raise SystemExit  # as a kill: nothing after this line of the tracking thread runs
+
+    monkeypatch.setitem(tracking_module.TRACKERS, "wandb", DiesStarting)
+    first = tracking(cfg, RUN, flow_run_id="flow-a", logger=ListLogger())
+    first._thread.join(30)
+    made = _state(tmp_path)["mlflow"]["run_id"]
+    monkeypatch.setitem(tracking_module.TRACKERS, "wandb", tracking_module.WandbTracker)
+    second = tracking(cfg, RUN, flow_run_id="flow-b", logger=ListLogger())
+    second.closed(STEPS - 1)
+    second.finish(None)
+    client = _mlflow(tmp_path)
+    (exp,) = [e for e in client.search_experiments() if e.name == "grpoflow"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_id == made == _state(tmp_path)["mlflow"]["run_id"]
+    assert run.data.params == config_params(cfg) and run.data.tags["grpoflow.flow_run_id"] == "flow-b"
+    assert "setup" not in _state(tmp_path)["mlflow"]
+
+
 def test_tensorboard_relog_after_a_kill_shows_only_the_new_values(tmp_path):
     """A killed process logged steps 3..4 but its state still says 2 (killed before recording its last
     flush); the resumed run redid 3..4 with other values: readers see those, once each."""
