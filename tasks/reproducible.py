@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from storage.rollouts import atomic_write_bytes
+
 # The batches a checkpoint keeps: a pickle of list[RolloutBatch] (environment snapshots included), so
 # like any checkpoint it is to be loaded only from a store one trusts.
 KEPT_FILE = "ahead.pkl"
@@ -43,10 +45,7 @@ def save_kept(directory: Path, batches: list) -> None:
         log.warning("run.reproducible: the batches generated ahead of this checkpoint cannot be kept (%r); "
                     "a resume from it generates them again under its weights", e)  # fmt: skip
         return
-    with open(Path(directory) / KEPT_FILE, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_bytes(Path(directory) / KEPT_FILE, data)
 
 
 def load_kept(directory: Path | None) -> list:
