@@ -16,7 +16,7 @@ else
 TORCH_SPEC := torch==2.13.0
 endif
 
-.PHONY: help install demo demo-smollm2 test test-unit test-integration lint format deploy bench clean
+.PHONY: gpu-wheels help install demo demo-smollm2 test test-unit test-integration lint format deploy bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -82,3 +82,13 @@ models/smollm2-135m: $(BIN)/.installed  ## convert SmolLM2-135M-Instruct (llm-sm
 
 clean:  ## remove virtual environments and the local store
 	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)
+
+# What the learner's GPU run (benchmarks/gpu_learner.py) needs on a GPU machine that has torch,
+# transformers, peft, pyarrow and pytest but no network: pydantic's wheels (tasks.config), for CPython 3.12.
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+gpu-wheels:  ## gather into .whl/ the wheels the GPU learner run needs beyond the GPU image (see benchmarks/gpu_learner.py)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+	@du -sh .whl

@@ -48,7 +48,7 @@ def aliases(model) -> list[str]:
     return out
 
 
-def write_gathered_weights(model, directory: Path, *, rank: int, skip: list[str]) -> None:
+def write_gathered_weights(model, directory: Path, *, rank: int, skip: list[str], dtype=None) -> None:
     """A sharded model's full weights as a model dir: gathered one parameter at a time onto rank 0's
     CPU (the only full copy), less the `skip` aliases, and written by rank 0. Every rank calls it."""
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def write_gathered_weights(model, directory: Path, *, rank: int, skip: list[str]
         Path(directory).mkdir(parents=True, exist_ok=True)
         for name in skip:
             full.pop(name, None)
-        write_model_dir(full, model.config, directory)
+        write_model_dir(full, model.config, directory, dtype)
     del full
     dist.barrier()  # the files exist once every rank returns
 

@@ -146,8 +146,14 @@ class Learner:
         self.device = torch.device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        # The precision recipe (docs/architecture.md, "Precision"): `dtype` is the compute dtype. The
+        # weights that train stay float32 (master weights; AdamW's moments follow them), the forward
+        # runs under autocast, so a bf16 run's matmuls are bf16 and its updates are float32's: plain
+        # bf16 weights round away an update below 2^-8 of the weight, which RL's 1e-6..1e-5 rates are.
+        # Frozen weights (a LoRA base, the KL reference) are held in the compute dtype.
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        trains = self.dtype if self.config.lora is not None else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=trains).to(self.device)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.aliases = aliases(self.model)  # left out of gathered full weights
         if self.config.gradient_checkpointing:
@@ -175,7 +181,9 @@ class Learner:
         from transformers import get_scheduler
 
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, weight_decay=c.weight_decay)
+        # On one GPU the fused kernel: one launch for every tensor's update instead of several per tensor.
+        fused = self.device.type == "cuda" and self.world_size == 1
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, weight_decay=c.weight_decay, fused=fused)
         name = {"constant": "constant_with_warmup"}.get(c.lr_schedule, c.lr_schedule)
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=c.warmup_steps, num_training_steps=total_steps
@@ -247,7 +255,12 @@ class Learner:
 
     def _micro_batch(self, model, mb: list[TrainSample]) -> MicroBatch:
         forward = shared_prompt_logprobs if self.share_prompt else padded_logprobs
-        return forward(model, mb, temperature=self.temperature, pad_id=self.pad_id, device=self.device)
+        with self.autocast():
+            return forward(model, mb, temperature=self.temperature, pad_id=self.pad_id, device=self.device)
+
+    def autocast(self) -> torch.autocast:
+        """The forward's precision: the compute dtype over float32 master weights (off for float32)."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def _local(self, part: Update) -> list[tuple[list[TrainSample], bool]]:
         """This rank's micro-batches of an update, each with whether it counts: micro-batch i goes to
@@ -331,10 +344,10 @@ class Learner:
             from tasks.lora import write_adapter
 
             write_adapter(self.model, Path(directory))
-        elif self.world_size == 1:
-            save_weights(self.model, Path(directory))
+        elif self.world_size == 1:  # float32 master weights go out in the compute dtype the servers run
+            save_weights(self.model, Path(directory), dtype=self.dtype)
         else:
-            write_gathered_weights(self.model, Path(directory), rank=self.rank, skip=self.aliases)
+            write_gathered_weights(self.model, Path(directory), rank=self.rank, skip=self.aliases, dtype=self.dtype)
 
     def save(self, directory: Path) -> None:
         """Write the model (a complete model dir: safetensors, config, tokenizer), the optimizer (in

@@ -10,6 +10,27 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--learner-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the learner's tests run their learners and losses (cuda: benchmarks/gpu_learner.py)",
+    )
+
+
+def pytest_configure(config):
+    import tests.support
+
+    tests.support.LEARNER_DEVICE = config.getoption("--learner-device")
+
+
+@pytest.fixture
+def learner_device(request) -> str:
+    """The device of `--learner-device` (cpu unless the GPU run asks for cuda)."""
+    return request.config.getoption("--learner-device")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model (seed 0) and its tokenizer, built once: tests read it, none writes it."""

@@ -189,20 +189,29 @@ def train_samples() -> list:
     ]
 
 
+# Where make_learner's learners run unless a test names a device: `pytest --learner-device cuda` (the
+# GPU machine's run, benchmarks/gpu_learner.py) runs the learner's tests on the GPU (tests/conftest.py).
+LEARNER_DEVICE = "cpu"
+
+
 def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=None, skip_zero_advantage=True,
-                 adapter_path=None, **fields) -> Learner:  # fmt: skip
+                 adapter_path=None, dtype: str = "float32", **fields) -> Learner:  # fmt: skip
     """A Learner whose config sections take the LearnerConfig / AlgorithmConfig fields among `fields`
-    (off-policy correction off unless given: these samples' behaviour logprobs are made up)."""
-    from tasks.config import AlgorithmConfig, LearnerConfig  # torch: imported by the tests that train
+    (off-policy correction off unless given: these samples' behaviour logprobs are made up), on
+    LEARNER_DEVICE unless `device` is among them, computing in `dtype` (float32: the tests' exact
+    comparisons hold on a GPU too; the precision recipe's tests ask for bfloat16)."""
+    from tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig  # torch: for the tests that train
     from tasks.learn import Learner
     from tasks.learner_api import LearnerRun
+
+    fields.setdefault("device", LEARNER_DEVICE)
 
     algorithm = {"correction": "none"} | {
         k: fields.pop(k) for k in set(fields) & set(AlgorithmConfig.model_fields)
     }
     run = LearnerRun(total_steps, seed, tokenizer_path=tokenizer_path, adapter_path=adapter_path)
     return Learner(model_dir, LearnerConfig(**fields), AlgorithmConfig(**algorithm), run,
-                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip
+                   model=ModelConfig(dtype=dtype), skip_zero_advantage=skip_zero_advantage)  # fmt: skip
 
 
 def save_reward_model(

@@ -25,6 +25,13 @@ def loss_of(*tensors, **kw):
 LOSSES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
 
+@pytest.fixture(autouse=True)
+def _on_the_learner_device(learner_device):
+    """The loss runs where the learner does: `pytest --learner-device cuda` builds these tensors there."""
+    with torch.device(learner_device):
+        yield
+
+
 def test_group_scale_leaves_invalid_out_of_mean_and_std():
     # valid rewards [1, 0, 1]: mean 2/3; unbiased std sqrt(((1/3)^2*2 + (2/3)^2) / 2) = sqrt(1/3)
     adv, mask, m = group_advantages([[1.0, 0.0, None, 1.0]], [[True, True, False, True]], eps=0.0)

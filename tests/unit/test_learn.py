@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 def seq_logprob(learner: Learner, s: TrainSample) -> float:
-    ids = torch.tensor([s.input_ids])
+    ids = torch.tensor([s.input_ids], device=learner.device)
     with torch.no_grad():
         lp = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
     picked = lp[s.prompt_len - 1 :]
@@ -132,7 +132,7 @@ def test_all_zero_advantages_still_step_adam_like_the_full_pass(tiny_model_dir):
 
 def test_logits_only_where_completions_are_predicted(tiny_model_dir):
     learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=1)
-    ids = torch.tensor([[5, 6, 7, 70, 71, 72, 3], [9, 9, 9, 9, 90, 91, 92]])
+    ids = torch.tensor([[5, 6, 7, 70, 71, 72, 3], [9, 9, 9, 9, 90, 91, 92]], device=learner.device)
     attn = torch.ones_like(ids)
     with torch.no_grad():
         full = token_logprobs(learner.model, ids, attn, 0.7)
@@ -150,7 +150,7 @@ def assert_shared_logprobs_match_full_forwards(learner: Learner, batch: list[Tra
         shared = shared_prompt_logprobs(learner.model, batch, temperature=learner.temperature,
                                         pad_id=learner.pad_id, device=learner.device).logprobs  # fmt: skip
         for i, s in enumerate(batch):
-            ids = torch.tensor([s.input_ids])
+            ids = torch.tensor([s.input_ids], device=learner.device)
             full = token_logprobs(learner.model, ids, torch.ones_like(ids), learner.temperature)[0]
             assert torch.allclose(shared[i, : len(s.completion_mask)], full[s.prompt_len - 1 :], atol=1e-5)
 

@@ -19,7 +19,7 @@ LORA = LoraConfig(rank=8, alpha=16)
 
 
 def logprobs(model, s: TrainSample) -> torch.Tensor:
-    ids = torch.tensor([s.input_ids])
+    ids = torch.tensor([s.input_ids], device=model.device)
     with torch.no_grad():
         return token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
 
@@ -37,7 +37,7 @@ def lora_learner(tiny_model_dir, **fields):
 
 def test_only_the_adapter_trains_and_the_base_stays_as_it_was(tiny_model_dir):
     learner = lora_learner(tiny_model_dir, loss_type="dapo")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(learner.device)
     # A new adapter is the identity: before any update the policy is the base model.
     for s in samples():
         assert torch.equal(logprobs(learner.model, s), logprobs(base, s))
@@ -59,7 +59,7 @@ def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(tiny_model
     assert learner.ref_model is None  # no second copy in memory
     learner.train_step(samples())
     learner.train_step(samples())
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(learner.device)
     s = samples()[0]
     mb = [s]
     ref = learner._reference_logprobs(mb)
@@ -96,7 +96,7 @@ def test_pushed_adapter_is_peft_format_and_merges_into_the_same_policy(tiny_mode
     ]
     merged = AutoModelForCausalLM.from_pretrained(
         merge(tiny_model_dir, tmp_path / "v1", tmp_path / "merged"), dtype=torch.float32
-    )
+    ).to(learner.device)
     for s in samples():
         assert torch.allclose(logprobs(merged, s), logprobs(learner.model, s), atol=1e-5)
 
