@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,17 +83,17 @@ def markdown(data: dict) -> str:
              f"peft {m.get('peft')}, {m['date']}. Step: {m['step']}.", ""]  # fmt: skip
     if data["tests"]:
         lines += [f"Tests (`--learner-device {m['learner_device']}`): {data['tests']['summary']}", ""]
-    lines += ["| shape | mode | grad ckpt | micro-batch | step s | tokens/s | TFLOP/s | MFU | peak GiB |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["| shape | mode | grad ckpt | shared prompt | micro-batch | step s | tokens/s | TFLOP/s | MFU | peak GiB |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in data["steps"]:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['mode']} | {r['gradient_checkpointing']} | "
-                         f"{r['micro_batch_size']} | {r['error']} | | | | |")  # fmt: skip
+                         f"{r.get('share_prompt', True)} | {r['micro_batch_size']} | {r['error'][:80]} | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         lines.append(
             f"| {r['shape']} | {r['mode']} | {'on' if r['gradient_checkpointing'] else 'off'} | "
-            f"{r['micro_batch_size']} | {r['seconds_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{'on' if r['share_prompt'] else 'off'} | {r['micro_batch_size']} | {r['seconds_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
             f"{r['achieved_tflops']:.1f} | {mfu} | {r['peak_memory_mib'] / 1024:.1f} |"
         )
     for p in data["push"]:
@@ -132,18 +131,28 @@ def variants(shapes: list[str], largest_micro_batches: list[int]) -> list[dict]:
     for shape in shapes:
         for lora in (None, 16):
             for gc in (False, True):
-                out.append({"shape": shape, "lora": lora, "gradient_checkpointing": gc, "micro_batch_size": 8})
+                out.append(
+                    {"shape": shape, "lora": lora, "gradient_checkpointing": gc, "micro_batch_size": 8}
+                )
         if shape == shapes[-1]:
             out += [{"shape": shape, "lora": None, "gradient_checkpointing": False, "micro_batch_size": n}
                     for n in largest_micro_batches]  # fmt: skip
     return out
 
 
+def parse_variant(spec: str) -> dict:
+    """SHAPE:MODE:GC:MB[:SHARE], e.g. 1.5b:full:on:32 or 1.5b:lora16:off:8:off (share_prompt off)."""
+    shape, mode, gc, mb, *share = spec.split(":")
+    return {"shape": shape, "lora": int(mode.removeprefix("lora")) if mode != "full" else None,
+            "gradient_checkpointing": gc == "on", "micro_batch_size": int(mb),
+            "share_prompt": (share or ["on"])[0] == "on"}  # fmt: skip
+
+
 def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int) -> dict:
     import types
 
     args = types.SimpleNamespace(device=device, repeats=repeats, lora=v["lora"])
-    spec = {"share_prompt": True, "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
+    spec = {"share_prompt": v.get("share_prompt", True), "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
             "num_iterations": 1, "mini_batches": 1, "dtype": "auto",
             "gradient_checkpointing": v["gradient_checkpointing"]}  # fmt: skip
     return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
@@ -157,7 +166,9 @@ def push_rows(bench, model_dir: str, shape: str, device: str, directory: Path) -
     from tasks.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
-    learner = Learner(model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source))
+    learner = Learner(
+        model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source)
+    )
     rows = []
     directory.mkdir(parents=True, exist_ok=True)
     for kind in ("new file", "overwrite"):
@@ -183,7 +194,9 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     from tasks.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
-    learner = Learner(model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source))
+    learner = Learner(
+        model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source)
+    )
     learner.train_step(samples)  # warm-up
     cuda = learner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -244,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per variant (+1 warm-up)")
     ap.add_argument("--micro-batch", type=int, nargs="*", default=[16, 32],
                     help="further micro-batch sizes for the largest shape's full fine-tuning")  # fmt: skip
-    ap.add_argument("--tests", nargs="*", help="test files (default: the learner's, the loss's, the recipe's)")
+    ap.add_argument(
+        "--tests", nargs="*", help="test files (default: the learner's, the loss's, the recipe's)"
+    )
+    ap.add_argument("--variants", nargs="+", type=parse_variant, metavar="SHAPE:MODE:GC:MB[:SHARE]",
+                    help="these step variants instead of the default grid, e.g. 1.5b:full:on:32")  # fmt: skip
+    ap.add_argument("--no-push", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new part after this many seconds")
     args = ap.parse_args(argv)
@@ -260,7 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             ap.error("no CUDA device: use --dry-run on a CPU machine")
-        device, shapes, prompt, completion, prompts, group = "cuda", args.shapes or ["135m", "0.5b", "1.5b"], 256, 512, 8, 8
+        device, shapes, prompt, completion, prompts, group = (
+            "cuda",
+            args.shapes or ["135m", "0.5b", "1.5b"],
+            256,
+            512,
+            8,
+            8,
+        )
         tests = args.tests if args.tests is not None else TESTS
     step = f"{prompts} prompts x {group} completions, prompt {prompt} + completion {completion} tokens"
     report = Report(args.out, meta(device, step))
@@ -273,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu-learner-") as tmp:
         dirs: dict[str, str] = {}
-        for v in variants(shapes, args.micro_batch):
+        todo = args.variants or variants(shapes, args.micro_batch)
+        shapes = list(dict.fromkeys(v["shape"] for v in todo))
+        for v in todo:
             if left() < 0:
                 report.add("steps", v | {"mode": "skipped", "error": "time budget spent"})
                 continue
@@ -287,17 +314,17 @@ def main(argv: list[str] | None = None) -> int:
                     bench.save_random_model(shape, Path(dirs[shape]), device=device)
                 row = step_row(bench, dirs[shape], samples, v, device, args.repeats)
                 report.add("steps", {"shape": shape, "mode": mode} | row)
-            except Exception as e:  # noqa: BLE001  (an OOM or a broken path: record it, go on)
+            except Exception as e:
                 traceback.print_exc()
                 report.add("steps", v | {"mode": mode, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 if device == "cuda":
                     torch.cuda.empty_cache()
         largest = shapes[-1]
-        if largest in dirs and left() > 0:
+        if largest in dirs and not args.no_push and left() > 0:
             try:
                 for row in push_rows(bench, dirs[largest], largest, device, Path(tmp) / "push"):
                     report.add("push", row)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 traceback.print_exc()
                 report.add("push", {"shape": largest, "error": f"{type(e).__name__}: {e}"})
         if largest in dirs and not args.no_profile and left() > 0:
@@ -305,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                                            (completion, completion))  # fmt: skip
             try:
                 report.add("profile", profile_step(bench, dirs[largest], samples, largest, device, args.out))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 traceback.print_exc()
                 report.add("profile", {"shape": largest, "error": f"{type(e).__name__}: {e}"})
     print(markdown(report.data), flush=True)

@@ -347,7 +347,9 @@ class Learner:
         elif self.world_size == 1:  # float32 master weights go out in the compute dtype the servers run
             save_weights(self.model, Path(directory), dtype=self.dtype)
         else:
-            write_gathered_weights(self.model, Path(directory), rank=self.rank, skip=self.aliases, dtype=self.dtype)
+            write_gathered_weights(
+                self.model, Path(directory), rank=self.rank, skip=self.aliases, dtype=self.dtype
+            )
 
     def save(self, directory: Path) -> None:
         """Write the model (a complete model dir: safetensors, config, tokenizer), the optimizer (in

@@ -42,7 +42,9 @@ def save_weights(model, directory: Path, dtype: torch.dtype | None = None) -> No
     write_model_dir(tensors, model.config, directory, dtype)
 
 
-def write_model_dir(tensors: dict[str, torch.Tensor], config, directory: Path, dtype: torch.dtype | None = None) -> None:
+def write_model_dir(
+    tensors: dict[str, torch.Tensor], config, directory: Path, dtype: torch.dtype | None = None
+) -> None:
     """`tensors` (one name per tensor: tied aliases left out) and the transformers `config` as a
     model dir in `directory`; floating-point tensors in `dtype` when given, which config.json states."""
     directory = Path(directory)
@@ -59,7 +61,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
     tensor is copied to the CPU just before its turn). An existing file is overwritten in place, not
     replaced (the module doc says why)."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}  # transformers checks the format
-    out = {name: dtype if dtype is not None and t.is_floating_point() else t.dtype for name, t in tensors.items()}
+    out = {
+        name: dtype if dtype is not None and t.is_floating_point() else t.dtype for name, t in tensors.items()
+    }
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * out[name].itemsize

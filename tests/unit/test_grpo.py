@@ -124,7 +124,9 @@ def test_clipping():
     loss, m = loss_of(logp, old, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", old_logprobs=old)
     assert float(loss) == pytest.approx((-1.2 + 1.5) / 2)
     loss.backward()
-    assert logp.grad[0, 0] == 0.0 and logp.grad[1, 0] == pytest.approx(1.5 / 2)  # d(1.5*e^x)/dx /2
+    assert float(logp.grad[0, 0]) == 0.0 and float(logp.grad[1, 0]) == pytest.approx(
+        1.5 / 2
+    )  # d(1.5*e^x)/dx /2
     assert m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0
     # epsilon_high widens only the upper side: 1.5 < 1 + 0.6, nothing clipped
     loss2, m2 = loss_of(
@@ -177,14 +179,17 @@ def test_kl_penalty_k3():
 
 
 def _batch(seed: int, B: int = 6, T: int = 5, V: int = 7):
+    """Random inputs drawn on the CPU (the same numbers whatever the device), put where the loss runs."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, T, V, generator=g, requires_grad=True)
-    tokens = torch.randint(0, V, (B, T), generator=g)
-    behav = torch.randn(B, T, generator=g) * 0.1 - 2.0
-    adv = torch.randn(B, generator=g)
-    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    logits = torch.randn(B, T, V, generator=g, device="cpu")
+    tokens = torch.randint(0, V, (B, T), generator=g, device="cpu")
+    behav = torch.randn(B, T, generator=g, device="cpu") * 0.1 - 2.0
+    adv = torch.randn(B, generator=g, device="cpu")
+    mask = (torch.rand(B, T, generator=g, device="cpu") > 0.2).float()
     mask[:, 0] = 1.0
-    return logits, tokens, behav, adv, mask
+    dev = torch.get_default_device()
+    logits = logits.to(dev).requires_grad_(True)
+    return logits, tokens.to(dev), behav.to(dev), adv.to(dev), mask.to(dev)
 
 
 def _logp(logits, tokens):

@@ -110,7 +110,8 @@ def test_zero_advantage_samples_skip_the_forward_and_leave_the_update_unchanged(
     assert m_skip["train/skipped_zero_advantage"] == 2 and m_all["train/skipped_zero_advantage"] == 0
     assert m_skip["train/tokens"] == m_all["train/tokens"] == 13
     assert m_skip["train/loss"] == pytest.approx(m_all["train/loss"], rel=1e-5)
-    assert torch.allclose(g_skip, g_all, rtol=1e-4, atol=1e-8)
+    # atol: a GPU's float32 sums in another order where the skipped samples change the batch's shape
+    assert torch.allclose(g_skip, g_all, rtol=1e-4, atol=1e-7)
 
 
 def test_all_zero_advantages_still_step_adam_like_the_full_pass(tiny_model_dir):
