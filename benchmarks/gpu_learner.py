@@ -88,7 +88,7 @@ def markdown(data: dict) -> str:
     for r in data["steps"]:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['mode']} | {r['gradient_checkpointing']} | "
-                         f"{r.get('share_prompt', True)} | {r['micro_batch_size']} | {r['error'][:80]} | | | | |")  # fmt: skip
+                         f"{r.get('share_prompt')} | {r['micro_batch_size']} | {r['error'][:80]} | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         lines.append(
@@ -105,8 +105,11 @@ def markdown(data: dict) -> str:
     if data["profile"] and "error" in data["profile"]:
         lines += ["", f"Profile: {data['profile']['error']}"]
     elif data["profile"]:
-        shares = ", ".join(f"{k} {v:.0%}" for k, v in data["profile"]["shares"].items())
-        lines += ["", f"Profile of one step ({data['profile']['shape']}): {shares}"]
+        pr = data["profile"]
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in pr["shares"].items())
+        lines += ["", f"Profile of one step ({pr['shape']}, shared prompt {pr['share_prompt']}): "
+                      f"{pr['total_ms']:.0f} ms of GPU time in a {pr['step_wall_ms']:.0f} ms step "
+                      f"({pr['busy_fraction']:.0%} busy); of the GPU time: {shares}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -141,18 +144,19 @@ def variants(shapes: list[str], largest_micro_batches: list[int]) -> list[dict]:
 
 
 def parse_variant(spec: str) -> dict:
-    """SHAPE:MODE:GC:MB[:SHARE], e.g. 1.5b:full:on:32 or 1.5b:lora16:off:8:off (share_prompt off)."""
+    """SHAPE:MODE:GC:MB[:SHARE], e.g. 1.5b:full:on:32 or 1.5b:lora16:off:8:on (share_prompt on; left
+    out: the learner's default, off on a GPU)."""
     shape, mode, gc, mb, *share = spec.split(":")
     return {"shape": shape, "lora": int(mode.removeprefix("lora")) if mode != "full" else None,
             "gradient_checkpointing": gc == "on", "micro_batch_size": int(mb),
-            "share_prompt": (share or ["on"])[0] == "on"}  # fmt: skip
+            "share_prompt": {"on": True, "off": False}[share[0]] if share else None}  # fmt: skip
 
 
 def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int) -> dict:
     import types
 
     args = types.SimpleNamespace(device=device, repeats=repeats, lora=v["lora"])
-    spec = {"share_prompt": v.get("share_prompt", True), "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
+    spec = {"share_prompt": v.get("share_prompt"), "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
             "num_iterations": 1, "mini_batches": 1, "dtype": "auto",
             "gradient_checkpointing": v["gradient_checkpointing"]}  # fmt: skip
     return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
@@ -193,7 +197,7 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     from tasks.learn import Learner
     from tasks.learner_api import LearnerRun
 
-    cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
+    cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=None, device=device)  # defaults
     learner = Learner(
         model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source)
     )
@@ -201,9 +205,11 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     cuda = learner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         learner.train_step(samples)
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     # The operators' own device time: each kernel counted once, under the operator that launched it
     # (the kernels' own rows, device-side events, are left out of the sums: they would count it twice).
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -222,8 +228,12 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
         b = next((b for b, words in buckets.items() if any(w in low for w in words)), "other")
         shares[b] += t / total
     top = sorted(time_of.items(), key=lambda kv: -kv[1])[:12]
+    share_prompt = learner.share_prompt
     del learner
-    return {"shape": shape, "time_kind": key, "total_ms": round(total / 1000, 1),
+    # How much of the profiled step the GPU computes at all; the rest it waits on the host (launches,
+    # Python). The profiler's own overhead makes the step longer than an unprofiled one.
+    return {"shape": shape, "share_prompt": share_prompt, "time_kind": key, "total_ms": round(total / 1000, 1),
+            "step_wall_ms": round(wall * 1000, 1), "busy_fraction": round(total / 1e6 / wall, 3),
             "shares": {k: round(v, 3) for k, v in shares.items()},
             "top": [[name, round(t / 1000, 2)] for name, t in top]}  # fmt: skip
 

@@ -470,7 +470,8 @@ class LearnerConfig(Section):
     share_prompt: bool | None = Field(
         None,
         description="Run each group's prompt once and reuse its KV cache for the group's completions "
-        "(same update, fewer FLOPs; None: on for models of 20M+ parameters).",
+        "(same update, fewer FLOPs; None: on a CPU for models of 20M+ parameters, off on a GPU, where "
+        "its second forward per micro-batch costs more launches than the FLOPs it saves).",
     )
     world_size: int = Field(
         1,

@@ -127,10 +127,12 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and algorithm.beta == 0
         # Completions of one group share their prompt: its forward runs once and its KV cache is
-        # repeated for the group (gradients flow through it), instead of once per completion. Pays
-        # once the model is big enough for FLOPs, not per-call overhead, to dominate (None: auto).
-        big = self.num_parameters >= 20_000_000
-        share = big if learner.share_prompt is None else learner.share_prompt
+        # repeated for the group (gradients flow through it), instead of once per completion. Pays on
+        # a CPU once the model is big enough for FLOPs, not per-call overhead, to dominate. Not on a
+        # GPU, where the step waits on kernel launches and a second forward per micro-batch doubles
+        # them: 1.5B on an H100, 1.95 s a step with it, 1.68 s without (BENCHMARKS.md). None: auto.
+        auto = self.num_parameters >= 20_000_000 and self.device.type == "cpu"
+        share = auto if learner.share_prompt is None else learner.share_prompt
         self.share_prompt = share and not learner.gradient_checkpointing
 
     def _load_models(self, device: str, dtype: str, ref_path: str | Path, adapter: str | Path | None) -> None:
