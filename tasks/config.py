@@ -30,7 +30,9 @@ class ModelConfig(Section):
         "tiny Llama + byte-level tokenizer under <root>/models/tiny (tests and demo).",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Learner dtype: auto = float32 on CPU, bfloat16 on GPU."
+        "auto",
+        description="Learner compute dtype: auto = float32 on CPU, bfloat16 on GPU. bfloat16 computes under "
+        "autocast over float32 master weights and optimizer state; pushes are written in it.",
     )
 
 

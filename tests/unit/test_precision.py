@@ -54,7 +54,7 @@ def test_bf16_recipe_update_matches_float32(tiny_model_dir, float32_step):
 def test_plain_bf16_adamw_fails_the_same_check(float32_step):
     # The same gradient (float32's, rounded to bf16) applied by torch's AdamW to bf16 weights: the
     # update falls below the weights' spacing and rounds away.
-    before, reference, ref = float32_step
+    _, reference, ref = float32_step
     params = [p.detach().to(torch.bfloat16).requires_grad_() for p in ref.model.parameters()]
     for p, r in zip(params, ref.model.parameters(), strict=True):
         p.grad = r.grad.to(torch.bfloat16)
