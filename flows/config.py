@@ -259,6 +259,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         _set_dotted(raw, key.strip(), yaml.safe_load(value))
+    if path is not None:
+        _names_its_task(raw, path)
     try:
         cfg = GRPOConfig.model_validate(raw)
     except ValidationError as e:
@@ -278,6 +280,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for r in cfg.rewards:
             r.model = _beside_config(r.model, here)
     return cfg
+
+
+# Where a config's rows come from: one of these in `data` (the defaults are the letters demo's generator).
+DATA_SOURCES = ("path", "dataset", "generator")
+
+
+def _names_its_task(raw: dict[str, Any], path: str | Path) -> None:
+    """A config file (with its --set overrides) must name its rewards and its data: the defaults are the
+    tiny demo's, which a user's model must never silently train on. `grpoflow train` with no config
+    file still runs the demo."""
+    if not raw.get("rewards"):
+        raise ConfigError(
+            f"{path}: rewards: the config names no reward; a config file says what it trains for "
+            "(the demo's letter reward is the default only without --config)"
+        )
+    data = raw.get("data")
+    if not isinstance(data, dict) or not any(data.get(k) for k in DATA_SOURCES):
+        raise ConfigError(
+            f"{path}: data: the config names no rows (data.path, data.dataset or data.generator); "
+            "the demo's letter rows are the default only without --config"
+        )
 
 
 def _error_line(err: dict[str, Any]) -> str:

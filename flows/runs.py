@@ -361,13 +361,9 @@ def rollout_job(
 
 
 def checkpoint_state(cfg: GRPOConfig, run_id: str, step: int, version: int) -> dict[str, Any]:
-    """What a resume needs beside the weights and optimizer: where the data and the policy stand."""
-    return {
-        "step": step,
-        "policy_version": version,
-        "data_cursor": (step + 1) * cfg.data.prompts_per_step,
-        "run_id": run_id,
-    }
+    """What a resume needs beside the weights and optimizer: where the policy stands. (Where the data
+    stands follows from the step: the sampler is a function of the seed and the step.)"""
+    return {"step": step, "policy_version": version, "run_id": run_id}
 
 
 def _import_path_of(obj: Any) -> str:

@@ -3,7 +3,11 @@
 `<root>/checkpoints/<run>/step-<NNNNNN>/` and `<root>/weights/<run>/v<NNNNNN>/` are both "versioned
 atomic directories": a writer fills a hidden temp dir in the same parent, a marker file is written
 last, and one rename publishes it. A killed process leaves only a temp dir, which the next save
-sweeps away; `latest()` only ever returns complete directories.
+sweeps away; `latest()` only ever returns complete directories. Checkpoints are durable too: every
+file the writer wrote (model, adapter, optimizer, kept batches) is fsynced before the marker is written
+(`storage.rollouts.fsync_tree`, as `atomic_publish_dir` does), so a power loss cannot leave a marker
+over files that never reached the disk. Weight pushes skip that: a version is read at once by the
+servers and never outlives the run's next push.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from storage.faults import failpoint
 from storage.records import validate_run_id
-from storage.rollouts import fsync_dir
+from storage.rollouts import fsync_dir, fsync_tree
 
 STATE_FILE = "state.json"
 PIN_FILE = (
@@ -34,9 +38,11 @@ def pinned(path: Path) -> bool:
 class VersionedDirs:
     """Directories `<base>/<run>/<prefix><NNNNNN>/`, each published atomically with a marker file."""
 
-    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE, failpoint: str | None = None):
+    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE, failpoint: str | None = None,
+                 durable: bool = False):  # fmt: skip
         self.base, self.prefix, self.marker = Path(base), prefix, marker
         self.failpoint = failpoint  # storage.faults point hit just before publishing
+        self.durable = durable  # fsync the writer's files before the marker (checkpoints)
 
     def run_dir(self, run_id: str) -> Path:
         return self.base / validate_run_id(run_id)
@@ -89,6 +95,8 @@ class VersionedDirs:
             tmp.mkdir()
         try:
             writer(tmp)
+            if self.durable:
+                fsync_tree(tmp)
             marker = tmp / self.marker
             with open(marker, "w") as f:
                 json.dump(marker_content, f, indent=2, sort_keys=True, default=str)
@@ -159,7 +167,9 @@ class CheckpointStore:
     """Training checkpoints: `<root>/checkpoints/<run>/step-<NNNNNN>/` with a `state.json`."""
 
     def __init__(self, root: str | Path):
-        self.dirs = VersionedDirs(Path(root) / "checkpoints", "step-", failpoint="checkpoint_write")
+        self.dirs = VersionedDirs(
+            Path(root) / "checkpoints", "step-", failpoint="checkpoint_write", durable=True
+        )
 
     def save(
         self,

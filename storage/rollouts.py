@@ -46,6 +46,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """Every file under `path`, then every directory (deepest first, `path` last), on disk."""
+    dirs = [path]
+    for f in sorted(path.rglob("*")):
+        if f.is_dir():
+            dirs.append(f)
+        elif f.is_file():
+            with open(f, "rb+") as h:
+                os.fsync(h.fileno())
+    for d in reversed(dirs):
+        fsync_dir(d)
+
+
 def atomic_publish(path: Path, write: Callable[[Path], None], point: str | None = None) -> None:
     """Publish the file `write(tmp)` writes as `path`, so that readers see the old file or the new one,
     never a mix: written under a hidden temp name, fsynced, renamed, the directory fsynced. `point`
@@ -74,11 +87,7 @@ def atomic_publish_dir(path: Path, write: Callable[[Path], None]) -> Path:
     try:
         tmp.mkdir()
         write(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb+") as h:
-                    os.fsync(h.fileno())
-        fsync_dir(tmp)
+        fsync_tree(tmp)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)

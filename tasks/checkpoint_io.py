@@ -46,12 +46,7 @@ def save_trainer_state(
     if base_model is None:
         AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory / MODEL_DIR)
     torch.save(
-        {
-            "scheduler": scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "world_size": world_size,
-        },
+        {"scheduler": scheduler.state_dict(), **rng_state(), "world_size": world_size},
         directory / "trainer_state.pt",
     )
     info = {"tokenizer": tokenizer_path} | ({"base_model": base_model} if base_model is not None else {})
@@ -68,7 +63,7 @@ def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_si
     """Restore optimizer, scheduler and RNG from a checkpoint dir, at `world_size` whatever the
     writer's was; the configured peak `lr` wins over the checkpoint's."""
     directory = Path(directory)
-    trainer = torch.load(directory / "trainer_state.pt", weights_only=False)
+    trainer = torch.load(directory / "trainer_state.pt", weights_only=True)  # tensors and plain data only
     if (directory / OPTIMIZER_DIR).is_dir():
         _load_optimizer(directory / OPTIMIZER_DIR, model, optimizer, world_size)
     else:  # a checkpoint from before the optimizer went into DCP: one process's state dict
@@ -85,8 +80,38 @@ def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_si
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["initial_lr"] = lr
             group["lr"] = lr * factor(scheduler.last_epoch)
-    torch.set_rng_state(trainer["torch_rng"])
-    random.setstate(trainer["python_rng"])
+    set_rng_state(trainer)
+
+
+def rng_state() -> dict:
+    """Every random state that decides what a step does: Python's, torch's CPU generator, numpy's
+    global one (when numpy is loaded) and each CUDA device's (when CUDA is up). Plain data and tensors,
+    so the file loads with `torch.load(weights_only=True)`."""
+    import sys
+
+    version, state, gauss = random.getstate()
+    out = {"torch_rng": torch.get_rng_state(), "python_rng": [version, list(state), gauss]}
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        out["numpy_rng"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_rng"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(saved: dict) -> None:
+    """Restore what `rng_state` saved (a checkpoint from before numpy's and CUDA's were kept restores
+    the rest)."""
+    version, state, gauss = saved["python_rng"]
+    random.setstate((version, tuple(state), gauss))
+    torch.set_rng_state(saved["torch_rng"])
+    if "numpy_rng" in saved:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = saved["numpy_rng"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda_rng" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
 
 
 def _load_optimizer(directory: Path, model, optimizer, world_size: int) -> None:

@@ -25,6 +25,22 @@ REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
+def need_browser(*programs: str) -> None:
+    """Skip a browser test where Debian's `programs` (chromium, chromedriver) are missing; fail it in
+    CI (`CI` set), where .ci/run installs them, so that a missing browser cannot pass CI unseen."""
+    import os
+    import shutil
+
+    import pytest
+
+    missing = [p for p in programs if shutil.which(p) is None]
+    if missing:
+        why = f"Debian's {' and '.join(missing)} not installed (.ci/run installs them)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{why}; CI runs every browser test")
+        pytest.skip(why)
+
+
 def wait_for(
     condition: Callable[[], T],
     timeout_s: float,

@@ -42,7 +42,7 @@ def test_random_moment_kills_then_resume_leave_every_table_exactly_once(
     finally:  # a kill mid-push leaves the shared server paused; later tests need it serving
         unpause(vllm_server.url)
     assert fig["completed"], fig["final_output"]
-    assert fig["kills"] + fig["finished_early"] >= 1 and fig["orphans"] == 0
+    assert fig["kills"] >= 1 and fig["orphans"] == 0  # a run that finished before its kill drilled nothing
     # The status tells the truth after every kill: never `running` with a dead owner. A kill can land
     # after the run recorded `completed` and before its process exited, and then `completed` is true.
     assert all(s in ("interrupted", "completed") for s in fig["statuses_after_kill"]), fig

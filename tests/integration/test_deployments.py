@@ -15,7 +15,7 @@ import pytest
 from flows.serve import free_port, is_healthy
 from storage.records import RolloutCompletion, RolloutGroup
 from storage.rollouts import RolloutStore
-from tests.support import wait_for
+from tests.support import need_browser, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -216,9 +216,8 @@ def shell_as_a_tool_is_refused(api, tmp_path, tiny_model_dir) -> None:
 
 def chromium(url: str, screenshot: Path) -> str:
     """Headless Debian Chromium: the page's DOM after its scripts ran, plus a screenshot."""
+    need_browser("chromium")
     binary = shutil.which("chromium")
-    if binary is None:
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={screenshot.parent / 'chromium-profile'}", "--virtual-time-budget=20000",

@@ -17,6 +17,7 @@ import pytest
 from storage.records import RewardCell, RolloutCompletion, RolloutGroup
 from storage.rollouts import RolloutStore
 from storage.sql import query
+from tests.support import need_browser
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,8 +30,7 @@ FAILED_CELL = """EXISTS (SELECT 1 FROM rewards w WHERE w.run_id = r.run_id AND w
 
 def _browser(profile: Path):
     webdriver = pytest.importorskip("selenium.webdriver")
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    need_browser("chromium", "chromedriver")
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium")
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

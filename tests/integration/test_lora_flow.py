@@ -39,7 +39,7 @@ def test_a_lora_run_killed_at_random_moments_resumes_with_every_table_exactly_on
     fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=3, window_s=(4.0, 12.0),
                             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
     assert fig["completed"], fig["final_output"]
-    assert fig["kills"] + fig["finished_early"] >= 1 and fig["orphans"] == 0
+    assert fig["kills"] >= 1 and fig["orphans"] == 0  # a run that finished before its kill drilled nothing
     assert store_check(tmp_path, "lora-drill", steps, per_step) == clean_store(steps), fig
     # Only adapters travelled: every kept version and checkpoint holds the adapter, never a model.
     versions = sorted((tmp_path / "weights" / "lora-drill").glob("v*"))

@@ -70,6 +70,7 @@ def tool_hang(pid_dir: str):
 
 CONFIG = """
 scale: {ray_address: local, num_cpus: 2}
+data: {generator: "examples.envs:letters_rows"}
 rewards: [{name: length, fn: "ray_user_fns:length", executor: ray}]
 tools: {tools: ["ray_user_fns:add"], executor: ray}
 """

@@ -49,7 +49,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     no_tok.mkdir()
     (no_tok / "config.json").write_text("{}")
     missing_reward = tmp / "missing-reward.yaml"
-    missing_reward.write_text("rewards:\n  - name: r\n    fn: examples.rewards:no_such_reward\n")
+    missing_reward.write_text(
+        "data: {generator: 'examples.envs:letters_rows'}\nrewards:\n  - name: r\n    fn: examples.rewards:no_such_reward\n"
+    )
     causal = tmp / "causal-lm"
     causal.mkdir()
     (causal / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))

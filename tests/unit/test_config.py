@@ -140,3 +140,29 @@ def test_prefect_yaml_parameters_fit_their_flows():
         if "config_file" in d.get("parameters", {}):
             assert d["parameters"]["config_file"] == shipped["definitions"]["config_file"]
             load_config(repo / d["parameters"]["config_file"])
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("model: {path: my-model}\ndata: {path: rows.jsonl}\n", "rewards"),
+        ("rewards: []\ndata: {path: rows.jsonl}\n", "rewards"),
+        ("rewards: [{name: r, fn: 'task:r'}]\n", "data"),
+        ("rewards: [{name: r, fn: 'task:r'}]\ndata: {prompts_per_step: 4}\n", "data"),
+    ],
+)
+def test_a_config_file_that_names_no_reward_or_no_data_is_refused_naming_the_field(tmp_path, text, field):
+    # The defaults are the tiny demo's task: a user's config must never train on them unseen.
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{cfg}: {field}: the config names no")
+    load_config(None)  # no config file: the demo, as before
+
+
+def test_a_config_file_may_name_its_reward_or_data_by_set(tmp_path):
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("rewards: [{name: r, fn: 'examples.rewards:letter_fraction'}]\n")
+    assert load_config(cfg, ["data.generator=examples.envs:letters_rows"]).rewards[0].name == "r"

@@ -314,3 +314,21 @@ def test_pushed_weights_read_back_exactly_overwritten_in_place_with_tied_tensors
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_a_resume_restores_every_random_state_from_a_weights_only_file(tiny_model_dir, tmp_path):
+    import random
+
+    import numpy as np
+
+    a = make_learner(tiny_model_dir, lr=1e-3, total_steps=4, seed=0)
+    a.train_step(samples())
+    random.random(), np.random.rand(), torch.rand(1)  # states that differ from any seed's start
+    a.save(tmp_path)
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)  # no pickled objects
+    assert {"python_rng", "torch_rng", "numpy_rng"} <= set(state)
+    expected = (random.random(), np.random.rand(), torch.rand(3).tolist())
+    b = make_learner(tmp_path / "model", lr=1e-3, total_steps=4, seed=1, tokenizer_path=tiny_model_dir)
+    random.seed(7), np.random.seed(7)  # anything else in between
+    b.load_trainer_state(tmp_path)
+    assert (random.random(), np.random.rand(), torch.rand(3).tolist()) == expected

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.unit
 
 def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
+    letters = "data: {generator: 'examples.envs:letters_rows'}\n"
+    cfg.write_text(letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
-    cfg.write_text("tools: {executor: ray}\n")
+    cfg.write_text(letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\ntools: {executor: ray}\n")
     with pytest.raises(ConfigError, match=r"tools\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
 
@@ -53,6 +54,9 @@ def test_ray_is_not_imported_unless_asked():
 def test_world_size_above_one_needs_a_ray_address(tmp_path):
     from flows.config import ConfigError, load_config
 
-    (tmp_path / "c.yaml").write_text("learner: {world_size: 2}\n")
+    (tmp_path / "c.yaml").write_text(
+        "learner: {world_size: 2}\ndata: {generator: 'examples.envs:letters_rows'}\n"
+        "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\n"
+    )
     with pytest.raises(ConfigError, match=r"learner\.world_size is 2 .* but scale\.ray_address is not set"):
         load_config(tmp_path / "c.yaml")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -114,6 +116,46 @@ def test_checkpoints_latest_retention_and_interrupted_save(tmp_path):
     assert ck.latest("r") == latest
     ck.save("r", 9, lambda d: None, {})
     assert not [p for p in (tmp_path / "checkpoints" / "r").iterdir() if p.name.startswith(".")]
+
+
+def test_a_checkpoint_reaches_the_disk_before_its_marker_and_its_rename(tmp_path, monkeypatch):
+    # Every fsync, in order, by the path it synced (files and directories), with the marker's existence
+    # at that moment; every rename. The writer's files (nested too) and their directories are synced
+    # while no state.json exists; then the marker; then the rename publishes the whole directory.
+    import os
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        tmp = next((q for q in [path, *path.parents] if q.name.startswith(".step-")), None)
+        events.append(("fsync", path.name, tmp is not None and (tmp / "state.json").exists()))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("rename", Path(a).name, Path(b).name))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+
+    def writer(d):
+        (d / "model.safetensors").write_bytes(b"w" * 64)
+        (d / "optimizer").mkdir()
+        (d / "optimizer" / "0.distcp").write_bytes(b"o" * 64)
+
+    CheckpointStore(tmp_path).save("r", 1, writer, {"policy_version": 1})
+    names = [e[1] for e in events]
+    marker = names.index("state.json")
+    before = {n for n, ok in [(e[1], not e[2]) for e in events[:marker]] if ok}
+    assert {"model.safetensors", "0.distcp", "optimizer"} <= before  # synced while no marker existed
+    assert events[-2][0] == "rename" and events[-2][2] == "step-000001"  # published after all of it
+    assert marker < len(events) - 2
+    # A weight version (read at once by the servers) syncs its marker, not the weights.
+    events.clear()
+    weights_store(tmp_path).save("r", 1, writer, {})
+    assert [e[1] for e in events if e[0] == "fsync" and e[1] == "model.safetensors"] == []
 
 
 def test_weight_versions_keep_last(tmp_path):
