@@ -156,7 +156,9 @@ def test_relative_paths_are_found_beside_the_config(tmp_path, monkeypatch):
     jsonl(proj / "rows.jsonl", ROWS)
     saved(proj / "ds", ROWS[:2])
     reward = "rewards: [{name: r, fn: 'examples.rewards:letter_fraction'}]\n"
-    (proj / "a.yaml").write_text(reward + "data:\n  dataset: {path: json, data_files: {train: [rows.jsonl]}}\n")
+    (proj / "a.yaml").write_text(
+        reward + "data:\n  dataset: {path: json, data_files: {train: [rows.jsonl]}}\n"
+    )
     (proj / "b.yaml").write_text(reward + "data:\n  dataset: {path: ds}\n")
     (proj / "c.yaml").write_text(reward + "data:\n  path: ds\n")
     elsewhere = tmp_path / "elsewhere"

@@ -22,7 +22,9 @@ def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
     cfg.write_text(letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
-    cfg.write_text(letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\ntools: {executor: ray}\n")
+    cfg.write_text(
+        letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\ntools: {executor: ray}\n"
+    )
     with pytest.raises(ConfigError, match=r"tools\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
 
