@@ -205,7 +205,7 @@ def arith_samples(model_dir: str, prompts: int, group: int, zero_groups: int, se
     """The `--model` path's step: chat-template arithmetic prompts, 8-32 random completion tokens."""
     from examples.envs import arith_rows
     from tasks.generate import load_tokenizer, prompt_messages, render
-    from tasks.learn import TrainSample
+    from tasks.learner_api import TrainSample
 
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
@@ -230,7 +230,7 @@ def random_samples(
     seed: int = 0,
 ):
     """Random token prompts x `group` completions; lengths uniform in the (low, high) ranges."""
-    from tasks.learn import TrainSample
+    from tasks.learner_api import TrainSample
 
     rng = random.Random(seed)
     out = []

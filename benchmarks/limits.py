@@ -181,7 +181,7 @@ async def raw_generation(cfg, url: str, batches: list[list[list[int]]], in_fligh
 
 def samples_like_a_step(outputs) -> list:
     """TrainSamples of one step's shape from generated completions (advantages +-1: every sample trains)."""
-    from tasks.learn import TrainSample
+    from tasks.learner_api import TrainSample
 
     out = []
     for prompt_ids, choices in outputs:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from storage.faults import ENV as FAULTS_ENV
 from storage.faults import failpoint
-from tasks.learn import Learner, TrainSample
+from tasks.learn import Learner
+from tasks.learner_api import TrainSample
 from tasks.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
 
 if TYPE_CHECKING:

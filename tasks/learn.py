@@ -25,46 +25,14 @@ import torch
 from tasks import checkpoint_io
 from tasks.fsdp import aliases, process_group, shard, write_gathered_weights
 from tasks.grpo import compute_loss
-from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from tasks.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
 from tasks.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
 from tasks.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
 from tasks.weights import save_weights
 
 if TYPE_CHECKING:  # the learner runs with torch and transformers alone (a bare GPU worker)
-    from storage.records import RolloutGroup
     from tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
     from tasks.learner_api import LearnerRun
-
-
-@dataclass
-class TrainSample:
-    """One completion ready for the loss: prompt + completion tokens and aligned masks."""
-
-    input_ids: list[int]  # [P + T]
-    prompt_len: int  # P
-    completion_mask: list[int]  # [T]
-    behaviour_logprobs: list[float]  # [T]
-    advantage: float
-
-
-def samples_from_groups(groups: list[RolloutGroup]) -> list[TrainSample]:
-    """Completions marked `trained` (valid, fresh, in a group with signal), in batch order."""
-    out = []
-    for g in groups:
-        for c in g.completions:
-            if not c.trained or not any(c.completion_mask):
-                continue
-            prompt_ids = g.prompt_ids_of(c)  # its own prompt: reset notes may differ per sample
-            out.append(
-                TrainSample(
-                    input_ids=list(prompt_ids) + list(c.completion_ids),
-                    prompt_len=len(prompt_ids),
-                    completion_mask=list(c.completion_mask),
-                    behaviour_logprobs=list(c.logprobs),
-                    advantage=float(c.advantage),
-                )
-            )
-    return out
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What a run asks of its learner, and what it tells one beside its config sections.
+"""What a run asks of its learner, what it tells one beside its config sections, and what it trains on
+(`TrainSample`, made from the rollout groups by `samples_from_groups`).
 
 `PolicyLearner` is the in-process `tasks.learn.Learner` (full fine-tuning or a LoRA adapter) and the
 sharded `tasks.distributed.DistributedLearner` alike. Imports nothing heavy: flows and weight-push
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tasks.learn import TrainSample
+    from storage.records import RolloutGroup
 
 
 # What a learner's checkpoint dir holds beside its optimizer and state: a full fine-tuning learner's
@@ -25,6 +26,37 @@ def checkpoint_weights(directory: Path) -> Path:
     """What a learner's checkpoint dir holds for the servers: its `adapter/` (LoRA) or its `model/`."""
     adapter = Path(directory) / ADAPTER_DIR
     return adapter if adapter.is_dir() else Path(directory) / MODEL_DIR
+
+
+@dataclass
+class TrainSample:
+    """One completion ready for the loss: prompt + completion tokens and aligned masks."""
+
+    input_ids: list[int]  # [P + T]
+    prompt_len: int  # P
+    completion_mask: list[int]  # [T]
+    behaviour_logprobs: list[float]  # [T]
+    advantage: float
+
+
+def samples_from_groups(groups: list[RolloutGroup]) -> list[TrainSample]:
+    """Completions marked `trained` (valid, fresh, in a group with signal), in batch order."""
+    out = []
+    for g in groups:
+        for c in g.completions:
+            if not c.trained or not any(c.completion_mask):
+                continue
+            prompt_ids = g.prompt_ids_of(c)  # its own prompt: reset notes may differ per sample
+            out.append(
+                TrainSample(
+                    input_ids=list(prompt_ids) + list(c.completion_ids),
+                    prompt_len=len(prompt_ids),
+                    completion_mask=list(c.completion_mask),
+                    behaviour_logprobs=list(c.logprobs),
+                    advantage=float(c.advantage),
+                )
+            )
+    return out
 
 
 class PolicyLearner(Protocol):

@@ -363,7 +363,7 @@ class StepRecord:
 
 def update(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     """Train on the step's trained completions; the learner's train/ figures."""
-    from tasks.learn import samples_from_groups
+    from tasks.learner_api import samples_from_groups
 
     failpoint("train")
     return learner.train_step(samples_from_groups(groups))

@@ -196,7 +196,7 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
 def train_samples() -> list:
     """Three learner samples: one prompt with two completions, the first rewarded and the second
     punished (a tool token masked in the first), and a second prompt's completion at advantage 0.5."""
-    from tasks.learn import TrainSample  # torch: imported by the tests that train
+    from tasks.learner_api import TrainSample  # torch: imported by the tests that train
 
     return [
         TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tasks.config import AlgorithmConfig, LearnerConfig
-from tasks.learn import Learner, TrainSample
-from tasks.learner_api import LearnerRun
+from tasks.learn import Learner
+from tasks.learner_api import LearnerRun, TrainSample
 from tasks.tiny_model import build_tiny_model
 from tests.support import wait_for
 

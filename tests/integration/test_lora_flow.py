@@ -85,7 +85,7 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
     from tasks.config import InferenceConfig, LoraConfig, SyncConfig
     from tasks.generate import load_tokenizer, render
     from tasks.inference import VLLMClient
-    from tasks.learn import TrainSample
+    from tasks.learner_api import TrainSample
     from tasks.lora import merge
     from tasks.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
     from tasks.replicas import Replica, ReplicaSet

@@ -12,7 +12,7 @@ from flows.cli import main
 from storage.checkpoints import CheckpointStore
 from storage.rollouts import RolloutStore
 from tasks.config import LoraConfig
-from tasks.learn import TrainSample
+from tasks.learner_api import TrainSample
 from tasks.logprobs import token_logprobs
 from tests.support import make_learner
 

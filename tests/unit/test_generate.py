@@ -314,7 +314,7 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
     the `prompts` a reward function receives are each completion's own prompt."""
     from storage.records import rollout_rows
     from tasks.config import RewardConfig
-    from tasks.learn import samples_from_groups
+    from tasks.learner_api import samples_from_groups
     from tasks.score import score_groups
     from tests.unit.envs import TargetEnv
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.learn import Learner, TrainSample
+from tasks.learn import Learner
+from tasks.learner_api import TrainSample
 from tasks.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
 from tests.support import make_learner
 from tests.support import train_samples as samples

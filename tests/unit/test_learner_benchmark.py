@@ -127,7 +127,7 @@ def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic
 
 
 def test_flop_count_shares_prompts_and_counts_the_head_on_completion_tokens_only():
-    from tasks.learn import TrainSample
+    from tasks.learner_api import TrainSample
 
     bench = _load()
     dims = {"params_non_embedding": 100, "layers": 2, "attn_width": 8, "hidden": 8, "vocab": 50}

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tasks.config import LoraConfig
-from tasks.learn import TrainSample
+from tasks.learner_api import TrainSample
 from tasks.logprobs import token_logprobs
 from tasks.lora import LoraTargetError, check_targets, merge
 from tests.support import make_learner
