@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 # failed rank. Keyed by the Learner's methods themselves, so renaming one cannot leave a stale name.
 _DOING: dict[Callable[..., Any], str] = {
     Learner.run_updates: "running a train step",
+    Learner.advance_schedule: "moving the learning-rate schedule past an empty step",
     Learner.write_weights: "writing the weights for the servers",
     Learner.save: "writing a checkpoint",
     Learner.load_trainer_state: "loading a checkpoint",
@@ -176,6 +177,7 @@ class DistributedLearner:
 
         t0 = time.perf_counter()
         if not samples:
+            self._all(Learner.advance_schedule, 0)
             return empty_step_metrics(time.perf_counter() - t0)
         batch = ray.put(samples)
         runs: list[StepRun] = self._all(Learner.run_updates, batch)

@@ -16,6 +16,7 @@ update is the one a single process makes.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,6 +172,7 @@ class Learner:
         forward runs."""
         t0 = time.perf_counter()
         if not samples:
+            self.advance_schedule(0)
             return empty_step_metrics(time.perf_counter() - t0)
         run = self.run_updates(samples)
         return step_metrics(run, len(samples), self.algorithm.num_iterations, time.perf_counter() - t0)
@@ -207,7 +209,19 @@ class Learner:
                 self.optimizer.step()
                 self.scheduler.step()
                 updates.append((it, part.work_samples, m))
+        self.advance_schedule(len(updates))
         return StepRun(updates, sum(p.tokens for p in parts), sum(p.skipped for p in parts), lr)
+
+    def advance_schedule(self, taken: int) -> None:
+        """Bring the LR schedule to where a whole training step leaves it: each one counts
+        num_iterations x mini_batches optimizer steps, taken or not (a batch smaller than
+        `mini_batches` makes fewer parts, an empty one none), so a run whose steps filter groups
+        (filter_zero_std, dynamic sampling) still ends its decay at its last step."""
+        missing = self.algorithm.num_iterations * self.config.mini_batches - taken
+        with warnings.catch_warnings():  # a step with no update before any: the schedule alone moves
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            for _ in range(missing):
+                self.scheduler.step()
 
     def _micro_batches(self, work: list[TrainSample]) -> list[list[TrainSample]]:
         n = self.micro_batch_size

@@ -333,3 +333,14 @@ def test_a_resume_restores_every_random_state_from_a_weights_only_file(tiny_mode
     random.seed(7), np.random.seed(7)  # anything else in between
     b.load_trainer_state(tmp_path)
     assert (random.random(), np.random.rand(), torch.rand(3).tolist()) == expected
+
+
+def test_the_lr_decay_ends_at_the_last_step_when_steps_take_fewer_updates_or_none(tiny_model_dir):
+    # 2 training steps x 4 mini-batches = 8 scheduled updates of a linear decay. Three samples make only
+    # 3 parts, and an empty batch none: each training step still moves the schedule by 4, so the rate
+    # the run would use after its last step is the decay's end, 0.
+    learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=2, lr_schedule="linear", mini_batches=4)
+    m = learner.train_step(samples())
+    assert m["train/optimizer_steps"] == 3 and learner.scheduler.last_epoch == 4
+    assert learner.train_step([])["train/skipped"] == 1.0
+    assert learner.scheduler.last_epoch == 8 and learner.optimizer.param_groups[0]["lr"] == 0.0
