@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import argparse
 import json
 
-from storage.sql import query
+from grpoflow.storage.sql import query
 
 
 def curves(root: str, run: str) -> dict[str, list]:

@@ -1,6 +1,6 @@
 """Per-call cost of a sync reward's executor: `thread` vs `process` vs `ray` (a local Ray).
 
-Two rewards on 64 completions: a cheap one (examples.rewards:letter_fraction) and a CPU-heavy one
+Two rewards on 64 completions: a cheap one (grpoflow.examples.rewards:letter_fraction) and a CPU-heavy one
 (a pure-Python loop of fixed work, calibrated to about 0.2 s when called directly). Each executor
 scores one batch per call through `score_groups`, `--calls` times after a warm-up; prints one JSON
 line per (reward, executor): the median wall seconds per call, and the overhead over calling the
@@ -26,11 +26,11 @@ import statistics
 import tempfile
 import time
 
-from flows.cluster import ray_cluster
-from storage.records import RolloutCompletion, RolloutGroup
-from tasks.config import RewardConfig, ScaleConfig
-from tasks.imports import add_search_dir, import_object
-from tasks.score import score_groups
+from grpoflow.flows.cluster import ray_cluster
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.config import RewardConfig, ScaleConfig
+from grpoflow.tasks.imports import add_search_dir, import_object
+from grpoflow.tasks.score import score_groups
 
 HEAVY = '''
 def spin(completions, iterations=1_000_000, **_):
@@ -86,7 +86,7 @@ def main() -> None:
         add_search_dir(folder)
         heavy = import_object("bench_heavy:spin")
         rewards = {
-            "cheap": ("examples.rewards:letter_fraction", {}),
+            "cheap": ("grpoflow.examples.rewards:letter_fraction", {}),
             "heavy": ("bench_heavy:spin", {"iterations": calibrate(heavy)}),
         }
         with ray_cluster(ScaleConfig(ray_address="local"), folder):

@@ -48,12 +48,12 @@ import numpy as np
 import pyarrow as pa
 from aiohttp import web
 
-from flows.config import GRPOConfig
-from flows.ui import make_app
-from storage.compact import compact_store
-from storage.records import REWARDS_SCHEMA, ROLLOUTS_SCHEMA
-from storage.rollouts import TABLES, RolloutStore
-from storage.sql import query
+from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.ui import make_app
+from grpoflow.storage.compact import compact_store
+from grpoflow.storage.records import REWARDS_SCHEMA, ROLLOUTS_SCHEMA
+from grpoflow.storage.rollouts import TABLES, RolloutStore
+from grpoflow.storage.sql import query
 
 RUN = "explorer-bench"
 G = 8  # group size
@@ -202,7 +202,7 @@ def build(root: Path, steps: int, rows_per_step: int) -> dict:
     cfg = GRPOConfig.model_validate({
         "data": {"prompts_per_step": groups, "eval_fraction": 0.05},
         "generation": {"group_size": G, "max_tokens": 200, "max_turns": 3},
-        "rewards": [{"name": n, "fn": "examples.rewards:letter_fraction", "weight": w} for n, w in REWARDS],
+        "rewards": [{"name": n, "fn": "grpoflow.examples.rewards:letter_fraction", "weight": w} for n, w in REWARDS],
         "run": {"run_id": RUN, "steps": steps, "eval_every": EVAL_EVERY, "eval_prompts": EVAL_GROUPS},
         "storage": {"root": str(root), "compact_every": 100},
     })  # fmt: skip

@@ -40,7 +40,7 @@ PER_STEP, GROUP = 8, 8  # prompts per step and group size of configs/tiny-letter
 
 
 def store_counts(root: Path, run_id: str, steps: int) -> dict:
-    from storage.sql import query
+    from grpoflow.storage.sql import query
 
     _, rows = query(
         root,
@@ -56,14 +56,14 @@ def store_counts(root: Path, run_id: str, steps: int) -> dict:
 
 
 def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
-    from flows.drill import KILL_DRILL, KILL_DRILL_SETS
+    from grpoflow.flows.drill import KILL_DRILL, KILL_DRILL_SETS
 
     out = []
     for point, spec in KILL_DRILL.items():
         run_id = f"kill-{point.replace('_', '-')}"
         sets = [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", *KILL_DRILL_SETS]
         args = [a for s in sets for a in ("--set", s)]
-        base = [sys.executable, "-m", "flows.cli", "train"]
+        base = [sys.executable, "-m", "grpoflow.flows.cli", "train"]
         t0 = time.perf_counter()
         first = subprocess.run([*base, "--run-id", run_id, *args], cwd=REPO, capture_output=True,
                                env={**env, "GRPOFLOW_FAULTS": spec}, timeout=900)  # fmt: skip
@@ -84,9 +84,9 @@ def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
 
 def server_kill_drill(root: Path, model: Path) -> dict:
     """The run's own embedded server is SIGKILLed after step 3 is stored."""
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.rollouts import RolloutStore
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.rollouts import RolloutStore
 
     own = root / "embedded-model"  # a unique path, so pgrep finds only this run's server
     shutil.copytree(model, own)
@@ -127,9 +127,9 @@ def server_kill_drill(root: Path, model: Path) -> dict:
 
 
 def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.sql import query
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.sql import query
 
     steps, run_id = 8, "reward-tool-faults"
     cfg = load_config(REPO / "configs" / "tiny-faults.yaml", [
@@ -166,7 +166,7 @@ def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
 def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed: int) -> dict:
     """SIGKILL the run process at `kills` random moments (seeded), resuming after each; then check every
     table, temp files, the run's status, and that no process the run started survived a kill."""
-    from flows.drill import random_kill_drill, store_check
+    from grpoflow.flows.drill import random_kill_drill, store_check
 
     # Long enough that `kills` launches, each killed 5-20 s in (start-up is ~8 s), do not finish it.
     steps, run_id = 120, "random-kills"
@@ -205,8 +205,8 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.serve import embedded_server
-    from tasks.tiny_model import build_tiny_model
+    from grpoflow.flows.serve import embedded_server
+    from grpoflow.tasks.tiny_model import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-faults-"))
     model = build_tiny_model(root / "tiny")

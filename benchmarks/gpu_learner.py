@@ -40,13 +40,17 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 # This folder has a storage.py; keep it from shadowing the `storage` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-if str(REPO) not in sys.path:  # the machine has the checkout, not an installed package
+if "grpoflow" not in sys.modules and importlib.util.find_spec("grpoflow") is None:  # a bare machine
+    sys.modules["grpoflow"] = types.ModuleType("grpoflow")  # its folders are grpoflow's subpackages
+    sys.modules["grpoflow"].__path__ = [str(REPO)]
+if str(REPO) not in sys.path:  # `tests` for the pytest run
     sys.path.insert(0, str(REPO))
 
 TESTS = ["tests/unit/test_learn.py", "tests/unit/test_lora_learner.py", "tests/unit/test_grpo.py",
@@ -166,8 +170,8 @@ def push_rows(bench, model_dir: str, shape: str, device: str, directory: Path) -
     """Learner.write_weights of a full learner, twice: into a new file, then over it in place."""
     import torch
 
-    from tasks.learn import Learner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
     learner = Learner(
@@ -194,8 +198,8 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tasks.learn import Learner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=None, device=device)  # defaults
     learner = Learner(

@@ -23,12 +23,12 @@ import statistics
 import tempfile
 import time
 
-from flows.serve import start_server
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import VLLMClient
-from tasks.push import push_version, weight_push
-from tasks.replicas import Replica, ReplicaSet
-from tasks.tiny_model import build_tiny_model
+from grpoflow.flows.serve import start_server
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import VLLMClient
+from grpoflow.tasks.push import push_version, weight_push
+from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.tiny_model import build_tiny_model
 
 
 async def throughput(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -52,7 +52,7 @@ def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) -> dic
     """The run's push (tasks.push.push_version, sync's defaults: keep_last 2) of a model in this process."""
     from transformers import AutoModelForCausalLM
 
-    from tasks.weights import save_weights
+    from grpoflow.tasks.weights import save_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     pusher = weight_push(root, "bench", SyncConfig(), InferenceConfig())

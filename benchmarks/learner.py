@@ -3,7 +3,7 @@
 Two sources of model and samples:
 
 `--model DIR` (the default, models/smollm2-135m): the CPU figures of BENCHMARKS.md. A step of
-`--prompts` arithmetic prompts (examples.envs:arith_rows through the model's chat template) x `--group`
+`--prompts` arithmetic prompts (grpoflow.examples.envs:arith_rows through the model's chat template) x `--group`
 completions of 8-32 random tokens; advantages +-1 (every sample trains) or, with `--zero-groups K`, K
 groups with equal rewards (advantage 0). Fixed variants: `share_prompt` off/on (each prompt once, its
 KV cache row reused by its completions), zero-advantage skipping off/on, one shared-prompt variant per
@@ -83,8 +83,12 @@ from pathlib import Path
 # This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # a bare machine has the checkout, not an installed package
-    sys.path.append(str(REPO))
+import importlib.util
+import types
+
+if "grpoflow" not in sys.modules and importlib.util.find_spec("grpoflow") is None:  # a bare machine
+    sys.modules["grpoflow"] = types.ModuleType("grpoflow")  # its folders are grpoflow's subpackages
+    sys.modules["grpoflow"].__path__ = [str(REPO)]
 # On CPU, OpenMP threads that spin while idle slow the learner (as in tasks/__init__.py); before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -176,7 +180,7 @@ def make_configs(
     algorithm = ALGORITHM_VALUES | {"num_iterations": num_iterations}
     if prefer_pydantic:
         try:
-            from tasks.config import AlgorithmConfig, LearnerConfig
+            from grpoflow.tasks.config import AlgorithmConfig, LearnerConfig
         except ImportError:
             pass
         else:
@@ -192,7 +196,7 @@ def make_configs(
 def model_config(dtype: str, source: str):
     """The model section the learner reads its dtype from, of the same kind `make_configs` gave."""
     if source == "pydantic":
-        from tasks.config import ModelConfig
+        from grpoflow.tasks.config import ModelConfig
 
         return ModelConfig(dtype=dtype)
     return types.SimpleNamespace(dtype=dtype)
@@ -203,9 +207,9 @@ def model_config(dtype: str, source: str):
 
 def arith_samples(model_dir: str, prompts: int, group: int, zero_groups: int, seed: int = 0):
     """The `--model` path's step: chat-template arithmetic prompts, 8-32 random completion tokens."""
-    from examples.envs import arith_rows
-    from tasks.generate import load_tokenizer, prompt_messages, render
-    from tasks.learner_api import TrainSample
+    from grpoflow.examples.envs import arith_rows
+    from grpoflow.tasks.generate import load_tokenizer, prompt_messages, render
+    from grpoflow.tasks.learner_api import TrainSample
 
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
@@ -230,7 +234,7 @@ def random_samples(
     seed: int = 0,
 ):
     """Random token prompts x `group` completions; lengths uniform in the (low, high) ranges."""
-    from tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner_api import TrainSample
 
     rng = random.Random(seed)
     out = []
@@ -412,8 +416,8 @@ def _updates(iterations: int, minis: int) -> dict:
 def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> dict:
     import torch
 
-    from tasks.learn import Learner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     learner_cfg, algorithm_cfg, source = make_configs(
         micro_batch_size=v["micro_batch_size"],
@@ -494,10 +498,10 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     peak memory are this run's. Needs Ray and pydantic (the CPU machine's environment)."""
     import ray
 
-    from flows.cluster import ray_cluster
-    from tasks.config import ScaleConfig
-    from tasks.distributed import DistributedLearner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.flows.cluster import ray_cluster
+    from grpoflow.tasks.config import ScaleConfig
+    from grpoflow.tasks.distributed import DistributedLearner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     n = v["world_size"]
     threads = max(1, v["threads"] // n)

@@ -171,10 +171,10 @@ def run_leg(
 ) -> dict:
     """Train one leg in `store` and return it."""
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-    from flows.cli import quiet_prefect_task_logs
-    from flows.config import load_config
-    from flows.prefect_api import owned_prefect_api
-    from flows.runs import new_run_id, prepare_model
+    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.runs import new_run_id, prepare_model
 
     sets = [f"storage.root={store}", f"run.seed={seed}"]
     cfg = load_config(config, sets)
@@ -238,10 +238,10 @@ def import_run(
     system: str, root: Path, run_id: str, seed: int | None, steps: int | None, config: Path
 ) -> dict[str, Any]:
     """A finished grpoflow run's `steps` rows as the leg of `system`."""
-    from flows.config import load_config
-    from flows.runs import _import_path_of
-    from storage.rollouts import RolloutStore
-    from storage.sql import query
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.runs import _import_path_of
+    from grpoflow.storage.rollouts import RolloutStore
+    from grpoflow.storage.sql import query
 
     if system == "trl":
         raise SystemExit("--from-run imports grpoflow runs only (s0 or s2)")

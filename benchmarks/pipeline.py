@@ -40,7 +40,7 @@ def core_seconds() -> dict[str, float]:
     Prefect API server it owns (it records the task runs, their states and logs)."""
     import os
 
-    from storage.processes import processes
+    from grpoflow.storage.processes import processes
 
     out = {"flow_process": 0.0, "prefect_api": 0.0}
     for p in processes():
@@ -89,20 +89,20 @@ def main() -> None:
         help="task runs' INFO lines on the terminal, as `grpoflow train --verbose`",
     )
     args = ap.parse_args()
-    from flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli import quiet_prefect_task_logs
 
     quiet_prefect_task_logs(not args.verbose)
 
-    from flows.config import load_config
-    from flows.runs import prepare_model
-    from flows.train import grpo_train
-    from storage.sql import query
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.sql import query
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-bench-"))
     base = load_config(args.config, [f"storage.root={root}", *args.set])
     model = prepare_model(base)
     results = []
-    from flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.prefect_api import owned_prefect_api
 
     # As `grpoflow train` runs: its own temporary Prefect API server, task runs' INFO lines filtered.
     with owned_prefect_api(), serve(base, model, root / "vllm.log") as server:

@@ -52,10 +52,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from examples.envs import sum_rows
-    from flows.serve import start_server
-    from tasks.generate import load_tokenizer, prompt_messages, render
-    from tasks.inference import VLLMClient
+    from grpoflow.examples.envs import sum_rows
+    from grpoflow.flows.serve import start_server
+    from grpoflow.tasks.generate import load_tokenizer, prompt_messages, render
+    from grpoflow.tasks.inference import VLLMClient
 
     tok = load_tokenizer(args.model)
     rows = sum_rows(n=PROMPTS * (2 * args.repeats + 1), seed=0)

@@ -38,11 +38,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-    from examples.envs import arith_rows
-    from flows.serve import inference_servers
-    from tasks.config import GenerationConfig, InferenceConfig, ToolsConfig
-    from tasks.replicas import Replica, ReplicaSet
-    from tasks.steps import RolloutJob, rollout_batch
+    from grpoflow.examples.envs import arith_rows
+    from grpoflow.flows.serve import inference_servers
+    from grpoflow.tasks.config import GenerationConfig, InferenceConfig, ToolsConfig
+    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.steps import RolloutJob, rollout_batch
 
     rows = arith_rows(args.prompts * (args.batches + 1), 0)
     gen = GenerationConfig(group_size=args.group, max_tokens=args.max_tokens, temperature=1.0)

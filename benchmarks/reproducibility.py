@@ -37,15 +37,15 @@ import shutil
 import tempfile
 import time
 
-from flows.compare import report
+from grpoflow.flows.compare import report
 
 RUNS = ("repro-a", "repro-b")
 
 
 def base_weights(url: str, model_dir: Path, inference) -> None:
     """Put the base model's weights back into the server (version 0), as the integration tests do."""
-    from tasks.config import SyncConfig
-    from tasks.push import load_version, weight_push
+    from grpoflow.tasks.config import SyncConfig
+    from grpoflow.tasks.push import load_version, weight_push
 
     with tempfile.TemporaryDirectory(prefix="grpoflow-restore-") as tmp:
         load_version(weight_push(tmp, "restore", SyncConfig(), inference), url, model_dir, 0)
@@ -55,12 +55,12 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
                 window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
     """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
     the second one SIGKILLed that many times and resumed."""
-    from flows.cli import quiet_prefect_task_logs
-    from flows.config import load_config
-    from flows.prefect_api import owned_prefect_api
-    from flows.runs import prepare_model
-    from flows.serve import start_server
-    from flows.train import grpo_train
+    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.train import grpo_train
 
     quiet_prefect_task_logs()
     base = load_config(config, overrides)
@@ -92,7 +92,7 @@ def killed(
     and resumed after each; the drill's figures."""
     from prefect.settings import PREFECT_API_URL
 
-    from flows.drill import random_kill_drill
+    from grpoflow.flows.drill import random_kill_drill
 
     fig = random_kill_drill(root, run, sets, kills=kills, seed=0, window_s=window_s, config=config,
                             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip

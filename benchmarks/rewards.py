@@ -17,9 +17,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import json
 import time
 
-from storage.records import RolloutCompletion, RolloutGroup
-from tasks.config import RewardConfig
-from tasks.score import score_groups
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.score import score_groups
 
 DELAY = 0.2
 
@@ -39,11 +39,11 @@ def groups() -> list[RolloutGroup]:
 
 def specs() -> list[RewardConfig]:
     sync = [
-        RewardConfig(name=f"sync{i}", fn="examples.rewards:slow_sync", kwargs={"delay": DELAY})
+        RewardConfig(name=f"sync{i}", fn="grpoflow.examples.rewards:slow_sync", kwargs={"delay": DELAY})
         for i in range(4)
     ]
     asyn = [
-        RewardConfig(name=f"async{i}", fn="examples.rewards:slow_async", kwargs={"delay": DELAY})
+        RewardConfig(name=f"async{i}", fn="grpoflow.examples.rewards:slow_async", kwargs={"delay": DELAY})
         for i in range(4)
     ]
     return sync + asyn

@@ -11,7 +11,7 @@ weight push, and for the first grpoflow run the start of Prefect's ephemeral API
 `train_seconds` is its step minus its `generate` call (reward, forward/backward, optimizer).
 
 Workloads: `tiny` (configs/tiny-letters.yaml: random tiny model, reward = fraction of "a") and
-`smollm2` (SmolLM2-135M-Instruct, examples.envs:arith_rows + examples.rewards:exact_number, no tools,
+`smollm2` (SmolLM2-135M-Instruct, grpoflow.examples.envs:arith_rows + grpoflow.examples.rewards:exact_number, no tools,
 32 new tokens, lr 5e-6; configs/smollm2-tools.yaml with its tools and warm-up off).
 
     .venv/bin/python benchmarks/vs_trl.py [--workloads tiny smollm2] [--smollm2 models/smollm2-135m]
@@ -75,7 +75,7 @@ def run_grpoflow(config: Path, overrides: list[str], *, url: str, steps: int, st
 def trl_reward(spec, tokenizer):
     """A grpoflow reward function in TRL's signature, scoring the same text grpoflow scores: the
     completion ids decoded without special tokens (TRL's `completions` are message dicts here)."""
-    from flows.config import resolve_import
+    from grpoflow.flows.config import resolve_import
 
     fn = resolve_import(spec.fn, "rewards")
 
@@ -92,7 +92,7 @@ def trl_dataset(cfg, steps: int):
     """grpoflow's prompts for steps 0..N-1, in its order, as conversational rows (TRL: no shuffle)."""
     from datasets import Dataset
 
-    from flows.data import load_rows, rows_for_step
+    from grpoflow.flows.data import load_rows, rows_for_step
 
     rows = load_rows(cfg)
     d = cfg.data
@@ -118,7 +118,7 @@ def trl_lora(lora):
 
 
 def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
-    from flows.config import load_config
+    from grpoflow.flows.config import load_config
 
     cfg = load_config(config, overrides)
     g, a, lc = cfg.generation, cfg.algorithm, cfg.learner
@@ -287,7 +287,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-    from flows.config import load_config
+    from grpoflow.flows.config import load_config
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-vs-trl-"))
     results: list[dict[str, Any]] = []

@@ -23,7 +23,7 @@ def workload_overrides(name: str, smollm2_dir: str) -> list[str]:
         # exactly the same thing (the settings the figures in BENCHMARKS.md were measured with).
         return [
             f"model.path={smollm2_dir}",
-            "data.generator=examples.envs:arith_rows",
+            "data.generator=grpoflow.examples.envs:arith_rows",
             "data.generator_kwargs={n: 256, seed: 0}",
             "tools.tools=[]",
             "warmup.steps=0",
@@ -41,9 +41,9 @@ def run_steps(
     config: Path, overrides: list[str], *, url: str, steps: int, staleness: int, run_id: str
 ) -> tuple[list[dict[str, Any]], float]:
     """`grpo-train` for `steps` steps against the server at `url`: its `steps` rows and wall seconds."""
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.sql import query
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.sql import query
 
     cfg = load_config(
         config,
@@ -75,8 +75,8 @@ def rnd(x: float | None, nd: int = 3) -> float | None:
 def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[str]] | None:
     """The workload's store root, model dir (the tiny model is built once, seeded) and overrides; None,
     with a note, when the SmolLM2 model is missing."""
-    from flows.config import load_config
-    from flows.runs import prepare_model
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.runs import prepare_model
 
     if name == "smollm2" and not (Path(smollm2_dir) / "config.json").is_file():
         print(f"# skipping smollm2: no model at {smollm2_dir} (pass --smollm2 DIR)", flush=True)
@@ -96,7 +96,7 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
 def serve(cfg, model: Path, log_path: Path):
     """The embedded vLLM server for `model`, sized by the config's inference section (with
     `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does)."""
-    from flows.serve import embedded_server
+    from grpoflow.flows.serve import embedded_server
 
     lora = cfg.learner.lora
     return embedded_server(

@@ -60,7 +60,7 @@ def soft_overlong_penalty(completion_ids: list[list[int]], max_tokens: int, buff
     (generation.max_tokens, or generation.max_rollout_tokens for multi-turn rollouts, whose
     completion_ids hold tool results too) and add it beside the task's reward:
 
-        - {name: overlong, fn: examples.rewards:soft_overlong_penalty, kwargs: {max_tokens: 512, buffer: 128}}
+        - {name: overlong, fn: grpoflow.examples.rewards:soft_overlong_penalty, kwargs: {max_tokens: 512, buffer: 128}}
     """
     if not 0 < buffer <= max_tokens:
         raise ValueError(f"soft_overlong_penalty: buffer {buffer} must be in 1..max_tokens ({max_tokens})")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import random
 
-from examples.envs import letters_rows, product_rows
-from examples.tools import calculator
+from grpoflow.examples.envs import letters_rows, product_rows
+from grpoflow.examples.tools import calculator
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -34,7 +34,7 @@ def calculator_replies(n: int = 128, seed: int = 1) -> list[dict]:
 
 
 def single_calls(tool: str, argument: str, values: list, n: int = 64, seed: int = 0) -> list[dict]:
-    """The tiny configs' prompts (examples.envs:letters_rows), each answered with one call to `tool`
+    """The tiny configs' prompts (grpoflow.examples.envs:letters_rows), each answered with one call to `tool`
     with `argument` drawn from `values`: the random tiny model learns the markup, not when to call."""
     rng = random.Random(seed)
     return [

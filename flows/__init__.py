@@ -1,3 +1,8 @@
+# One import name (pyproject.toml): this folder is `grpoflow.flows`, never `flows`, which stays free
+# for a user's own module of that name (run from the repository, its folder is on the path too).
+if __name__ != "grpoflow.flows":
+    raise ImportError(f"grpoflow's flows package imports as grpoflow.flows, not {__name__}")
+
 import os
 
 # On CPU the learner shares its cores with the vLLM server: OpenMP threads that spin while idle

@@ -7,8 +7,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from storage.sql import CANNED, query
-from tasks.allowlist import check_path
+from grpoflow.storage.sql import CANNED, query
+from grpoflow.tasks.allowlist import check_path
 
 
 @flow(name="rollout-sql", log_prints=True)

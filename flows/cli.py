@@ -53,7 +53,7 @@ def quiet_prefect_task_logs(quiet: bool = True) -> None:
 
 def _config(args, *more: str):
     """The config of `--config` (default: the tiny demo's) with `--set`, `--root` and `more` applied."""
-    from flows.config import load_config
+    from grpoflow.flows.config import load_config
 
     overrides = list(args.set or [])
     if args.root or os.environ.get("GRPOFLOW_ROOT"):
@@ -64,14 +64,14 @@ def _config(args, *more: str):
 
 def cmd_train(args) -> int:
     cfg = _config(args, *([f"run.run_id={args.run_id}"] if args.run_id else []))
-    from flows.runs import new_run_id, preflight
+    from grpoflow.flows.runs import new_run_id, preflight
 
     preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
     if args.resume is None and cfg.run.run_id is None:
         cfg.run.run_id = new_run_id()  # named here, so that an interrupted run can be named to resume
     args.interrupted_run = (cfg.storage.root, args.resume or cfg.run.run_id)
-    from flows.prefect_api import owned_prefect_api
-    from flows.train import grpo_train
+    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.train import grpo_train
 
     quiet_prefect_task_logs(not args.verbose)
     with owned_prefect_api():  # Prefect's temporary API server dies with this process
@@ -84,8 +84,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    from flows.config import ConfigError
-    from storage.sql import CANNED, format_result, query
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.storage.sql import CANNED, format_result, query
 
     if args.canned:
         if args.canned not in CANNED:
@@ -101,7 +101,7 @@ def cmd_sql(args) -> int:
 
 def _sql_text(arg: str) -> str:
     """The query itself, or the text of the file `@file.sql` names."""
-    from flows.config import ConfigError
+    from grpoflow.flows.config import ConfigError
 
     if not arg.startswith("@"):
         return arg
@@ -112,7 +112,7 @@ def _sql_text(arg: str) -> str:
 
 
 def cmd_runs(args) -> int:
-    from storage.sql import format_result, list_runs
+    from grpoflow.storage.sql import format_result, list_runs
 
     cols, rows = list_runs(_root(args))
     print(format_result(cols, rows, args.format))
@@ -120,7 +120,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from flows.export import export_checkpoint
+    from grpoflow.flows.export import export_checkpoint
 
     done = export_checkpoint(_root(args), args.run, args.out, args.step, args.merge)
     what = {"model": "model", "adapter": "LoRA adapter (PEFT)", "merged": "merged model"}[done.kind]
@@ -129,11 +129,11 @@ def cmd_export(args) -> int:
 
 
 def cmd_compact(args) -> int:
-    from flows.config import ConfigError
-    from storage.compact import compact_store
-    from storage.layout import StoreLayoutError
-    from storage.records import validate_run_id
-    from storage.rollouts import RolloutStore
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.storage.compact import compact_store
+    from grpoflow.storage.layout import StoreLayoutError
+    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.rollouts import RolloutStore
 
     if args.every is not None and args.every < 1:
         raise ConfigError(f"--every: must be an integer >= 1, got {args.every}")
@@ -162,8 +162,8 @@ def cmd_compact(args) -> int:
 
 def check_serve(args) -> None:
     """`serve`'s bad input, refused before the Prefect API starts (one line, no traceback)."""
-    from flows.config import ConfigError
-    from flows.serve import is_loopback
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.flows.serve import is_loopback
 
     if not args.api_key and not is_loopback(args.host):
         raise ConfigError(
@@ -172,12 +172,12 @@ def check_serve(args) -> None:
         )
     if not args.model and not args.lineage:
         raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
-    from storage.records import validate_run_id
+    from grpoflow.storage.records import validate_run_id
 
     for lineage in args.lineage or []:
         validate_run_id(lineage)  # a bad id is its own one-line error
     if args.lora_rank is not None:
-        from flows.policy_server import lora_lineages
+        from grpoflow.flows.policy_server import lora_lineages
 
         try:
             lora_lineages(_root(args), args.lineage or [], args.model)
@@ -192,7 +192,7 @@ def check_serve(args) -> None:
             "serve: several --lineage share one server only as LoRA adapters: give --lora-rank R"
         )
     if args.lineage:
-        from flows.policy_server import served_model_dir
+        from grpoflow.flows.policy_server import served_model_dir
 
         try:
             served_model_dir(_root(args), args.lineage[0], args.model)
@@ -203,7 +203,7 @@ def check_serve(args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from flows.policy_server import policy_server
+    from grpoflow.flows.policy_server import policy_server
 
     lora = args.lora_rank is not None
     policy_server(
@@ -222,7 +222,7 @@ def cmd_serve(args) -> int:
 def cmd_retrain(args) -> int:
     import json
 
-    from flows.retrain import grpo_retrain
+    from grpoflow.flows.retrain import grpo_retrain
 
     cfg = _config(args)
     out = grpo_retrain(lineage=args.lineage, extra_steps=args.steps, config=cfg, eval_prompts=args.eval_prompts,
@@ -235,17 +235,17 @@ def cmd_retrain(args) -> int:
 
 
 def _server_inference(args):
-    from tasks.config import InferenceConfig
+    from grpoflow.tasks.config import InferenceConfig
 
     return InferenceConfig(api_key=args.api_key) if args.api_key else InferenceConfig()
 
 
 def cmd_promote(args) -> int:
-    from flows.config import ConfigError
-    from flows.promote import base_version, checkpoint_version, promote, serving_version
-    from storage.promotions import PromotionError
-    from storage.records import validate_run_id
-    from tasks.push import WeightPushError
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.flows.promote import base_version, checkpoint_version, promote, serving_version
+    from grpoflow.storage.promotions import PromotionError
+    from grpoflow.storage.records import validate_run_id
+    from grpoflow.tasks.push import WeightPushError
 
     root, run = _root(args), validate_run_id(args.run)
     lineage = validate_run_id(args.lineage or run)
@@ -264,11 +264,11 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from flows.config import ConfigError
-    from flows.promote import rollback
-    from storage.promotions import PromotionError
-    from storage.records import validate_run_id
-    from tasks.push import WeightPushError
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.flows.promote import rollback
+    from grpoflow.storage.promotions import PromotionError
+    from grpoflow.storage.records import validate_run_id
+    from grpoflow.tasks.push import WeightPushError
 
     try:
         row = rollback(_root(args), validate_run_id(args.lineage), server_url=args.server,
@@ -282,8 +282,8 @@ def cmd_rollback(args) -> int:
 def cmd_evaluate(args) -> int:
     import json
 
-    from flows.evaluate import grpo_evaluate
-    from storage.records import validate_run_id
+    from grpoflow.flows.evaluate import grpo_evaluate
+    from grpoflow.storage.records import validate_run_id
 
     cfg = _config(args)
     if args.run:
@@ -295,8 +295,8 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from flows.report import grpo_report_flow
-    from storage.records import validate_run_id
+    from grpoflow.flows.report import grpo_report_flow
+    from grpoflow.storage.records import validate_run_id
 
     validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
 
@@ -305,8 +305,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from flows.compare import identical, report
-    from storage.records import validate_run_id
+    from grpoflow.flows.compare import identical, report
+    from grpoflow.storage.records import validate_run_id
 
     for run in (args.run_a, args.run_b):
         validate_run_id(run)
@@ -316,8 +316,8 @@ def cmd_compare(args) -> int:
 def cmd_ui(args) -> int:
     import asyncio
 
-    from flows.config import ConfigError
-    from flows.ui import check_bind, serve
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.flows.ui import check_bind, serve
 
     try:
         check_bind(args.host, args.api_key or os.environ.get("GRPOFLOW_UI_API_KEY"))
@@ -339,15 +339,15 @@ def cmd_ui(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from tasks.tiny_model import build_tiny_model
+    from grpoflow.tasks.tiny_model import build_tiny_model
 
     print(build_tiny_model(args.dir, seed=args.seed))
     return 0
 
 
 def cmd_config_show(args) -> int:
-    from flows.config import load_config
-    from flows.config_docs import render_yaml
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.config_docs import render_yaml
 
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     print(render_yaml(load_config(config_path, args.set)), end="")
@@ -357,14 +357,14 @@ def cmd_config_show(args) -> int:
 def cmd_config_schema(args) -> int:
     import json
 
-    from flows.config import GRPOConfig
+    from grpoflow.flows.config import GRPOConfig
 
     print(json.dumps(GRPOConfig.model_json_schema(), indent=2))
     return 0
 
 
 def cmd_config_docs(args) -> int:
-    from flows.config_docs import DOCS_PATH, render_markdown
+    from grpoflow.flows.config_docs import DOCS_PATH, render_markdown
 
     text = render_markdown()
     if args.write:
@@ -559,18 +559,18 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's ephemeral server would try to send telemetry; keep local runs quiet and offline.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
-    from flows.config import ConfigError
-    from storage.records import InvalidRunIdError
-    from storage.sql import QueryError
-    from tasks.broken_rewards import BrokenRewardError
-    from tasks.push import LoraUnsupportedError
+    from grpoflow.flows.config import ConfigError
+    from grpoflow.storage.records import InvalidRunIdError
+    from grpoflow.storage.sql import QueryError
+    from grpoflow.tasks.broken_rewards import BrokenRewardError
+    from grpoflow.tasks.push import LoraUnsupportedError
 
     try:
         if not getattr(args, "runs_flows", False):
             return args.fn(args)
         if getattr(args, "precheck", None):
             args.precheck(args)
-        from flows.prefect_api import owned_prefect_api
+        from grpoflow.flows.prefect_api import owned_prefect_api
 
         quiet_prefect_task_logs(not args.verbose)
         with owned_prefect_api():  # Prefect's temporary API server dies with this process
@@ -596,7 +596,7 @@ def interrupted_message(args) -> str:
     if run_id is None:
         return "interrupted"
     with contextlib.suppress(Exception):  # the message must never fail: then it stays plain
-        from storage.rollouts import RolloutStore
+        from grpoflow.storage.rollouts import RolloutStore
 
         if RolloutStore(Path(root)).read_run_meta(run_id) is not None:
             again = ["grpoflow", "train"]

@@ -14,7 +14,9 @@ import path. No PYTHONPATH to set by hand.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -26,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.serve import ServerHandle, free_port, guarded_command
-from storage.processes import session_pids
-from tasks.config import ScaleConfig
+from grpoflow.flows.serve import ServerHandle, free_port, guarded_command
+from grpoflow.storage.processes import session_pids
+from grpoflow.tasks.config import ScaleConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "storage", "examples")  # what workers import: the call wrapper and its imports
@@ -111,9 +113,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "GRPOFLOW_GUARD_SESSION": "1"}
 
 
+@functools.cache
+def shipped_packages() -> Path:
+    """grpoflow's PACKAGES as one `grpoflow/` folder, Ray's `py_modules` unit: in the repository they are
+    top-level folders that pyproject.toml maps under `grpoflow`, and a worker must import them by that
+    name. Copied once per process into a temporary folder, removed at exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="grpoflow-ray-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    for p in PACKAGES:
+        shutil.copytree(REPO / p, tmp / "grpoflow" / p, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp / "grpoflow"
+
+
 def runtime_env(config_dir: str | Path | None) -> dict[str, Any]:
     """What every worker of the run's Ray job gets: grpoflow's packages, and the config's folder."""
-    env: dict[str, Any] = {"py_modules": [str(REPO / p) for p in PACKAGES]}
+    env: dict[str, Any] = {"py_modules": [str(shipped_packages())]}
     if config_dir is not None:
         env["working_dir"] = str(Path(config_dir).resolve())
         env["excludes"] = EXCLUDES

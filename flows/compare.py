@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from storage.sql import query
+from grpoflow.storage.sql import query
 
 ROLLOUT_KEY = ("split", "step", "group_id", "sample_index")
 ROLLOUT_COLUMNS = ("completion_ids", "logprobs", "completion_mask", "policy_version",
@@ -132,7 +132,7 @@ def checkpoint_tensors(root: Path, run: str) -> tuple[int, dict]:
     LoRA run's `adapter/`)."""
     from safetensors.torch import load_file
 
-    from storage.checkpoints import CheckpointStore
+    from grpoflow.storage.checkpoints import CheckpointStore
 
     path, step = CheckpointStore(root).at(run)
     tensors = {}
@@ -168,8 +168,8 @@ def compare_weights(root: Path, run_a: str, run_b: str) -> dict:
 
 def compare_environments(root: Path, run_a: str, run_b: str) -> list[str]:
     """6. What differs between the runs' reproducibility records (their run metadata)."""
-    from storage.rollouts import RolloutStore
-    from tasks.reproducible import mismatches
+    from grpoflow.storage.rollouts import RolloutStore
+    from grpoflow.tasks.reproducible import mismatches
 
     store = RolloutStore(root)
     a, b = ((store.read_run_meta(r) or {}).get("reproducibility") for r in (run_a, run_b))

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from tasks.allowlist import NotAllowedError, check_path
-from tasks.config import (
+from grpoflow.tasks.allowlist import NotAllowedError, check_path
+from grpoflow.tasks.config import (
     AlgorithmConfig,
     DataConfig,
     DatasetConfig,
@@ -32,7 +32,7 @@ from tasks.config import (
     TrackingConfig,
     WarmupConfig,
 )
-from tasks.imports import add_search_dir, import_object
+from grpoflow.tasks.imports import add_search_dir, import_object
 
 __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from them
     "AlgorithmConfig",
@@ -65,7 +65,7 @@ class GRPOConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollouts.")
     rewards: list[RewardConfig] = Field(
-        default_factory=lambda: [RewardConfig(name="letter", fn="examples.rewards:letter_fraction")],
+        default_factory=lambda: [RewardConfig(name="letter", fn="grpoflow.examples.rewards:letter_fraction")],
         min_length=1,
         description="Reward functions (at least one).",
     )

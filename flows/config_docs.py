@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticUndefined
 
-from flows.config import GRPOConfig
+from grpoflow.flows.config import GRPOConfig
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

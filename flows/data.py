@@ -11,10 +11,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
-from storage.records import held_out, row_id_of
-from tasks.allowlist import NotAllowedError, check_path
-from tasks.config import DatasetConfig
+from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
+from grpoflow.storage.records import held_out, row_id_of
+from grpoflow.tasks.allowlist import NotAllowedError, check_path
+from grpoflow.tasks.config import DatasetConfig
 
 
 def _read_rows(path: str, field: str, cfg: GRPOConfig) -> list[dict[str, Any]]:

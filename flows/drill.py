@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from storage.processes import guarded_children, kill_tree
+from grpoflow.storage.processes import guarded_children, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,8 +39,8 @@ def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:
     """Rows lost and duplicated in each table (as SQL reads them: compacted ranges hide the files they
     replaced), temp files left, files a compacted range superseded but nothing deleted, and the run's
     recorded status."""
-    from storage.layout import list_parts, select
-    from storage.sql import query, run_status
+    from grpoflow.storage.layout import list_parts, select
+    from grpoflow.storage.sql import query, run_status
 
     out: dict = {}
     for table, key in (
@@ -114,8 +114,8 @@ def random_kill_drill(
     set_args = [a for s in [f"storage.root={root}", *sets] for a in ("--set", s)]
     set_args = ["--config", str(config), *set_args] if config else set_args
     env = {**os.environ, **(env or {})}
-    first = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
-    again = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
+    first = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", run_id, *set_args]
+    again = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", run_id, *set_args]
     figures = {"kills": 0, "orphans": 0, "finished_early": 0, "kill_moments_s": [], "statuses_after_kill": []}
     t0 = time.perf_counter()
     started = False
@@ -138,7 +138,7 @@ def random_kill_drill(
         kill_tree(left)
         meta = root / "runs" / f"{run_id}.json"
         if meta.is_file():
-            from storage.sql import run_status
+            from grpoflow.storage.sql import run_status
 
             figures["statuses_after_kill"].append(run_status(json.loads(meta.read_text())))
     cmd = again if (root / "runs" / f"{run_id}.json").is_file() else first

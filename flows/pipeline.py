@@ -9,15 +9,15 @@ from concurrent.futures import Future
 
 from prefect import get_run_logger
 
-from flows.config import GRPOConfig
-from flows.data import rows_for_step
-from flows.runner import StepRunner
-from flows.runs import RunState
-from flows.serve import Server, is_healthy
-from tasks.inference import InferenceUnavailableError
-from tasks.push import WeightPush, load_version
-from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
-from tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
+from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.data import rows_for_step
+from grpoflow.flows.runner import StepRunner
+from grpoflow.flows.runs import RunState
+from grpoflow.flows.serve import Server, is_healthy
+from grpoflow.tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.push import WeightPush, load_version
+from grpoflow.tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
+from grpoflow.tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
 
 
 def replica_set(servers: list[Server], run: RunState, pusher: WeightPush) -> ReplicaSet:

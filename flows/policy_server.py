@@ -10,14 +10,14 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.serve import ServerHandle, ServerStartError, _tail, server_command
-from storage.processes import stop_stale
-from tasks.config import LoraConfig
+from grpoflow.flows.serve import ServerHandle, ServerStartError, _tail, server_command
+from grpoflow.storage.processes import stop_stale
+from grpoflow.tasks.config import LoraConfig
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
-    from tasks.inference import InferenceError, VLLMClient
-    from tasks.push import release_abandoned_pause
+    from grpoflow.tasks.inference import InferenceError, VLLMClient
+    from grpoflow.tasks.push import release_abandoned_pause
 
     try:
         async with VLLMClient(url, api_key=api_key, retries=0) as client:
@@ -30,8 +30,8 @@ def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | Non
     """What a policy server of `lineage` serves: the version its promotion log says (a promoted
     checkpoint, or the base model it rolled back to), else `model_dir`."""
     if lineage is not None:
-        from storage.promotions import PromotionLog
-        from storage.records import validate_run_id
+        from grpoflow.storage.promotions import PromotionLog
+        from grpoflow.storage.records import validate_run_id
 
         serving = PromotionLog(root).serving(validate_run_id(lineage))
         if serving is not None:
@@ -45,8 +45,8 @@ def lora_lineages(root: str | Path, lineages: list[str], model_dir: str | None) 
     """(the base model a LoRA server starts on, {lineage: the adapter its name serves}) for lineages
     that share one server; a lineage with no decision yet is left out (its name is not served until
     its first promotion loads it). The base: `model_dir`, else the base of the first adapter."""
-    from flows.promote import adapter_base_model, lineage_adapter
-    from storage.records import validate_run_id
+    from grpoflow.flows.promote import adapter_base_model, lineage_adapter
+    from grpoflow.storage.records import validate_run_id
 
     adapters = {name: a for name in lineages if (a := lineage_adapter(root, validate_run_id(name)))}
     base = model_dir or next((b for a in adapters.values() if (b := adapter_base_model(a))), None)
@@ -57,8 +57,8 @@ def lora_lineages(root: str | Path, lineages: list[str], model_dir: str | None) 
 
 def _serve_lineages(url: str, api_key: str | None, adapters: dict[str, str]) -> None:
     """Load each lineage's adapter under its name (again after a restart: the registry is gone)."""
-    from tasks.inference import VLLMClient
-    from tasks.lora_serve import serve_lineage
+    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.lora_serve import serve_lineage
 
     async def go() -> None:
         async with VLLMClient(url, api_key=api_key) as client:
@@ -94,7 +94,7 @@ def policy_server(
     runtime, `max_loras` per batch; each lineage's adapter is loaded under its name at start and after
     every restart, and promotions and rollbacks (`--server`) replace it there."""
     log = get_run_logger()
-    from tasks.allowlist import check_path
+    from grpoflow.tasks.allowlist import check_path
 
     check_path(root, "root")
     adapters: dict[str, str] = {}

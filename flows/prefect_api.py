@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from flows.serve import ServerHandle, free_port, guarded_command
+from grpoflow.flows.serve import ServerHandle, free_port, guarded_command
 
 
 @contextlib.contextmanager

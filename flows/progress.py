@@ -18,10 +18,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.config import GRPOConfig
-from flows.runs import RunState
-from tasks.reward_kwargs import RESERVED_METRICS
-from tasks.steps import StepRecord
+from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.runs import RunState
+from grpoflow.tasks.reward_kwargs import RESERVED_METRICS
+from grpoflow.tasks.steps import StepRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
 

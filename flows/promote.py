@@ -25,11 +25,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from storage.checkpoints import CheckpointNotFoundError, CheckpointStore
-from storage.promotions import PromotionError, PromotionLog, pin, unpin, version
-from storage.rollouts import RolloutStore
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.learner_api import checkpoint_weights
+from grpoflow.storage.checkpoints import CheckpointNotFoundError, CheckpointStore
+from grpoflow.storage.promotions import PromotionError, PromotionLog, pin, unpin, version
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.learner_api import checkpoint_weights
 
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def is_adapter(path: str | None) -> bool:
 def base_adapter(root: str | Path, lineage: str, like: str) -> str:
     """The lineage's base model as an adapter (every lora_B zero, shaped like the adapter `like`),
     written once beside its promotion log: what its name serves below its first promotion."""
-    from tasks.lora_serve import identity_adapter
+    from grpoflow.tasks.lora_serve import identity_adapter
 
     return str(identity_adapter(like, PromotionLog(root).lineage_dir(lineage) / "base-adapter"))
 
@@ -75,7 +75,7 @@ def lineage_adapter(root: str | Path, lineage: str) -> str | None:
 
 def adapter_base_model(adapter: str) -> str | None:
     """The base model a LoRA checkpoint's adapter goes on (its learner.json's `base_model`)."""
-    from tasks.checkpoint_io import learner_info
+    from grpoflow.tasks.checkpoint_io import learner_info
 
     return learner_info(Path(adapter).parent).get("base_model")
 
@@ -100,7 +100,7 @@ def load_into_server(
     name (the module doc). The seconds it took."""
     if is_adapter(path):
         return load_lineage_adapter(path, server_url=server_url, lineage=lineage, inference=inference)
-    from tasks.push import load_version, weight_push
+    from grpoflow.tasks.push import load_version, weight_push
 
     sync = (sync or SyncConfig()).model_copy(update={"backend": "checkpoint"})
     pusher = weight_push(root, lineage, sync, inference or InferenceConfig(), reset_prefix_cache=True)
@@ -114,8 +114,8 @@ def load_lineage_adapter(
     import asyncio
     import time
 
-    from tasks.inference import client_for
-    from tasks.lora_serve import serve_lineage
+    from grpoflow.tasks.inference import client_for
+    from grpoflow.tasks.lora_serve import serve_lineage
 
     async def load() -> str:
         async with client_for(server_url, inference or InferenceConfig()) as client:
@@ -131,7 +131,7 @@ def _announce(row: dict[str, Any]) -> None:
     from prefect.artifacts import create_markdown_artifact
     from prefect.events import emit_event
 
-    from flows.progress import artifact_key
+    from grpoflow.flows.progress import artifact_key
 
     payload = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in row.items()}
     emit_event(

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from storage.records import validate_run_id
-from storage.sql import CANNED, query
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.sql import CANNED, query
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -402,7 +402,7 @@ def grpo_report_flow():
     from prefect import flow
     from prefect.artifacts import create_markdown_artifact
 
-    from flows.progress import artifact_key
+    from grpoflow.flows.progress import artifact_key
 
     @flow(name="grpo-report")
     def grpo_report(run_id: str, root: str = "runs", out_dir: str | None = None) -> str:

@@ -21,16 +21,16 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.config import ConfigError, GRPOConfig, load_config
-from flows.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
-from flows.promote import base_version, checkpoint_version, promote, reject, serving_version
-from flows.runs import confine
-from flows.serve import inference_server
-from flows.train import grpo_train
-from storage.checkpoints import CheckpointStore
-from storage.records import validate_run_id
-from storage.rollouts import RolloutStore
-from tasks.lora_push import adapter_rank
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
+from grpoflow.flows.promote import base_version, checkpoint_version, promote, reject, serving_version
+from grpoflow.flows.runs import confine
+from grpoflow.flows.serve import inference_server
+from grpoflow.flows.train import grpo_train
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.lora_push import adapter_rank
 
 GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
 

@@ -25,10 +25,10 @@ from typing import Any
 from prefect import Task, get_run_logger
 from prefect.utilities.annotations import quote
 
-from tasks.inference import InferenceUnavailableError
-from tasks.push import PushStats, WeightPush
-from tasks.replicas import ReplicaSet
-from tasks.steps import (
+from grpoflow.tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.push import PushStats, WeightPush
+from grpoflow.tasks.replicas import ReplicaSet
+from grpoflow.tasks.steps import (
     RolloutBatch,
     RolloutJob,
     StepRecord,

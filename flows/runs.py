@@ -14,18 +14,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.config import ConfigError, GRPOConfig, check_imports, where_searched
-from flows.data import confine_dataset, load_rows, split_rows
-from storage.checkpoints import CheckpointStore
-from storage.records import validate_run_id
-from storage.rollouts import RolloutStore
-from tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
-from tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, where_searched
+from grpoflow.flows.data import confine_dataset, load_rows, split_rows
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
+from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR
 
 if TYPE_CHECKING:
-    from tasks.learner_api import PolicyLearner
-    from tasks.replicas import ReplicaSet
-    from tasks.steps import RolloutJob
+    from grpoflow.tasks.learner_api import PolicyLearner
+    from grpoflow.tasks.replicas import ReplicaSet
+    from grpoflow.tasks.steps import RolloutJob
 
 
 @dataclass
@@ -52,7 +52,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     check_imports(cfg)  # reward / tool / environment / generator import paths
     check_reward_models(cfg)
     if cfg.run.report_to:
-        from flows.tracking import check_trackers  # each tracker's library only when it is named
+        from grpoflow.flows.tracking import check_trackers  # each tracker's library only when it is named
 
         check_trackers(cfg)
     rows, held = split_rows(cfg, load_rows(cfg))
@@ -91,7 +91,7 @@ def _eval_source(cfg: GRPOConfig) -> str:
 def check_reward_models(cfg: GRPOConfig) -> None:
     """Each `rewards[i].model` must be a sequence-classification model directory (read from its config
     alone: no weights are loaded here)."""
-    from tasks.reward_model import RewardModelError, check_reward_model
+    from grpoflow.tasks.reward_model import RewardModelError, check_reward_model
 
     for i, r in enumerate(cfg.rewards):
         if r.model is None:
@@ -117,7 +117,7 @@ def check_lora_targets(cfg: GRPOConfig, model: Path) -> None:
     """learner.lora.target_modules must name linear layers of `model` (read from its config alone)."""
     if cfg.learner.lora is None:
         return
-    from tasks.lora import LoraTargetError, check_targets
+    from grpoflow.tasks.lora import LoraTargetError, check_targets
 
     try:
         check_targets(model, cfg.learner.lora)
@@ -147,7 +147,7 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
         for i, r in enumerate(cfg.rewards):
             if r.model is not None:
                 check_path(r.model, f"rewards[{i}].model")
-        check_path(cfg.storage.root, "storage.root")
+        check_path(cfg.storage.root, "grpoflow.storage.root")
         _confine_trackers(cfg)
         if cfg.inference.url:
             check_server(cfg.inference.url, "inference.url")
@@ -180,7 +180,7 @@ def prepare_model(cfg: GRPOConfig) -> Path:
     if cfg.model.path == "tiny":
         base = Path(cfg.storage.root) / "models" / "tiny"
         if not (base / "config.json").is_file():
-            from tasks.tiny_model import build_tiny_model
+            from grpoflow.tasks.tiny_model import build_tiny_model
 
             build_tiny_model(base, seed=cfg.run.seed)
     else:
@@ -193,7 +193,7 @@ def warmed_model(cfg: GRPOConfig, base: Path) -> Path:
     """`base` after the warm-up, cached under <root>/models/warmup-<key>: the key covers the base
     model's weights file, the warm-up and tools settings and the seed, so any change warms up anew
     and a resumed run finds the model it started from."""
-    from tasks.warmup import callable_name, warm_up
+    from grpoflow.tasks.warmup import callable_name, warm_up
 
     weights = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
     key = {
@@ -304,12 +304,12 @@ def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
     """The run's learner on its sections, resumed from the run's checkpoint if it has one. With
     `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
     # torch is imported here, not at the top: preflight and the CLI use this module without a model.
-    from tasks.learn import Learner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     kind = Learner
     if cfg.learner.world_size > 1:
-        from tasks.distributed import DistributedLearner as kind
+        from grpoflow.tasks.distributed import DistributedLearner as kind
     learner = kind(
         run.model_path,
         cfg.learner,
@@ -338,8 +338,8 @@ def rollout_job(
 ) -> RolloutJob:
     """What each step's rollout task needs: the servers it generates on, and the config's sections;
     `train_rows`: the training split (its size is an epoch; dynamic sampling draws from it)."""
-    from tasks.sampling import DynamicSampling
-    from tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
+    from grpoflow.tasks.sampling import DynamicSampling
+    from grpoflow.tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
 
     sampling = None
     if cfg.algorithm.dynamic_sampling and train_rows:

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.processes import forget_process, record_process, stop_stale
-from tasks.config import InferenceConfig, LoraConfig
+from grpoflow.storage.processes import forget_process, record_process, stop_stale
+from grpoflow.tasks.config import InferenceConfig, LoraConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server: stdlib + psutil

@@ -41,9 +41,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from flows.config import ConfigError, GRPOConfig
-from storage.records import RolloutGroup
-from storage.rollouts import RolloutStore, atomic_write_text
+from grpoflow.flows.config import ConfigError, GRPOConfig
+from grpoflow.storage.records import RolloutGroup
+from grpoflow.storage.rollouts import RolloutStore, atomic_write_text
 
 # The `steps` columns that are no metric (policy_version is a column and a metric).
 NOT_METRICS = ("run_id", "step", "created_at")

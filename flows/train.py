@@ -15,14 +15,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows.cluster import ray_cluster
-from flows.config import GRPOConfig, load_config
-from flows.evaluate import TrainingEval, eval_metrics
-from flows.pipeline import RolloutPipeline, replica_set
-from flows.progress import StepReporter
-from flows.report import write_report
-from flows.runner import StepRunner, StepUnits
-from flows.runs import (
+from grpoflow.flows.cluster import ray_cluster
+from grpoflow.flows.config import GRPOConfig, load_config
+from grpoflow.flows.evaluate import TrainingEval, eval_metrics
+from grpoflow.flows.pipeline import RolloutPipeline, replica_set
+from grpoflow.flows.progress import StepReporter
+from grpoflow.flows.report import write_report
+from grpoflow.flows.runner import StepRunner, StepUnits
+from grpoflow.flows.runs import (
     RunState,
     build_learner,
     checkpoint_state,
@@ -32,23 +32,23 @@ from flows.runs import (
     rollout_job,
     write_meta,
 )
-from flows.serve import inference_servers, replica_names, vllm_python
-from flows.tracking import Tracking, tracking
-from storage.compact import BackgroundCompactor
-from storage.processes import identity
-from storage.rollouts import RolloutStore
-from tasks.broken_rewards import BrokenReward, BrokenRewardError
-from tasks.config import InferenceConfig, LoraConfig
-from tasks.push import weight_push
-from tasks.reproducible import environment, load_kept
-from tasks.steps import assign_advantages
+from grpoflow.flows.serve import inference_servers, replica_names, vllm_python
+from grpoflow.flows.tracking import Tracking, tracking
+from grpoflow.storage.compact import BackgroundCompactor
+from grpoflow.storage.processes import identity
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.broken_rewards import BrokenReward, BrokenRewardError
+from grpoflow.tasks.config import InferenceConfig, LoraConfig
+from grpoflow.tasks.push import weight_push
+from grpoflow.tasks.reproducible import environment, load_kept
+from grpoflow.tasks.steps import assign_advantages
 
 
 def mark_cancelled(flow, flow_run, state) -> None:
     """Prefect's on_cancellation hook. It may run in the worker, after the flow's process was killed:
     the run is found by its flow run id, marked `cancelled`, and its embedded server (if that process
     left one) is stopped. `--resume RUN` continues it."""
-    from storage.processes import stop_stale
+    from grpoflow.storage.processes import stop_stale
 
     params = flow_run.parameters or {}
     cfg = params.get("config")

@@ -41,12 +41,12 @@ from typing import Any
 from aiohttp import web
 from prefect import flow, get_run_logger
 
-from flows.serve import is_loopback
-from storage import explore
-from storage.records import InvalidRunIdError, validate_run_id
-from storage.rollouts import RolloutStore
-from storage.sql import CANNED, QueryError, format_result, query
-from tasks.allowlist import check_path
+from grpoflow.flows.serve import is_loopback
+from grpoflow.storage import explore
+from grpoflow.storage.records import InvalidRunIdError, validate_run_id
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import CANNED, QueryError, format_result, query
+from grpoflow.tasks.allowlist import check_path
 
 STATIC = Path(__file__).parent / "ui_static"
 DEFAULT_PORT = 8300

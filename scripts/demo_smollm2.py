@@ -34,14 +34,14 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-demo.yaml"), help="the demo's config")
     args = ap.parse_args()
 
-    from flows.cli import quiet_prefect_task_logs
-    from flows.config import load_config
-    from flows.evaluate import grpo_evaluate
-    from flows.prefect_api import owned_prefect_api
-    from flows.runs import new_run_id
-    from flows.serve import inference_server
-    from flows.train import grpo_train
-    from storage.sql import query
+    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.evaluate import grpo_evaluate
+    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.runs import new_run_id
+    from grpoflow.flows.serve import inference_server
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.sql import query
 
     run_id = f"smollm2-demo-s{args.seed}-{new_run_id()[5:]}"
     sets = [f"storage.root={args.root}", f"run.seed={args.seed}", f"run.run_id={run_id}", *args.set]

@@ -90,8 +90,8 @@ def main() -> None:
     if args.url:
         asyncio.run(record(args.url, Path(args.model)))
         return
-    from flows.serve import start_server
-    from tasks.tiny_model import build_tiny_model
+    from grpoflow.flows.serve import start_server
+    from grpoflow.tasks.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
     with start_server(model, max_model_len=1024, log_path=model.parent / "vllm.log") as server:

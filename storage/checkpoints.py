@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from storage.faults import failpoint
-from storage.records import validate_run_id
-from storage.rollouts import fsync_dir, fsync_tree
+from grpoflow.storage.faults import failpoint
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.rollouts import fsync_dir, fsync_tree
 
 STATE_FILE = "state.json"
 PIN_FILE = (

@@ -36,12 +36,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.checkpoints import CheckpointStore
-from storage.faults import failpoint
-from storage.layout import Part, deleting, list_parts, range_name, run_lock, select
-from storage.processes import is_alive
-from storage.records import validate_run_id
-from storage.rollouts import TABLES, RolloutStore, atomic_publish, fsync_dir
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.faults import failpoint
+from grpoflow.storage.layout import Part, deleting, list_parts, range_name, run_lock, select
+from grpoflow.storage.processes import is_alive
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.rollouts import TABLES, RolloutStore, atomic_publish, fsync_dir
 
 FANOUT = 10
 DEFAULT_EVERY = 100  # `grpoflow compact` on a run whose config turned automatic compaction off
@@ -50,7 +50,7 @@ ROW_GROUP_BYTES = 64 << 20
 DELETE_WAIT_S = 5.0  # how long a compaction waits for readers in flight before leaving the deletes
 
 
-def check_every(every: int, field: str = "storage.compact_every") -> int:
+def check_every(every: int, field: str = "grpoflow.storage.compact_every") -> int:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"{field}: must be an integer >= 1 to compact, got {every!r}")
     return every

@@ -22,8 +22,8 @@ from typing import Any
 
 import duckdb
 
-from storage.layout import reading
-from storage.sql import connect
+from grpoflow.storage.layout import reading
+from grpoflow.storage.sql import connect
 
 MAX_POINTS = 600  # points per curve on a run page
 TREND_POINTS = 40  # points of a run's sparkline on the runs page
@@ -90,7 +90,7 @@ def _ident(name: str) -> str:
 def runs_overview(con: duckdb.DuckDBPyConnection, metas: dict[str, dict]) -> list[dict]:
     """Every run of `metas` (run id -> runs/<run>.json) with its progress, status, sparkline and the
     promotions of the lineage it belongs to."""
-    from storage.sql import run_status
+    from grpoflow.storage.sql import run_status
 
     progress = {r["run_id"]: r for r in _dicts(con, """
         SELECT run_id, count(DISTINCT step) AS steps, max(step) AS last_step, count(*) AS completions
@@ -145,7 +145,7 @@ def _promotions(con: duckdb.DuckDBPyConnection) -> dict[str, list[dict]]:
 
 def run_detail(con: duckdb.DuckDBPyConnection, run_id: str, meta: dict) -> dict:
     """One run's header: status, what its rows hold (splits, reward names, servers), its promotions."""
-    from storage.sql import run_status
+    from grpoflow.storage.sql import run_status
 
     [facts] = _dicts(con, """
         SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps,

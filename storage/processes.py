@@ -189,7 +189,7 @@ def _pid_file(root: str | Path, name: str) -> Path:
 
 def record_process(root: str | Path, name: str, pid: int, **extra: Any) -> None:
     """Write `<root>/pids/<name>.json` for a process this run started (a group leader)."""
-    from storage.rollouts import atomic_write_text  # here, not at the top: see the module doc
+    from grpoflow.storage.rollouts import atomic_write_text  # here, not at the top: see the module doc
 
     path = _pid_file(root, name)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,10 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.checkpoints import PIN_FILE, STATE_FILE
-from storage.layout import step_name
-from storage.records import validate_run_id
-from storage.rollouts import atomic_write_parquet, atomic_write_text
+from grpoflow.storage.checkpoints import PIN_FILE, STATE_FILE
+from grpoflow.storage.layout import step_name
+from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.rollouts import atomic_write_parquet, atomic_write_text
 
 Decision = Literal["promoted", "rejected", "rolled_back"]
 

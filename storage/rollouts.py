@@ -22,9 +22,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.faults import failpoint
-from storage.layout import Part, deleting, list_parts, reading, run_lock, select, step_name, visible_parts
-from storage.records import (
+from grpoflow.storage.faults import failpoint
+from grpoflow.storage.layout import (
+    Part,
+    deleting,
+    list_parts,
+    reading,
+    run_lock,
+    select,
+    step_name,
+    visible_parts,
+)
+from grpoflow.storage.records import (
     REWARDS_SCHEMA,
     ROLLOUTS_SCHEMA,
     STEPS_CORE_SCHEMA,

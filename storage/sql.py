@@ -20,9 +20,9 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from storage.layout import reading, visible_parts
-from storage.promotions import PROMOTIONS_SCHEMA
-from storage.records import SCHEMAS, validate_run_id
+from grpoflow.storage.layout import reading, visible_parts
+from grpoflow.storage.promotions import PROMOTIONS_SCHEMA
+from grpoflow.storage.records import SCHEMAS, validate_run_id
 
 VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
 
@@ -207,7 +207,7 @@ def run_canned(root: str | Path, name: str, run: str | None = None) -> tuple[lis
 
 def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     """Runs in the store with their progress and status (from runs/<run>.json)."""
-    from storage.rollouts import RolloutStore
+    from grpoflow.storage.rollouts import RolloutStore
 
     store = RolloutStore(root)
     _, rows = query(
@@ -235,7 +235,7 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
 def run_status(meta: dict) -> str:
     """The recorded status, except that a `running` run whose owning process is gone (same host, no
     process with its pid and start time) is `interrupted`: it died without a word (SIGKILL, OOM)."""
-    from storage.processes import is_alive
+    from grpoflow.storage.processes import is_alive
 
     status = meta.get("status", "unknown")
     if status == "running" and is_alive(meta.get("owner")) is False:

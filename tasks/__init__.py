@@ -1,3 +1,8 @@
+# One import name (pyproject.toml): this folder is `grpoflow.tasks`, never `tasks`, which stays free
+# for a user's own module of that name (run from the repository, its folder is on the path too).
+if __name__ != "grpoflow.tasks":
+    raise ImportError(f"grpoflow's tasks package imports as grpoflow.tasks, not {__name__}")
+
 import os
 
 # On CPU the learner shares its cores with the vLLM server: OpenMP threads that spin while idle

@@ -6,7 +6,8 @@ and server URLs. The worker's own settings, environment variables of the worker 
 parameters), bound them:
 
     GRPOFLOW_ALLOWED_MODULES  comma-separated module names; a path's module must be one of them or
-                              inside one (`examples` allows `examples.rewards`). Default: examples
+                              inside one (`grpoflow.examples` allows `grpoflow.examples.rewards`).
+                              Default: grpoflow.examples (the shipped rewards and environments)
     GRPOFLOW_ALLOWED_ROOTS    directories (os.pathsep-separated) every path must resolve inside.
                               Default: the worker's working directory (the project checkout)
     GRPOFLOW_ALLOWED_SERVERS  comma-separated server URLs (scheme://host:port) a run may send
@@ -58,7 +59,7 @@ def _list(name: str, default: list[str], sep: str = ",") -> list[str]:
 
 
 def allowed_modules() -> list[str]:
-    return _list(MODULES, ["examples"])
+    return _list(MODULES, ["grpoflow.examples"])
 
 
 def allowed_roots() -> list[Path]:
@@ -75,7 +76,7 @@ def _module_allowed(module: str) -> bool:
 
 def check_import_path(path: str) -> None:
     """Before anything is imported: the module is allowed and the attribute is one public name (no
-    walk through other objects: `examples.envs:random._os.system` is `os.system`)."""
+    walk through other objects: `grpoflow.examples.envs:random._os.system` is `os.system`)."""
     if not enforced():
         return
     module, _, attr = path.partition(":")

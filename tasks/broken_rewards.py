@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storage.records import RolloutGroup
-from tasks.config import RewardConfig
-from tasks.reward_kwargs import is_conversational
+from grpoflow.storage.records import RolloutGroup
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.reward_kwargs import is_conversational
 
 
 @dataclass(frozen=True)

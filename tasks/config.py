@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from storage.records import validate_run_id
+from grpoflow.storage.records import validate_run_id
 
 
 class Section(BaseModel):
@@ -98,7 +98,7 @@ class DataConfig(Section):
         "data.dataset.split).",
     )
     generator: str | None = Field(
-        "examples.envs:letters_rows",
+        "grpoflow.examples.envs:letters_rows",
         description="Import path 'module:function' returning a list of rows; used when path is unset.",
     )
     generator_kwargs: dict[str, Any] = Field(

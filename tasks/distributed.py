@@ -27,15 +27,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from storage.faults import ENV as FAULTS_ENV
-from storage.faults import failpoint
-from tasks.learn import Learner
-from tasks.learner_api import TrainSample
-from tasks.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
+from grpoflow.storage.faults import ENV as FAULTS_ENV
+from grpoflow.storage.faults import failpoint
+from grpoflow.tasks.learn import Learner
+from grpoflow.tasks.learner_api import TrainSample
+from grpoflow.tasks.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
 
 if TYPE_CHECKING:
-    from tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.learner_api import LearnerRun
 
 # What the ranks are doing in each call `DistributedLearner` makes on them, for the error naming a
 # failed rank. Keyed by the Learner's methods themselves, so renaming one cannot leave a stale name.

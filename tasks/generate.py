@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from storage.faults import failpoint
-from storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
-from tasks.config import GenerationConfig, ToolsConfig
-from tasks.imports import import_object
-from tasks.inference import Choice, InferenceHTTPError, InferenceUnavailableError, cache_salt_for
-from tasks.replicas import Servers
-from tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
+from grpoflow.storage.faults import failpoint
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
+from grpoflow.tasks.config import GenerationConfig, ToolsConfig
+from grpoflow.tasks.imports import import_object
+from grpoflow.tasks.inference import Choice, InferenceHTTPError, InferenceUnavailableError, cache_salt_for
+from grpoflow.tasks.replicas import Servers
+from grpoflow.tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
 
 
 def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:

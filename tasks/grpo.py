@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
-    from tasks.config import AlgorithmConfig
+    from grpoflow.tasks.config import AlgorithmConfig
 
 Scale = Literal["group", "batch", "none"]
 Baseline = Literal["group_mean", "leave_one_out"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from tasks.config import InferenceConfig
+from grpoflow.tasks.config import InferenceConfig
 
 
 class InferenceError(RuntimeError):

@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks import checkpoint_io
-from tasks.fsdp import aliases, process_group, shard, write_gathered_weights
-from tasks.grpo import compute_loss
-from tasks.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
-from tasks.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
-from tasks.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
-from tasks.weights import save_weights
+from grpoflow.tasks import checkpoint_io
+from grpoflow.tasks.fsdp import aliases, process_group, shard, write_gathered_weights
+from grpoflow.tasks.grpo import compute_loss
+from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
+from grpoflow.tasks.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
+from grpoflow.tasks.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
+from grpoflow.tasks.weights import save_weights
 
 if TYPE_CHECKING:  # the learner runs with torch and transformers alone (a bare GPU worker)
-    from tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.learner_api import LearnerRun
 
 
 @dataclass
@@ -131,7 +131,7 @@ class Learner:
             self.model.gradient_checkpointing_enable()
         self.lora = self.config.lora
         if self.lora is not None:
-            from tasks.lora import attach
+            from grpoflow.tasks.lora import attach
 
             if self.config.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
                 self.model.enable_input_require_grads()
@@ -325,7 +325,7 @@ class Learner:
         + config.json); for LoRA the adapter in PEFT's format, as vLLM loads it. A sharded learner
         gathers them onto rank 0, which writes; every rank calls it."""
         if self.lora is not None:
-            from tasks.lora import write_adapter
+            from grpoflow.tasks.lora import write_adapter
 
             write_adapter(self.model, Path(directory))
         elif self.world_size == 1:  # float32 master weights go out in the compute dtype the servers run

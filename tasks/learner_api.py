@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from storage.records import RolloutGroup
+    from grpoflow.storage.records import RolloutGroup
 
 
 # What a learner's checkpoint dir holds beside its optimizer and state: a full fine-tuning learner's

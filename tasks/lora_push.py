@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from storage.checkpoints import weights_store
-from storage.faults import failpoint
-from tasks.config import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
-from tasks.inference import (
+from grpoflow.storage.checkpoints import weights_store
+from grpoflow.storage.faults import failpoint
+from grpoflow.tasks.config import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import (
     InferenceError,
     InferenceHTTPError,
     InferenceUnavailableError,
@@ -39,7 +39,7 @@ from tasks.inference import (
     client_for,
     renew_cache_salt,
 )
-from tasks.push_api import WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.push_api import WeightPushError, WeightPushUnavailableError
 
 
 class LoraUnsupportedError(WeightPushError):

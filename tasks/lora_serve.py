@@ -36,8 +36,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
-from tasks.push_api import WeightPushError
+from grpoflow.tasks.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
+from grpoflow.tasks.push_api import WeightPushError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DRAIN_S = 30.0  # longest wait for requests rewritten to a replaced adapter before it is unloaded
@@ -104,7 +104,7 @@ def identity_adapter(like: str | Path, out: Path) -> Path:
         return out
     from safetensors.torch import load_file, save_file
 
-    from storage.rollouts import atomic_publish_dir
+    from grpoflow.storage.rollouts import atomic_publish_dir
 
     like = Path(like)
     tensors = load_file(str(like / ADAPTER_WEIGHTS))
@@ -123,7 +123,7 @@ def identity_adapter(like: str | Path, out: Path) -> Path:
 async def serve_lineage(url: str, client: VLLMClient, name: str, path: str) -> str:
     """`serve_adapter` with the push's errors: a server that cannot take adapters raises
     LoraUnsupportedError saying how to start it; other failures leave it serving what it served."""
-    from tasks.lora_push import _lora_error, adapter_rank
+    from grpoflow.tasks.lora_push import _lora_error, adapter_rank
 
     try:
         return await serve_adapter(client, name, path)

@@ -44,10 +44,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.checkpoints import weights_store
-from storage.faults import failpoint
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import (
+from grpoflow.storage.checkpoints import weights_store
+from grpoflow.storage.faults import failpoint
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import (
     MERGE_LORA_RPC,
     InferenceError,
     InferenceHTTPError,
@@ -56,9 +56,9 @@ from tasks.inference import (
     client_for,
     renew_cache_salt,
 )
-from tasks.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
-from tasks.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
-from tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
+from grpoflow.tasks.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.replicas import Replica, ReplicaSet
 
 __all__ = [  # the backends' shared names stay importable from here
     "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "WeightPush",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.inference import InferenceUnavailableError
 
 
 class WeightPushError(RuntimeError):

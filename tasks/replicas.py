@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.inference import InferenceUnavailableError
 
 
 class VersionBox:

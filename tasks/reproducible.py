@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from storage.rollouts import atomic_write_bytes
+from grpoflow.storage.rollouts import atomic_write_bytes
 
 # The batches a checkpoint keeps: a pickle of list[RolloutBatch] (environment snapshots included), so
 # like any checkpoint it is to be loaded only from a store one trusts.

@@ -28,14 +28,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from storage.faults import failpoint
-from storage.processes import watch_parent
-from storage.records import RewardCell, RewardStatus, RolloutGroup
-from tasks.config import RewardConfig
-from tasks.imports import import_object
-from tasks.remote import call_on_ray
-from tasks.reward_kwargs import RewardLog, TrainerState, call_logged, completion_messages, is_conversational
-from tasks.threads import in_daemon_thread
+from grpoflow.storage.faults import failpoint
+from grpoflow.storage.processes import watch_parent
+from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.imports import import_object
+from grpoflow.tasks.remote import call_on_ray
+from grpoflow.tasks.reward_kwargs import (
+    RewardLog,
+    TrainerState,
+    call_logged,
+    completion_messages,
+    is_conversational,
+)
+from grpoflow.tasks.threads import in_daemon_thread
 
 
 class RewardImportError(ImportError):
@@ -178,7 +184,7 @@ async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any
 
 def _call_reward_model(spec: RewardConfig, n: int, kwargs: dict[str, Any]) -> tuple[list[float], RewardLog]:
     """A reward `model`: loaded once per run (the first batch's load counts against its timeout)."""
-    from tasks.reward_model import reward_model
+    from grpoflow.tasks.reward_model import reward_model
 
     model = reward_model(spec.model, spec.device)
     return model.score(kwargs["prompts"], kwargs["completions"], spec.batch_size), RewardLog(n)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage.rollouts import atomic_publish_dir
+from grpoflow.storage.rollouts import atomic_publish_dir
 
 # ChatML with Hermes-style tool schemas; the same shape Qwen2.5 uses, so tool-call parsing and
 # masking are exercised the way they are with real tool-use models.

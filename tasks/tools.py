@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from storage.records import ToolCallRecord
-from tasks.remote import call_on_ray
-from tasks.threads import in_daemon_thread
+from grpoflow.storage.records import ToolCallRecord
+from grpoflow.tasks.remote import call_on_ray
+from grpoflow.tasks.threads import in_daemon_thread
 
 
 @dataclass

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from storage.rollouts import atomic_publish_dir
-from tasks.config import ToolsConfig, WarmupConfig
-from tasks.generate import (
+from grpoflow.storage.rollouts import atomic_publish_dir
+from grpoflow.tasks.config import ToolsConfig, WarmupConfig
+from grpoflow.tasks.generate import (
     TemplateError,
     prompt_messages,
     render,
@@ -28,7 +28,7 @@ from tasks.generate import (
     with_reset_note,
     with_system_text,
 )
-from tasks.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
+from grpoflow.tasks.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
 
 IGNORE = -100  # labels the loss skips
 

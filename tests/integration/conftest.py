@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start."""
-    from flows.serve import start_server
+    from grpoflow.flows.serve import start_server
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     handle = start_server(
@@ -29,7 +29,7 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     and base-model generation measured 1.1-1.6x slower (noisy; tasks/push.py's tests need none of it),
     so the checkpoint tests keep a server started as checkpoint runs start theirs. Tests name their
     adapters by their own run ids, so none sees another's."""
-    from flows.serve import start_server
+    from grpoflow.flows.serve import start_server
 
     log = tmp_path_factory.mktemp("logs") / "vllm-lora.log"
     handle = start_server(tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
@@ -52,8 +52,8 @@ def chaos_store(vllm_server, tiny_model_dir, prefect_api, tmp_path_factory):
     on it, the explorer test browses a copy of it. Tests only read it."""
     from pathlib import Path
 
-    from flows.config import load_config
-    from flows.train import grpo_train
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
 
     root = tmp_path_factory.mktemp("chaos")
     cfg = load_config(
@@ -75,8 +75,8 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
-    from tasks.config import InferenceConfig, SyncConfig
-    from tasks.push import load_version, weight_push
+    from grpoflow.tasks.config import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push import load_version, weight_push
 
     pusher = weight_push(tmp_path_factory.mktemp("restore"), "restore", SyncConfig(), InferenceConfig())
     load_version(pusher, server.url, server.model_dir, 0)
@@ -88,7 +88,7 @@ def _no_server_outlives_its_run():
     guard whose parent is gone is killed with its process group (the guard does this itself within a
     second; a failing assertion must never leak gigabytes of orphans into the rest of the suite)."""
     yield
-    from storage.processes import alive, guarded, kill_tree
+    from grpoflow.storage.processes import alive, guarded, kill_tree
 
     for pid, parent in guarded():
         if not alive(parent):

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from flows.drill import clean_store, random_kill_drill, store_check
-from storage.processes import alive, group_members, guarded_children, kill_tree
-from storage.sql import run_status
+from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
+from grpoflow.storage.processes import alive, group_members, guarded_children, kill_tree
+from grpoflow.storage.sql import run_status
 from tests.support import REPO, unpause, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -58,7 +58,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", "run.steps=50"]
     set_args = [a for s in sets for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", "orphan", *set_args]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", "orphan", *set_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     pid_file = tmp_path / "pids" / "vllm-orphan.json"
     seen: list[int] = []
@@ -85,7 +85,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
             proc.kill()
     meta = json.loads((tmp_path / "runs" / "orphan.json").read_text())
     assert run_status(meta) == "interrupted"
-    resume = [sys.executable, "-m", "flows.cli", "train", "--resume", "orphan", *set_args]
+    resume = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", "orphan", *set_args]
     resume += ["--set", f"inference.url={vllm_server.url}", "--set", "run.steps=2"]
     out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -96,8 +96,8 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
 def test_a_pause_left_by_a_dead_trainer_is_released_only_after_its_lease(vllm_server):
     """policy-server's supervision step on the real server: a trainer's pause within its lease is left
     alone (a reload in progress); once the lease runs out the server is resumed and serves again."""
-    from tasks.inference import VLLMClient
-    from tasks.push import release_abandoned_pause
+    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.push import release_abandoned_pause
 
     def on_server(call):
         async def go():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.serve import free_port, is_healthy
-from storage.records import RolloutCompletion, RolloutGroup
-from storage.rollouts import RolloutStore
+from grpoflow.flows.serve import free_port, is_healthy
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.storage.rollouts import RolloutStore
 from tests.support import need_browser, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -158,8 +158,8 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
-    from storage.processes import alive, group_members, kill_tree
-    from storage.sql import run_status
+    from grpoflow.storage.processes import alive, group_members, kill_tree
+    from grpoflow.storage.sql import run_status
 
     with open(tmp_path / "gpu-worker.log", "w") as wlog:
         procs.append(subprocess.Popen([PREFECT, "worker", "start", "--pool", "gpu"], cwd=REPO, env=env,
@@ -190,7 +190,7 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     finally:
         kill_tree(server)
     assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "cancelled"
-    resume = [sys.executable, "-m", "flows.cli", "train", "--resume", "cancelme", "--set", f"storage.root={store}",
+    resume = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", "cancelme", "--set", f"storage.root={store}",
               "--set", f"model.path={tiny_model_dir}", "--set", f"inference.url={vllm_server.url}",
               "--set", "run.steps=2"]  # fmt: skip
     out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

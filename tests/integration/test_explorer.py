@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 from tests.support import need_browser
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -103,7 +103,7 @@ def _xss_run(root: Path) -> str:
 
 def _live_step(root: Path, step: int) -> None:
     """One step of a run that is `running`, owned by this (live) process, as a run writes it."""
-    from storage.processes import identity
+    from grpoflow.storage.processes import identity
 
     c = RolloutCompletion(0, f"step {step}", [60], [1], [-0.5], reward=float(step), reward_valid=True)
     group = RolloutGroup(f"train-live-{step}", step, "prompt", [1], [c], row_id="live")
@@ -117,7 +117,7 @@ def _live_step(root: Path, step: int) -> None:
 def explorer(chaos_store, tmp_path):
     root = tmp_path / "store"
     shutil.copytree(chaos_store[0], root)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--root", str(root), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli", "ui", "--root", str(root), "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         line = proc.stdout.readline()

@@ -13,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from storage.processes import alive
+from grpoflow.storage.processes import alive
 from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -63,9 +63,9 @@ def test_a_reward_worker_stuck_in_a_hung_reward_dies_with_its_run(tmp_path):
     pid_file = tmp_path / "worker"
     code = f"""
 import asyncio, os
-from tasks.config import RewardConfig
-from tasks.score import score_groups, _process_pool
-from storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.score import score_groups, _process_pool
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 pool = _process_pool()
 pids = pool.submit(os.getpid).result(), pool.submit(os.getpid).result()
 open({str(pid_file)!r}, "w").write(" ".join(str(p) for p in sorted(set(pids))))

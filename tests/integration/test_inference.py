@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.serve import ServerStartError, start_server
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
-from tasks.push import push_version, weight_push
-from tasks.replicas import Replica, ReplicaSet
-from tasks.weights import save_weights
+from grpoflow.flows.serve import ServerStartError, start_server
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
+from grpoflow.tasks.push import push_version, weight_push
+from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.weights import save_weights
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ async def test_too_long_prompt_is_a_400_with_the_servers_message(vllm_server):
 
 
 async def test_server_not_started_gives_a_clear_error_quickly():
-    from flows.serve import free_port
+    from grpoflow.flows.serve import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     async with VLLMClient(url, retries=2, backoff_s=0.05) as c:

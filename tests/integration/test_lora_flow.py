@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from flows.drill import clean_store, random_kill_drill, store_check
-from storage.sql import query
+from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
+from grpoflow.storage.sql import query
 from tests.support import REPO, assistant_text
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ def _get(url: str) -> str:
 @pytest.fixture(scope="module")
 def smollm2_lora_server(tmp_path_factory):
     """SmolLM2-135M-Instruct served as a LoRA run's embedded server is (adapters up to rank 16)."""
-    from flows.serve import start_server
+    from grpoflow.flows.serve import start_server
 
     model = REPO / "models" / "smollm2-135m"
     if not (model / "config.json").is_file():
@@ -82,13 +82,13 @@ def smollm2_lora_server(tmp_path_factory):
 def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_path, smollm2_lora_server):
     from transformers import AutoModelForCausalLM
 
-    from tasks.config import InferenceConfig, LoraConfig, SyncConfig
-    from tasks.generate import load_tokenizer, render
-    from tasks.inference import VLLMClient
-    from tasks.learner_api import TrainSample
-    from tasks.lora import merge
-    from tasks.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
-    from tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.config import InferenceConfig, LoraConfig, SyncConfig
+    from grpoflow.tasks.generate import load_tokenizer, render
+    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.lora import merge
+    from grpoflow.tasks.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
+    from grpoflow.tasks.replicas import Replica, ReplicaSet
     from tests.support import make_learner
 
     model_dir = smollm2_lora_server.model_dir
@@ -160,8 +160,8 @@ def test_a_trl_project_on_smollm2_every_cell_valid_and_what_rewards_log_stored(
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from flows.config import load_config
-    from flows.train import grpo_train
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
 
     pytest.importorskip("math_verify")
     system = "Think inside <think></think> tags, then give only the answer in \\boxed{}."
@@ -213,12 +213,12 @@ def test_a_lora_run_against_a_server_without_lora_fails_before_its_first_step(
     """The shared server was started as full fine-tuning runs start theirs: it loads no adapters."""
     from prefect.settings import PREFECT_API_URL
 
-    from storage.rollouts import RolloutStore
+    from grpoflow.storage.rollouts import RolloutStore
 
     sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
             "run.steps=2", "learner.lora={rank: 8}"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--run-id", "no-lora", *[a for s in sets for a in ("--set", s)]],
+        [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", "no-lora", *[a for s in sets for a in ("--set", s)]],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
     )  # fmt: skip

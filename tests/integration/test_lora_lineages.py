@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from storage.sql import query
+from grpoflow.storage.sql import query
 from tests.support import tiny_cfg
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ PROMPTS = ["Write a word like cat with many letters a.", "Write a word like bana
 
 
 def greedy(url: str, tok, model: str) -> list[list[int]]:
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url, retries=0) as c:
@@ -34,7 +34,7 @@ def greedy(url: str, tok, model: str) -> list[list[int]]:
 
 
 def served(url: str) -> dict[str, str]:
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -45,7 +45,7 @@ def served(url: str) -> dict[str, str]:
 
 def load_as(url: str, name: str, path: str) -> None:
     """The same adapter under a name of the test's own: its greedy tokens are the reference."""
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -105,9 +105,9 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
 ):
     from transformers import AutoTokenizer
 
-    from flows.promote import checkpoint_version, rollback
-    from flows.retrain import grpo_retrain
-    from tasks.lora_serve import internal_name
+    from grpoflow.flows.promote import checkpoint_version, rollback
+    from grpoflow.flows.retrain import grpo_retrain
+    from grpoflow.tasks.lora_serve import internal_name
 
     url, tok = lora_server.url, AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = tiny_cfg(tmp_path, tiny_model_dir, url, **{

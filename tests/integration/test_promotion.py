@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from storage.records import held_out
-from storage.sql import query
+from grpoflow.flows.config import load_config
+from grpoflow.storage.records import held_out
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ PROMPTS = ["Write a word like cat with many letters a.", "Write a word like bana
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir, tmp_path_factory):
-    from flows.serve import start_server
+    from grpoflow.flows.serve import start_server
 
     log = tmp_path_factory.mktemp("live") / "vllm.log"
     handle = start_server(
@@ -37,7 +37,7 @@ def live_server(tiny_model_dir, tmp_path_factory):
 
 
 def greedy(url: str, tok) -> list[list[int]]:
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -56,10 +56,10 @@ def test_promote_reject_rollback_on_a_live_server(
 ):
     from transformers import AutoTokenizer
 
-    from flows import cli
-    from flows.retrain import grpo_retrain
-    from tasks.config import InferenceConfig, SyncConfig
-    from tasks.push import load_version, weight_push
+    from grpoflow.flows import cli
+    from grpoflow.flows.retrain import grpo_retrain
+    from grpoflow.tasks.config import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push import load_version, weight_push
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     sets = [

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from storage.processes import alive, processes, session_pids
-from tasks.config import RewardConfig
-from tasks.imports import import_object
-from tasks.score import score_groups_async
-from tasks.tools import ParsedCall, ToolBox
+from grpoflow.flows.config import load_config
+from grpoflow.storage.processes import alive, processes, session_pids
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.imports import import_object
+from grpoflow.tasks.score import score_groups_async
+from grpoflow.tasks.tools import ParsedCall, ToolBox
 from tests.support import REPO, make_groups, wait_for
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def tool_hang(pid_dir: str):
 
 CONFIG = """
 scale: {ray_address: local, num_cpus: 2}
-data: {generator: "examples.envs:letters_rows"}
+data: {generator: "grpoflow.examples.envs:letters_rows"}
 rewards: [{name: length, fn: "ray_user_fns:length", executor: ray}]
 tools: {tools: ["ray_user_fns:add"], executor: ray}
 """
@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
     scoped: a session-long one would keep later tests, whose flows start a Ray of their own, from
     connecting."""
     pytest.importorskip("ray")
-    from flows.cluster import ray_cluster
+    from grpoflow.flows.cluster import ray_cluster
 
     project = tmp_path_factory.mktemp("project")
     (project / "config.yaml").write_text(CONFIG)
@@ -198,8 +198,8 @@ def test_modules_beside_the_config_reach_the_workers(cluster):
 CHILD = """
 import sys, time
 import ray
-from flows.cluster import ray_cluster
-from tasks.config import ScaleConfig
+from grpoflow.flows.cluster import ray_cluster
+from grpoflow.tasks.config import ScaleConfig
 
 with ray_cluster(ScaleConfig(ray_address="local", num_cpus=1, object_store_mb=100)) as c:
     @ray.remote

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from examples.rewards import letter_fraction
-from storage.processes import is_alive
-from storage.sql import query
-from tasks.replicas import ReplicaSet
+from grpoflow.examples.rewards import letter_fraction
+from grpoflow.storage.processes import is_alive
+from grpoflow.storage.sql import query
+from grpoflow.tasks.replicas import ReplicaSet
 from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -77,8 +77,8 @@ def _kill_then_watch(root: Path, name: str, errors: list, seen: list) -> None:
 def test_two_replicas_survive_a_sigkill_and_the_killed_one_rejoins(
     tmp_path, tiny_model_dir, prefect_api, monkeypatch
 ):
-    from flows.config import load_config
-    from flows.train import grpo_train
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
 
     sets = [
         f"storage.root={tmp_path}",

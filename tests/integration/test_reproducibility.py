@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.compare import identical, report
-from flows.config import load_config
+from grpoflow.flows.compare import identical, report
+from grpoflow.flows.config import load_config
 from tests.support import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -37,7 +37,7 @@ def _same(root: Path, a: str, b: str) -> dict:
 
 
 def test_an_on_policy_run_trained_twice_is_the_same_bits(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from flows.train import grpo_train
+    from grpoflow.flows.train import grpo_train
 
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=4", "algorithm.max_staleness=0")
     for run in ("a", "b"):
@@ -57,7 +57,7 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
     this process's count is whatever the tests before left."""
     from prefect.settings import PREFECT_API_URL
 
-    from flows.train import grpo_train
+    from grpoflow.flows.train import grpo_train
 
     config = CONFIGS / "tiny-counter-env.yaml"
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=6", "run.checkpoint_every=2",
@@ -66,7 +66,7 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
 
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    cmd = [sys.executable, "-m", "flows.cli", "train"]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train"]
     killed = subprocess.run([*cmd, "--run-id", "b", *args], cwd=REPO, capture_output=True, text=True,
                             env={**env, "GRPOFLOW_FAULTS": "train@5:kill"}, timeout=600)  # fmt: skip
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]

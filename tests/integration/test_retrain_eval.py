@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.flows.config import load_config
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from flows.analyze import rollout_sql
-    from flows.retrain import grpo_retrain
+    from grpoflow.flows.analyze import rollout_sql
+    from grpoflow.flows.retrain import grpo_retrain
 
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
         f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
@@ -41,7 +41,7 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
     assert 0.0 <= second["eval"]["pass_rate"] <= 1.0 and second["eval"]["completions"] == 32
 
     # greedy: one completion per prompt at temperature 0 (the training config itself refuses 0)
-    from flows.evaluate import grpo_evaluate
+    from grpoflow.flows.evaluate import grpo_evaluate
 
     greedy = grpo_evaluate(config=cfg, run_id="nightly", prompts=4, greedy=True, server_url=vllm_server.url)
     assert greedy["completions"] == 4 and cfg.generation.temperature > 0

@@ -7,14 +7,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from examples.tools import calculator
-from storage.rollouts import RolloutStore
-from storage.sql import query
-from tasks.config import GenerationConfig, RewardConfig, ToolsConfig
-from tasks.generate import generate_groups
-from tasks.inference import Choice, VLLMClient
-from tasks.replicas import Replica, ReplicaSet, Servers
-from tasks.score import score_groups_async
+from grpoflow.examples.tools import calculator
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
+from grpoflow.tasks.config import GenerationConfig, RewardConfig, ToolsConfig
+from grpoflow.tasks.generate import generate_groups
+from grpoflow.tasks.inference import Choice, VLLMClient
+from grpoflow.tasks.replicas import Replica, ReplicaSet, Servers
+from grpoflow.tasks.score import score_groups_async
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ async def test_multi_turn_tool_rollouts_round_trip_through_parquet_and_sql(
     async with VLLMClient(vllm_server.url) as client:
         groups = await generate_groups([{"prompt": "What is 6*7?", "answer": 42}], [0], servers=Servers(ReplicaSet([Replica(0, vllm_server.url)]), [FirstTurnScripted(client, tok)]), tokenizer=tok, generation=GenerationConfig(group_size=3, max_tokens=16, max_turns=2, max_rollout_tokens=400), tools=ToolsConfig(tools=[calculator]), seed=0)  # fmt: skip
     await score_groups_async(
-        groups, [RewardConfig(name="n", fn="examples.rewards:exact_number", required=False)]
+        groups, [RewardConfig(name="n", fn="grpoflow.examples.rewards:exact_number", required=False)]
     )
     (g,) = groups
     for c in g.completions:

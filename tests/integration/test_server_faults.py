@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 
-from flows.serve import free_port, is_healthy
-from storage.processes import group_members, kill_tree
-from tasks.inference import InferenceUnavailableError, VLLMClient
+from grpoflow.flows.serve import free_port, is_healthy
+from grpoflow.storage.processes import group_members, kill_tree
+from grpoflow.tasks.inference import InferenceUnavailableError, VLLMClient
 from tests.support import REPO, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,7 +55,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), GRPOFLOW_API_KEY=key)
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_for(healthy_while_running(url, proc), 400, "the server's first start", interval_s=0.5)
@@ -117,9 +117,9 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
     import shutil
     import threading
 
-    from flows.config import load_config
-    from flows.train import grpo_train
-    from storage.rollouts import RolloutStore
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.rollouts import RolloutStore
 
     model = tmp_path / "embedded-model"  # a unique path, so pgrep finds only this run's server
     shutil.copytree(tiny_model_dir, model)

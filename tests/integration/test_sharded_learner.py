@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from flows.drill import clean_store, random_kill_drill, store_check
-from storage.processes import processes
-from storage.sql import query
+from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
+from grpoflow.storage.processes import processes
+from grpoflow.storage.sql import query
 from tests.support import tiny_cfg, unpause
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,7 +29,7 @@ def ranks_alive() -> list[int]:
 
 
 def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from flows.train import grpo_train
+    from grpoflow.flows.train import grpo_train
 
     # Pinned: seed 0 with run.reproducible (generation and its versions depend on no timing; two gloo
     # ranks sum their gradients in a fixed order), so the rise asserted below is the same every run.

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from storage.sql import query
+from grpoflow.flows.config import load_config
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.integration
 
@@ -19,12 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
-    from flows.data import load_rows
-    from flows.runs import prepare_model
-    from flows.train import grpo_train
-    from tasks.generate import load_tokenizer, render
-    from tasks.tools import HermesToolParser
-    from tasks.warmup import PromptRenderer
+    from grpoflow.flows.data import load_rows
+    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.tasks.generate import load_tokenizer, render
+    from grpoflow.tasks.tools import HermesToolParser
+    from grpoflow.tasks.warmup import PromptRenderer
 
     cfg = load_config(
         REPO / "configs" / "tiny-counter-env.yaml",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from storage.sql import query
+from grpoflow.flows.config import load_config
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def smollm2_model_dir():
 
 @pytest.mark.slow
 def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2_model_dir, prefect_api):
-    from flows.serve import start_server
+    from grpoflow.flows.serve import start_server
 
     config = REPO / "configs" / "smollm2-tools.yaml"
     sets = [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
@@ -50,9 +50,9 @@ def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2
 
 
 def _train_and_check(config, sets, smollm2_model_dir, tmp_path):
-    from flows.compare import identical, report
-    from flows.train import grpo_train
-    from tasks.generate import load_tokenizer
+    from grpoflow.flows.compare import identical, report
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.tasks.generate import load_tokenizer
 
     cfg = load_config(config, [*sets, "run.run_id=smol-tools"])
     assert grpo_train(config=cfg)["steps_trained"] == STEPS

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.rollouts import RolloutStore
-from storage.sql import CANNED, query
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import CANNED, query
 from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -111,7 +111,7 @@ def test_trackers_hold_the_steps_table_through_a_kill_and_a_dead_mlflow_server(
 
     def train(*args: str, faults: str = "") -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "train", *args, *[a for s in sets for a in ("--set", s)]],
+            [sys.executable, "-m", "grpoflow.flows.cli", "train", *args, *[a for s in sets for a in ("--set", s)]],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**env, "GRPOFLOW_FAULTS": faults} if faults else env,
         )  # fmt: skip
@@ -202,7 +202,7 @@ def test_trackers_hold_the_steps_table_through_a_kill_and_a_dead_mlflow_server(
         assert runs[0].data.params["run.steps"] == str(STEPS)
 
         # W&B: the offline run files, read by W&B's own reader.
-        from flows.tracking import wandb_history
+        from grpoflow.flows.tracking import wandb_history
 
         wb = wandb_history(tmp_path / "wandb" / RUN)
         _same({s: {k: v for k, v in m.items() if k in table[s]} for s, m in wb.items()}, table, "wandb")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.drill import KILL_DRILL, KILL_DRILL_SETS
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.flows.drill import KILL_DRILL, KILL_DRILL_SETS
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 from tests.support import tiny_cfg
 
 pytestmark = pytest.mark.integration
@@ -58,12 +58,17 @@ def step_files(root: Path, table: str, run_id: str) -> list[int]:
 
 @pytest.mark.slow
 def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from flows.train import grpo_train
+    from grpoflow.flows.train import grpo_train
 
     # Pinned: tiny-letters at seed 0 with run.reproducible, so this curve is the same bits every run
     # (the reward's rise asserted below depends on no timing).
     steps = 16
-    sets = {"run.steps": steps, "run.run_id": "up", "storage.compact_every": 2, "run.reproducible": True}
+    sets = {
+        "run.steps": steps,
+        "run.run_id": "up",
+        "grpoflow.storage.compact_every": 2,
+        "run.reproducible": True,
+    }
     cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets)
     # Readers during writes and compactions (after the checkpoints of steps 9 and 15): SQL queries in a
     # loop while the run writes never error or see partial files or a step twice.
@@ -123,7 +128,7 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert len(lines) == steps and all(x.startswith("wrote rollouts + rewards in ") for x in lines), lines[:2]
     assert "; trained " in lines[0] and f"; pushed version {steps} in " in " ".join(lines)
     # grpoflow report on this finished run: the plotted reward curve is the SQL one
-    from flows.report import write_report
+    from grpoflow.flows.report import write_report
 
     data = json.loads((write_report(tmp_path, "up") / "report.json").read_text())
     assert [r for _, r in data["reward_curve"]] == pytest.approx([r[1] for r in rows])
@@ -132,7 +137,7 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
 def test_without_step_task_runs_the_same_work_lands(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """run.step_task_runs off: no task run per step (a checkpoint and the first push still are one),
     every table whole, the pipeline ahead as usual (its batches on threads of the flow run)."""
-    from flows.train import grpo_train
+    from grpoflow.flows.train import grpo_train
 
     steps = 4
     sets = {
@@ -160,12 +165,12 @@ def _losses(root: Path, run_id: str) -> list[float]:
 
 def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
-    from flows.data import load_rows, rows_for_step
-    from flows.runs import RunState, build_learner, rollout_job
-    from flows.train import grpo_train
-    from tasks.push import weight_push
-    from tasks.replicas import Replica, ReplicaSet
-    from tasks.steps import assign_advantages, persist, push_weights, rollout_batch, update
+    from grpoflow.flows.data import load_rows, rows_for_step
+    from grpoflow.flows.runs import RunState, build_learner, rollout_job
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.tasks.push import weight_push
+    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.steps import assign_advantages, persist, push_weights, rollout_batch, update
 
     steps = 3
     sets = {"run.steps": steps, "algorithm.max_staleness": 0, "run.run_id": "flow0"}
@@ -215,7 +220,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
     ]
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     set_args = [a for s in sets for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, *set_args]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", run_id, *set_args]
     try:
         killed = subprocess.run(
             cmd, cwd=REPO, env={**env, "GRPOFLOW_FAULTS": KILL_DRILL[point]},
@@ -228,14 +233,14 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
         _, rows = query(tmp_path, "SELECT step, count(*) FROM rollouts GROUP BY step")
         assert all(n == per_step * 8 for _, n in rows)
 
-        resume_cmd = [sys.executable, "-m", "flows.cli", "train", "--resume", run_id, *set_args]
+        resume_cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", run_id, *set_args]
         resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert not _paused(vllm_server.url)  # a kill mid-push left it paused: the resumed run released it
     finally:  # a kill at weight_push leaves the shared server paused; later tests need it serving
         import asyncio
 
-        from tasks.inference import VLLMClient
+        from grpoflow.tasks.inference import VLLMClient
 
         async def unpause():
             async with VLLMClient(vllm_server.url) as c:
@@ -263,7 +268,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
     # checkpoints are whole: published ones load, no temp dir is left
     from safetensors import safe_open
 
-    from storage.checkpoints import CheckpointStore
+    from grpoflow.storage.checkpoints import CheckpointStore
 
     ckpts = CheckpointStore(tmp_path)
     assert ckpts.list(run_id) == [3, 5]  # keep_checkpoints=2 of steps 1, 3, 5
@@ -279,7 +284,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
 def _paused(url: str) -> bool:
     import asyncio
 
-    from tasks.inference import VLLMClient
+    from grpoflow.tasks.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 from tests.support import REPO, assistant_text, by_hand, save_reward_model
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def test_a_broken_trl_reward_stops_the_run_loudly_and_resumes_once_fixed(
 
     def train(reward_sets: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "flows.cli", "train", *args, *[a for s in [*sets, reward_sets] for a in ("--set", s)]],
+            [sys.executable, "-m", "grpoflow.flows.cli", "train", *args, *[a for s in [*sets, reward_sets] for a in ("--set", s)]],
             cwd=REPO, capture_output=True, text=True, timeout=600,
             env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip

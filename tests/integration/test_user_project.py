@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from storage.sql import query
+from grpoflow.storage.sql import query
 from tests.support import user_project
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,16 @@ def test_train_with_a_users_own_reward_tool_and_data_beside_the_config(
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "../proj/cfg.yaml", "--root", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpoflow.flows.cli",
+        "train",
+        "--config",
+        "../proj/cfg.yaml",
+        "--root",
+        str(root),
+    ]
     cmd += [a for s in sets for a in ("--set", s)]
     out = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -12,11 +12,11 @@ import functools
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import VLLMClient, cache_salt_for
-from tasks.push import CheckpointPush, WeightPushError, push_version
-from tasks.replicas import Replica, ReplicaSet
-from tasks.weights import save_weights
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import VLLMClient, cache_salt_for
+from grpoflow.tasks.push import CheckpointPush, WeightPushError, push_version
+from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.weights import save_weights
 
 pytestmark = pytest.mark.integration
 

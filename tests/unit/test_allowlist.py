@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, GRPOConfig, check_imports, load_config
-from flows.runs import preflight
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.runs import preflight
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -35,8 +35,8 @@ def cfg(**sections) -> GRPOConfig:
     [
         ({"tools": {"tools": ["os:system"]}}, "tools.tools[0]"),
         ({"rewards": [{"name": "r", "fn": "os:system"}]}, "rewards[0].fn"),
-        ({"tools": {"environment": "examples.envs:random._os.system"}}, "tools.environment"),
-        ({"rewards": [{"name": "r", "fn": "examples.rewards:_unit"}]}, "rewards[0].fn"),
+        ({"tools": {"environment": "grpoflow.examples.envs:random._os.system"}}, "tools.environment"),
+        ({"rewards": [{"name": "r", "fn": "grpoflow.examples.rewards:_unit"}]}, "rewards[0].fn"),
         ({"data": {"generator": "examples_evil:rows"}}, "data.generator"),
     ],
 )
@@ -46,11 +46,12 @@ def test_a_worker_run_imports_only_allowed_modules_and_public_names(worker, sect
 
 
 def test_a_re_exported_object_from_another_module_is_refused(worker, monkeypatch):
-    import examples.rewards
+    import grpoflow.examples.rewards  # noqa: F401  (binds the package; its attribute is used)
+    from grpoflow import examples
 
     monkeypatch.setattr(examples.rewards, "shell", __import__("os").system, raising=False)
     with pytest.raises(ConfigError, match=r"rewards\[0\].fn: refused: .*module 'posix'"):
-        check_imports(cfg(rewards=[{"name": "r", "fn": "examples.rewards:shell"}]))
+        check_imports(cfg(rewards=[{"name": "r", "fn": "grpoflow.examples.rewards:shell"}]))
     check_imports(cfg())  # the shipped examples are fine
 
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import sys
-from flows.cli import main
+from grpoflow.flows.cli import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
 print("RC", rc, "HEAVY", ",".join(heavy) or "-")
@@ -50,7 +50,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (no_tok / "config.json").write_text("{}")
     missing_reward = tmp / "missing-reward.yaml"
     missing_reward.write_text(
-        "data: {generator: 'examples.envs:letters_rows'}\nrewards:\n  - name: r\n    fn: examples.rewards:no_such_reward\n"
+        "data: {generator: 'grpoflow.examples.envs:letters_rows'}\nrewards:\n  - name: r\n    fn: grpoflow.examples.rewards:no_such_reward\n"
     )
     causal = tmp / "causal-lm"
     causal.mkdir()
@@ -59,7 +59,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     rows = _jsonl(tmp / "conv.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
     return {
         "unknown completions form": (
-            ["--set", "rewards=[{name: r, fn: 'examples.rewards:letter_fraction', completions: chat}]"],
+            [
+                "--set",
+                "rewards=[{name: r, fn: 'grpoflow.examples.rewards:letter_fraction', completions: chat}]",
+            ],
             "rewards.0.completions",
         ),
         "reward with neither fn nor model": (["--set", "rewards=[{name: r}]"], "set exactly one of fn"),
@@ -74,7 +77,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "malformed value": (["--set", "generation.group_size=1"], "generation.group_size"),
         "wrong type": (["--set", "learner.lr=fast"], "learner.lr"),
-        "missing reward import": (["--config", str(missing_reward)], "examples.rewards:no_such_reward"),
+        "missing reward import": (
+            ["--config", str(missing_reward)],
+            "grpoflow.examples.rewards:no_such_reward",
+        ),
         "row without prompt": (
             ["--set", f"data.path={_jsonl(tmp / 'rows.jsonl', [{'prompt': 'hi'}, {'question': 'x'}])}"],
             "row 1 has no 'prompt'",
@@ -141,7 +147,7 @@ def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
 
 
 def test_lora_target_modules_the_model_lacks_fail_before_any_server_or_file(tmp_path):
-    from tasks.tiny_model import build_tiny_model
+    from grpoflow.tasks.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
     root = tmp_path / "store"

@@ -16,14 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage import compact as compact_mod
-from storage.checkpoints import CheckpointStore
-from storage.compact import BackgroundCompactor, closed_through, compact_run, compact_store, plan
-from storage.layout import Part, StoreLayoutError, list_parts, reading, run_lock, select
-from storage.processes import identity
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.storage import compact as compact_mod
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.compact import BackgroundCompactor, closed_through, compact_run, compact_store, plan
+from grpoflow.storage.layout import Part, StoreLayoutError, list_parts, reading, run_lock, select
+from grpoflow.storage.processes import identity
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -296,7 +296,7 @@ def test_background_compactor_runs_one_at_a_time_waits_on_close_and_logs_failure
 
 
 def test_grpoflow_compact_compacts_closed_steps_of_one_or_every_run(tmp_path, capsys):
-    from flows.cli import main
+    from grpoflow.flows.cli import main
 
     store = RolloutStore(tmp_path)
     write_steps(store, "done", range(6))

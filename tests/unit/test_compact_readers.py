@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from storage.compact import compact_run
-from storage.layout import list_parts, select
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.storage.compact import compact_run
+from grpoflow.storage.layout import list_parts, select
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
@@ -37,9 +37,9 @@ QUOTA = 8  # steps one launch writes at most (4 compactions), so each failpoint 
 WRITER = """
 import sys
 from pathlib import Path
-from storage.compact import compact_run
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup
-from storage.rollouts import RolloutStore, atomic_write_text
+from grpoflow.storage.compact import compact_run
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
+from grpoflow.storage.rollouts import RolloutStore, atomic_write_text
 
 
 def group(step, n):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
 
 pytestmark = pytest.mark.unit
 
@@ -91,7 +91,7 @@ def test_set_overrides_parse_yaml_values():
 
 
 def test_missing_reward_import_is_named():
-    cfg = load_config(None, ["rewards=[{name: r, fn: 'examples.rewards:does_not_exist'}]"])
+    cfg = load_config(None, ["rewards=[{name: r, fn: 'grpoflow.examples.rewards:does_not_exist'}]"])
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.fn"):
         check_imports(cfg)
 
@@ -164,5 +164,5 @@ def test_a_config_file_that_names_no_reward_or_no_data_is_refused_naming_the_fie
 
 def test_a_config_file_may_name_its_reward_or_data_by_set(tmp_path):
     cfg = tmp_path / "mine.yaml"
-    cfg.write_text("rewards: [{name: r, fn: 'examples.rewards:letter_fraction'}]\n")
-    assert load_config(cfg, ["data.generator=examples.envs:letters_rows"]).rewards[0].name == "r"
+    cfg.write_text("rewards: [{name: r, fn: 'grpoflow.examples.rewards:letter_fraction'}]\n")
+    assert load_config(cfg, ["data.generator=grpoflow.examples.envs:letters_rows"]).rewards[0].name == "r"

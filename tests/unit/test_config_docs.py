@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.config import GRPOConfig
-from flows.config_docs import DOCS_PATH, render_markdown, sections
+from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.config_docs import DOCS_PATH, render_markdown, sections
 
 pytestmark = pytest.mark.unit
 

@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from flows.config import ConfigError, GRPOConfig, load_config
-from flows.data import load_rows, split_rows
-from flows.evaluate import eval_rows
-from flows.runs import preflight
-from storage.records import held_out, row_id_of
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.data import load_rows, split_rows
+from grpoflow.flows.evaluate import eval_rows
+from grpoflow.flows.runs import preflight
+from grpoflow.storage.records import held_out, row_id_of
 from tests.support import REPO
 
 pytestmark = pytest.mark.unit
 
 
 def cfg_with(**data) -> GRPOConfig:
-    return GRPOConfig.model_validate({"data": {"generator": "examples.envs:letters_rows", **data}})
+    return GRPOConfig.model_validate({"data": {"generator": "grpoflow.examples.envs:letters_rows", **data}})
 
 
 def test_row_ids_come_from_the_id_field_else_from_the_content():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from examples.envs import sum_rows
-from examples.rewards import number_only
+from grpoflow.examples.envs import sum_rows
+from grpoflow.examples.rewards import number_only
 
 pytestmark = pytest.mark.unit
 

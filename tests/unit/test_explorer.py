@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from flows.ui import check_bind, make_app, tokens_of
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
-from storage.rollouts import RolloutStore
+from grpoflow.flows.ui import check_bind, make_app, tokens_of
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
+from grpoflow.storage.rollouts import RolloutStore
 
 pytestmark = pytest.mark.unit
 
@@ -145,7 +145,7 @@ async def test_rollout_filters_count_the_matching_rows(client, query, expected):
 
 
 def test_a_text_search_walking_step_windows_pages_like_one_query(tmp_path):
-    from storage import explore
+    from grpoflow.storage import explore
 
     _store(tmp_path, steps=7)
     with explore.explorer_connection(tmp_path) as con:

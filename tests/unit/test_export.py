@@ -8,12 +8,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.cli import main
-from storage.checkpoints import CheckpointStore
-from storage.rollouts import RolloutStore
-from tasks.config import LoraConfig
-from tasks.learner_api import TrainSample
-from tasks.logprobs import token_logprobs
+from grpoflow.flows.cli import main
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.config import LoraConfig
+from grpoflow.tasks.learner_api import TrainSample
+from grpoflow.tasks.logprobs import token_logprobs
 from tests.support import make_learner
 
 pytestmark = pytest.mark.unit

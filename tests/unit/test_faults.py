@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import faults
+from grpoflow.storage import faults
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def test_failpoints_are_inert_without_the_variable():
     out = run_py(
         f"""
         import os
-        from storage.faults import ENV, failpoint
+        from grpoflow.storage.faults import ENV, failpoint
         for p in {faults.POINTS!r}:
             failpoint(p)
             failpoint(p)
@@ -64,7 +64,7 @@ def test_failpoints_are_inert_without_the_variable():
 def test_kill_fires_at_exactly_the_configured_hit():
     out = run_py(
         """
-        from storage.faults import failpoint
+        from grpoflow.storage.faults import failpoint
         for i in range(1, 6):
             print(i, flush=True)
             failpoint("score")
@@ -79,7 +79,7 @@ def test_atomic_parquet_write_killed_before_rename_leaves_no_visible_file(tmp_pa
     out = run_py(
         f"""
         import pyarrow as pa
-        from storage.rollouts import atomic_write_parquet
+        from grpoflow.storage.rollouts import atomic_write_parquet
         atomic_write_parquet(__import__("pathlib").Path({str(tmp_path)!r}) / "step-000000.parquet",
                              pa.table({{"x": [1, 2, 3]}}))
         """,
@@ -96,10 +96,10 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
     out = run_py(
         """
         import asyncio, threading
-        from storage.records import RolloutCompletion, RolloutGroup
-        from tasks.config import RewardConfig
-        from tasks.score import score_groups
-        from tasks.tools import ParsedCall, ToolBox
+        from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+        from grpoflow.tasks.config import RewardConfig
+        from grpoflow.tasks.score import score_groups
+        from grpoflow.tasks.tools import ParsedCall, ToolBox
 
         def stuck(completions, **_):
             threading.Event().wait()

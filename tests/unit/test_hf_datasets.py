@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, load_config
-from flows.data import load_rows, split_rows
-from flows.runs import confine, preflight
-from storage.records import row_id_of
+from grpoflow.flows.config import ConfigError, load_config
+from grpoflow.flows.data import load_rows, split_rows
+from grpoflow.flows.runs import confine, preflight
+from grpoflow.storage.records import row_id_of
 
 pytestmark = pytest.mark.unit
 
@@ -155,7 +155,7 @@ def test_relative_paths_are_found_beside_the_config(tmp_path, monkeypatch):
     proj.mkdir()
     jsonl(proj / "rows.jsonl", ROWS)
     saved(proj / "ds", ROWS[:2])
-    reward = "rewards: [{name: r, fn: 'examples.rewards:letter_fraction'}]\n"
+    reward = "rewards: [{name: r, fn: 'grpoflow.examples.rewards:letter_fraction'}]\n"
     (proj / "a.yaml").write_text(
         reward + "data:\n  dataset: {path: json, data_files: {train: [rows.jsonl]}}\n"
     )
@@ -309,7 +309,7 @@ def test_worker_allow_lists_cover_the_dataset_paths(tmp_path, monkeypatch):
 
 PROBE = """
 import sys
-from flows.cli import main
+from grpoflow.flows.cli import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
 print("RC", rc, "HEAVY", ",".join(heavy) or "-")

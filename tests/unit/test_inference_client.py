@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import (
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import (
     InferenceError,
     InferenceHTTPError,
     InferenceProtocolError,
@@ -22,8 +22,8 @@ from tasks.inference import (
     VLLMClient,
     cache_salt_for,
 )
-from tasks.push import CheckpointPush, WeightPushError, push_version
-from tasks.replicas import Replica, ReplicaSet, VersionBox
+from grpoflow.tasks.push import CheckpointPush, WeightPushError, push_version
+from grpoflow.tasks.replicas import Replica, ReplicaSet, VersionBox
 
 pytestmark = pytest.mark.unit
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -151,7 +151,7 @@ async def test_400_is_not_retried_and_carries_the_body(replay_server):
 
 
 async def test_connection_refused_is_retried_then_raises():
-    from flows.serve import free_port
+    from grpoflow.flows.serve import free_port
 
     async with VLLMClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as c:
         with pytest.raises(InferenceUnavailableError, match="ClientConnectorError"):
@@ -440,8 +440,8 @@ async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_ser
 async def test_promote_and_rollback_honour_the_reload_timeout_of_sync(fake_server, tmp_path):
     """Promotion and rollback load through the run's weight push with the whole `sync` section: a reload
     slower than `sync.reload_timeout_s` fails them (with the 300 s default it would succeed)."""
-    from flows.promote import promote, rollback
-    from storage.promotions import version
+    from grpoflow.flows.promote import promote, rollback
+    from grpoflow.storage.promotions import version
 
     app, url = fake_server
     app["mode"]["/collective_rpc"] = "slow"  # 0.6 s

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "learner.py"
-BLOCKED = ("pydantic", "prefect", "pyarrow", "ray", "duckdb", "aiohttp", "storage")
+BLOCKED = ("pydantic", "prefect", "pyarrow", "ray", "duckdb", "aiohttp", "grpoflow.storage")
 
 # Runs in the child: block the modules, build the configs, then run the script's main as a script.
 PRELUDE = f"""
@@ -107,7 +107,7 @@ def _config_reads(path: Path, names: tuple[str, ...] = ("learner", "c", "algorit
 
 def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic_values():
     pytest.importorskip("pydantic")
-    from tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig
 
     bench = _load()
     kw = {"micro_batch_size": 16, "share_prompt": False, "gradient_checkpointing": True, "mini_batches": 2}
@@ -127,7 +127,7 @@ def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic
 
 
 def test_flop_count_shares_prompts_and_counts_the_head_on_completion_tokens_only():
-    from tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner_api import TrainSample
 
     bench = _load()
     dims = {"params_non_embedding": 100, "layers": 2, "attn_width": 8, "hidden": 8, "vocab": 50}

@@ -10,10 +10,10 @@ import json
 import pytest
 from aiohttp import web
 
-import tasks.generate as gen
-from tasks.config import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
-from tasks.inference import InferenceHTTPError, VLLMClient, cache_salt_for
-from tasks.push import (
+import grpoflow.tasks.generate as gen
+from grpoflow.tasks.config import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
+from grpoflow.tasks.inference import InferenceHTTPError, VLLMClient, cache_salt_for
+from grpoflow.tasks.push import (
     CheckpointPush,
     LoraPush,
     LoraUnsupportedError,
@@ -21,8 +21,8 @@ from tasks.push import (
     push_version,
     weight_push,
 )  # fmt: skip
-from tasks.replicas import Replica, ReplicaSet, Servers, VersionBox
-from tasks.tiny_model import build_tokenizer
+from grpoflow.tasks.replicas import Replica, ReplicaSet, Servers, VersionBox
+from grpoflow.tasks.tiny_model import build_tokenizer
 from tests.unit.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.unit
@@ -198,8 +198,8 @@ def test_weight_push_picks_the_backend_and_none_is_checkpoint(tmp_path):
 
 
 def test_only_adapters_served_as_adapters_enable_lora_in_the_runs_servers():
-    from flows.config import GRPOConfig
-    from flows.train import served_lora
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.train import served_lora
 
     lora = {"learner": {"lora": {"rank": 8}}}
     assert served_lora(GRPOConfig.model_validate(lora)).rank == 8  # backend None -> 'lora'
@@ -309,9 +309,9 @@ async def test_the_client_loads_unloads_and_names_adapters(adapter_server):
 
 
 def test_evaluation_finds_a_lora_checkpoints_adapter_and_its_base(tmp_path):
-    from flows.config import GRPOConfig
-    from flows.evaluate import adapter_base, model_for
-    from storage.checkpoints import CheckpointStore
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.evaluate import adapter_base, model_for
+    from grpoflow.storage.checkpoints import CheckpointStore
 
     def checkpoint(d):
         (d / "adapter").mkdir()

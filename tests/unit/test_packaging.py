@@ -1,6 +1,7 @@
 """The real build of the package: setuptools says nothing about packages it would leave out (a fresh
 clone's `make install` / `make demo` once opened with a 40-line warning block about
-`flows.vllm_plugins`), and the wheel carries the vLLM server's plugin modules and the explorer's page."""
+`flows.vllm_plugins`), and the wheel carries the vLLM server's plugin modules and the explorer's page, all under the one import name
+`grpoflow`."""
 
 from __future__ import annotations
 
@@ -35,7 +36,15 @@ def test_the_wheel_builds_without_a_warning_and_carries_the_vllm_plugins(tmp_pat
     assert "Warning" not in log, log
     (wheel,) = (tmp_path / "dist").glob("grpoflow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    plugins = {f"flows/vllm_plugins/{p.name}" for p in (REPO / "flows" / "vllm_plugins").glob("*.py")}
+    plugins = {
+        f"grpoflow/flows/vllm_plugins/{p.name}" for p in (REPO / "flows" / "vllm_plugins").glob("*.py")
+    }
     assert plugins and plugins <= names
-    page = {f"flows/ui_static/{name}" for name in ("index.html", "app.js", "style.css")}  # grpoflow ui
+    page = {
+        f"grpoflow/flows/ui_static/{name}" for name in ("index.html", "app.js", "style.css")
+    }  # grpoflow ui
     assert page <= names
+    # One import name: every module under grpoflow/, none at the top level where a user's would be.
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"grpoflow"}, tops
+    assert {f"grpoflow/{pkg}/__init__.py" for pkg in SOURCES} <= names

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from storage.processes import (
+from grpoflow.storage.processes import (
     alive,
     cpu_seconds,
     group_members,
@@ -23,7 +23,7 @@ from storage.processes import (
     session_pids,
     stop_stale,
 )
-from storage.sql import run_status
+from grpoflow.storage.sql import run_status
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit

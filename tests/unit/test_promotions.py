@@ -11,12 +11,19 @@ import time
 
 import pytest
 
-from flows.promote import base_version, checkpoint_version, promote, reject, rollback, serving_version
-from flows.retrain import gate
-from storage.checkpoints import CheckpointStore
-from storage.promotions import PromotionError, PromotionLog
-from storage.rollouts import RolloutStore
-from storage.sql import query, run_canned
+from grpoflow.flows.promote import (
+    base_version,
+    checkpoint_version,
+    promote,
+    reject,
+    rollback,
+    serving_version,
+)
+from grpoflow.flows.retrain import gate
+from grpoflow.storage.checkpoints import CheckpointStore
+from grpoflow.storage.promotions import PromotionError, PromotionLog
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query, run_canned
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +31,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def root(tmp_path, monkeypatch):
     # Prefect events and artifacts outside a flow run: no API is needed (they are dropped).
-    monkeypatch.setattr("flows.promote._announce", lambda row: None)
+    monkeypatch.setattr("grpoflow.flows.promote._announce", lambda row: None)
     store = CheckpointStore(tmp_path)
     for step in range(4):
 
@@ -83,7 +90,7 @@ def test_a_failed_load_leaves_nothing_recorded_or_pinned(root, monkeypatch):
     def dead(*a, **k):
         raise ConnectionError("server down")
 
-    monkeypatch.setattr("flows.promote.load_into_server", dead)
+    monkeypatch.setattr("grpoflow.flows.promote.load_into_server", dead)
     v2 = checkpoint_version(root, "lin", 2)
     with pytest.raises(ConnectionError):
         promote(
@@ -130,11 +137,11 @@ def _served(server) -> dict[str, str]:
 def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_root, monkeypatch):
     from safetensors.torch import load_file
 
-    from tasks.lora_serve import internal_name
+    from grpoflow.tasks.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     root, server = lora_root, ScriptedBackend(None, None)
-    monkeypatch.setattr("tasks.inference.client_for", lambda url, inference, **k: server)
+    monkeypatch.setattr("grpoflow.tasks.inference.client_for", lambda url, inference, **k: server)
     url = "http://scripted.invalid"
     b1 = checkpoint_version(root, "bea", 1)
     assert b1["path"].endswith("step-000001/adapter")
@@ -175,11 +182,11 @@ def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_r
 
 
 def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
-    from tasks.lora_serve import internal_name
+    from grpoflow.tasks.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     server = ScriptedBackend(None, None)
-    monkeypatch.setattr("tasks.inference.client_for", lambda url, inference, **k: server)
+    monkeypatch.setattr("grpoflow.tasks.inference.client_for", lambda url, inference, **k: server)
     a1 = checkpoint_version(lora_root, "ada", 1)
     for reason in ("first", "again"):
         promote(lora_root, "ada", a1, incumbent=None, server_url="http://s.invalid", reason=reason)
@@ -190,7 +197,7 @@ def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
 def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_left(lora_root, monkeypatch):
     """A request rewritten to the old adapter just before the swap resolves it by name a few awaits
     later: the unload waits for the middleware's in-flight count to drop (bounded by drain_s)."""
-    from tasks.lora_serve import serve_adapter
+    from grpoflow.tasks.lora_serve import serve_adapter
     from tests.unit.scripted import ScriptedBackend
 
     server = ScriptedBackend(None, None)
@@ -214,9 +221,9 @@ def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_
 
 
 def test_a_server_without_the_alias_middleware_is_refused_with_how_to_start_one(lora_root):
-    from tasks.inference import InferenceHTTPError
-    from tasks.lora_serve import serve_adapter
-    from tasks.push_api import WeightPushError
+    from grpoflow.tasks.inference import InferenceHTTPError
+    from grpoflow.tasks.lora_serve import serve_adapter
+    from grpoflow.tasks.push_api import WeightPushError
     from tests.unit.scripted import ScriptedBackend
 
     class OldServer(ScriptedBackend):
@@ -254,7 +261,7 @@ def test_the_gate(cand, inc, margin, promoted):
 
 
 def test_a_lineages_server_starts_from_what_it_serves(root):
-    from flows.policy_server import served_model_dir
+    from grpoflow.flows.policy_server import served_model_dir
 
     assert served_model_dir(root, "lin", "base-dir") == "base-dir"  # nothing decided yet
     with pytest.raises(ValueError, match="lineage 'lin' has no promotion"):
@@ -275,8 +282,8 @@ def test_run_meta_without_a_base_model(tmp_path):
 def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_root, monkeypatch):
     from contextlib import contextmanager
 
-    import flows.retrain as retrain
-    from flows.config import GRPOConfig
+    import grpoflow.flows.retrain as retrain
+    from grpoflow.flows.config import GRPOConfig
 
     started, evaluated = [], []
 
@@ -307,8 +314,8 @@ def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_ro
 
 
 def test_a_lora_server_serves_each_lineage_under_its_name_from_the_log(lora_root, monkeypatch, capsys):
-    from flows import cli
-    from flows.policy_server import lora_lineages
+    from grpoflow.flows import cli
+    from grpoflow.flows.policy_server import lora_lineages
 
     root = lora_root
     assert cli.main(["serve", "--lineage", "ada", "--lineage", "bea", "--root", str(root)]) == 2

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from flows.config import ConfigError, load_config
+from grpoflow.flows.config import ConfigError, load_config
 from tests.support import REPO
 
 pytestmark = pytest.mark.unit
@@ -18,12 +18,15 @@ pytestmark = pytest.mark.unit
 
 def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
     cfg = tmp_path / "c.yaml"
-    letters = "data: {generator: 'examples.envs:letters_rows'}\n"
-    cfg.write_text(letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction', executor: ray}]\n")
+    letters = "data: {generator: 'grpoflow.examples.envs:letters_rows'}\n"
+    cfg.write_text(
+        letters + "rewards: [{name: a, fn: 'grpoflow.examples.rewards:letter_fraction', executor: ray}]\n"
+    )
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
     cfg.write_text(
-        letters + "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\ntools: {executor: ray}\n"
+        letters
+        + "rewards: [{name: a, fn: 'grpoflow.examples.rewards:letter_fraction'}]\ntools: {executor: ray}\n"
     )
     with pytest.raises(ConfigError, match=r"tools\.executor is 'ray' but scale\.ray_address"):
         load_config(cfg)
@@ -34,10 +37,10 @@ def test_ray_is_not_imported_unless_asked():
         """
         import asyncio, sys
         import flows.train, flows.evaluate
-        from flows.cluster import ray_cluster
-        from flows.config import GRPOConfig
-        from tasks.score import score_groups
-        from tasks.tools import ParsedCall, ToolBox
+        from grpoflow.flows.cluster import ray_cluster
+        from grpoflow.flows.config import GRPOConfig
+        from grpoflow.tasks.score import score_groups
+        from grpoflow.tasks.tools import ParsedCall, ToolBox
         from tests.support import make_groups
 
         cfg = GRPOConfig()
@@ -54,11 +57,11 @@ def test_ray_is_not_imported_unless_asked():
 
 
 def test_world_size_above_one_needs_a_ray_address(tmp_path):
-    from flows.config import ConfigError, load_config
+    from grpoflow.flows.config import ConfigError, load_config
 
     (tmp_path / "c.yaml").write_text(
-        "learner: {world_size: 2}\ndata: {generator: 'examples.envs:letters_rows'}\n"
-        "rewards: [{name: a, fn: 'examples.rewards:letter_fraction'}]\n"
+        "learner: {world_size: 2}\ndata: {generator: 'grpoflow.examples.envs:letters_rows'}\n"
+        "rewards: [{name: a, fn: 'grpoflow.examples.rewards:letter_fraction'}]\n"
     )
     with pytest.raises(ConfigError, match=r"learner\.world_size is 2 .* but scale\.ray_address is not set"):
         load_config(tmp_path / "c.yaml")

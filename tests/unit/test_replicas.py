@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from flows.config import ConfigError, load_config
-from flows.serve import core_shares
-from tasks.inference import InferenceUnavailableError
-from tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
+from grpoflow.flows.config import ConfigError, load_config
+from grpoflow.flows.serve import core_shares
+from grpoflow.tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit

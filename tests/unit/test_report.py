@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from flows.report import FIGURES, NO_TOOL_CALLS, STEP_TIME_PARTS, figures, report_data, write_report
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.flows.report import FIGURES, NO_TOOL_CALLS, STEP_TIME_PARTS, figures, report_data, write_report
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.unit
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows.config import load_config
-from flows.pipeline import RolloutPipeline
-from tasks.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
-from tasks.steps import RolloutBatch
+from grpoflow.flows.config import load_config
+from grpoflow.flows.pipeline import RolloutPipeline
+from grpoflow.tasks.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
+from grpoflow.tasks.steps import RolloutBatch
 from tests.support import rich_group
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,7 @@ def test_nothing_to_keep_writes_nothing_and_reads_as_none(tmp_path):
 def test_a_batch_that_cannot_be_pickled_costs_the_resume_not_the_checkpoint(tmp_path, caplog):
     batch = _batch(4)
     batch.groups[0].row["lock"] = threading.Lock()  # e.g. an environment snapshot holding a lock
-    with caplog.at_level(logging.WARNING, logger="tasks.reproducible"):
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.reproducible"):
         save_kept(tmp_path, [batch])
     assert not (tmp_path / KEPT_FILE).exists()
     assert "generates them again" in caplog.text and "lock" in caplog.text
@@ -53,8 +53,8 @@ def test_kept_batches_that_cannot_be_read_back_cost_the_resume_only_its_reproduc
     save_kept(tmp_path, [_batch(4)])
     data = (tmp_path / KEPT_FILE).read_bytes()
     # as if the class a snapshot was pickled from had moved since: unpickling names a module that is gone
-    (tmp_path / KEPT_FILE).write_bytes(data.replace(b"storage.records", b"storage.gone_xx"))
-    with caplog.at_level(logging.WARNING, logger="tasks.reproducible"):
+    (tmp_path / KEPT_FILE).write_bytes(data.replace(b"grpoflow.storage.records", b"grpoflow.storage.gone_xx"))
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.reproducible"):
         assert load_kept(tmp_path) == []
     assert "cannot be read back" in caplog.text and "generates them again" in caplog.text
 
@@ -148,8 +148,8 @@ def _run(root, run: str, logprob: float, weight: float) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from storage.checkpoints import CheckpointStore
-    from storage.rollouts import RolloutStore
+    from grpoflow.storage.checkpoints import CheckpointStore
+    from grpoflow.storage.rollouts import RolloutStore
     from tests.support import make_groups
 
     groups = make_groups()
@@ -167,7 +167,7 @@ def _run(root, run: str, logprob: float, weight: float) -> None:
 
 
 def test_grpoflow_compare_says_identical_or_names_the_first_difference(tmp_path, capsys):
-    from flows import cli
+    from grpoflow.flows import cli
 
     _run(tmp_path, "a", -1.0, 0.5)
     _run(tmp_path, "b", -1.0, 0.5)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import reward_model as rm
-from tasks.reward_model import RewardModelError, check_reward_model, reward_model
-from tasks.tiny_model import build_tiny_model, build_tokenizer
+from grpoflow.tasks import reward_model as rm
+from grpoflow.tasks.reward_model import RewardModelError, check_reward_model, reward_model
+from grpoflow.tasks.tiny_model import build_tiny_model, build_tokenizer
 from tests.support import by_hand, save_reward_model
 
 pytestmark = pytest.mark.unit
@@ -172,8 +172,8 @@ def _fresh_cache():
 
 
 def test_worker_allow_lists_bound_a_reward_model_path(tmp_path, monkeypatch):
-    from flows.config import ConfigError, load_config
-    from flows.runs import confine
+    from grpoflow.flows.config import ConfigError, load_config
+    from grpoflow.flows.runs import confine
 
     inside = tmp_path / "inside"
     inside.mkdir()

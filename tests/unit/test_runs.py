@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from flows.config import ConfigError, load_config
-from flows.data import load_rows, rows_for_step
-from flows.runs import open_run, prepare_model
-from storage.records import RolloutCompletion, RolloutGroup
-from tasks.config import AlgorithmConfig
-from tasks.steps import assign_advantages
+from grpoflow.flows.config import ConfigError, load_config
+from grpoflow.flows.data import load_rows, rows_for_step
+from grpoflow.flows.runs import open_run, prepare_model
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.config import AlgorithmConfig
+from grpoflow.tasks.steps import assign_advantages
 
 pytestmark = pytest.mark.unit
 
@@ -100,7 +100,7 @@ def test_pushing_every_n_steps_drops_nothing_and_staleness_is_one_number(max_sta
     """Versions as the loop makes them: the batch of step s is generated when step s - max_staleness
     starts, under the last push (after step t, version t + 1 when (t + 1) % sync_every == 0). No batch
     is dropped by construction, and the check, the metric and the stored column agree."""
-    from storage.records import rollout_rows
+    from grpoflow.storage.records import rollout_rows
 
     def served_at_start_of(u: int) -> int:
         return max([t + 1 for t in range(u) if (t + 1) % sync_every == 0], default=0)
@@ -120,7 +120,7 @@ def test_pushing_every_n_steps_drops_nothing_and_staleness_is_one_number(max_sta
 
 
 def test_on_policy_with_infrequent_pushes_is_refused_naming_both_fields():
-    from flows.config import ConfigError, load_config
+    from grpoflow.flows.config import ConfigError, load_config
 
     with pytest.raises(
         ConfigError, match=r"algorithm.max_staleness 0 .*sync.sync_every 1.*got sync.sync_every 2"

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from flows.cli import build_parser
-from flows.config import GRPOConfig
-from flows.policy_server import policy_server
-from flows.serve import PLUGINS, server_command
-from tasks.tools import HermesToolParser, ToolBox
+from grpoflow.flows.cli import build_parser
+from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.policy_server import policy_server
+from grpoflow.flows.serve import PLUGINS, server_command
+from grpoflow.tasks.tools import HermesToolParser, ToolBox
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
@@ -80,7 +80,7 @@ def test_key_middleware_guards_control_endpoints_too(monkeypatch):
 
 
 def test_tool_arguments_are_json_and_never_evaluated(tmp_path):
-    from examples.tools import calculator
+    from grpoflow.examples.tools import calculator
 
     marker = tmp_path / "pwned"
     # a Python literal is not JSON: refused, not literal_eval'd

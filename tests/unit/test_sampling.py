@@ -9,12 +9,18 @@ import statistics
 
 import pytest
 
-from examples.rewards import soft_overlong_penalty
-from storage.records import RolloutCompletion, RolloutGroup
-from tasks.config import AlgorithmConfig, GenerationConfig, InferenceConfig, RewardConfig, ToolsConfig
-from tasks.replicas import Replica, ReplicaSet
-from tasks.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
-from tasks.steps import RolloutJob, assign_advantages
+from grpoflow.examples.rewards import soft_overlong_penalty
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.config import (
+    AlgorithmConfig,
+    GenerationConfig,
+    InferenceConfig,
+    RewardConfig,
+    ToolsConfig,
+)
+from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
+from grpoflow.tasks.steps import RolloutJob, assign_advantages
 
 pytestmark = pytest.mark.unit
 
@@ -100,7 +106,7 @@ def test_a_step_generates_further_rounds_until_it_holds_its_groups(monkeypatch):
     through it): each group's completions alternate "a" and "b". The real scorer's reward gives rows
     whose id is a multiple of 3 a spread (1 or 0) and every other row 0.0, so which groups have
     signal is fixed by the rows alone."""
-    import tasks.steps as steps
+    import grpoflow.tasks.steps as steps
 
     made: list[list[int]] = []
 

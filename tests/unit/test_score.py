@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from storage.processes import alive
-from storage.records import reward_rows
-from storage.rollouts import RolloutStore
-from storage.sql import query, run_canned
-from tasks.config import RewardConfig
-from tasks.score import RewardImportError, resolve_reward, score_groups, score_groups_async
+from grpoflow.storage.processes import alive
+from grpoflow.storage.records import reward_rows
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query, run_canned
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.score import RewardImportError, resolve_reward, score_groups, score_groups_async
 from tests.support import make_groups, wait_for
 
 pytestmark = pytest.mark.unit
@@ -205,7 +205,8 @@ async def test_works_inside_a_running_event_loop():
 def test_process_executor_by_import_path():
     groups = make_groups(1, 3)
     metrics = score_groups(
-        groups, [RewardConfig(name="letters", fn="examples.rewards:letter_fraction", executor="process")]
+        groups,
+        [RewardConfig(name="letters", fn="grpoflow.examples.rewards:letter_fraction", executor="process")],
     )
     assert [c.reward for c in groups[0].completions] == [1.0, 1.0, 1.0]  # completions are all 'a'
     assert metrics["reward/letters/failed_rate"] == 0.0
@@ -227,8 +228,8 @@ def test_nn_module_reward_model_runs_off_the_loop():
 
 
 def test_bad_import_path_is_named():
-    with pytest.raises(RewardImportError, match="examples.rewards:nope"):
-        resolve_reward(RewardConfig(name="x", fn="examples.rewards:nope"))
+    with pytest.raises(RewardImportError, match="grpoflow.examples.rewards:nope"):
+        resolve_reward(RewardConfig(name="x", fn="grpoflow.examples.rewards:nope"))
 
 
 # --- optional rewards: a missing value is imputed with the group mean --------------------------
@@ -302,8 +303,8 @@ def test_leave_one_out_advantages_leave_imputed_values_out_of_other_baselines():
     # Scored for real: A (len 1) R 1, O 1; B (len 2) R 0, O failed -> imputed (1 + 0) / 2; C R 1, O 0.
     # Totals 2, 0.5, 1. Leave-one-out per function (hand numbers in test_grpo): 1.5, -1.0, -0.5; on the
     # totals B's imputed 0.5 would enter A's and C's baselines: 1.25, -1.0, -0.25.
-    from tasks.config import AlgorithmConfig
-    from tasks.steps import assign_advantages
+    from grpoflow.tasks.config import AlgorithmConfig
+    from grpoflow.tasks.steps import assign_advantages
 
     groups = make_groups(1, 3)
     specs = [

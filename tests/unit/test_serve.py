@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import flows.serve as serve
-from flows.serve import cpu_list, server_command
+import grpoflow.flows.serve as serve
+from grpoflow.flows.serve import cpu_list, server_command
 
 pytestmark = pytest.mark.unit
 
@@ -37,7 +37,7 @@ def test_cpu_server_attention_is_unsplit_so_a_requests_numbers_are_its_own(monke
 
 
 def test_a_lora_server_loads_adapters_of_the_runs_rank_at_runtime(monkeypatch):
-    from tasks.config import InferenceConfig, LoraConfig
+    from grpoflow.tasks.config import InferenceConfig, LoraConfig
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     cmd, env, _ = server_command("m", python="py", port=9, lora_rank=LoraConfig(rank=12).served_rank(),

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main as cli
-from storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
-from storage.rollouts import RolloutStore
-from storage.sql import CANNED, QueryError, ReadOnlyQueryError, query, run_canned
+from grpoflow.flows.cli import main as cli
+from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import CANNED, QueryError, ReadOnlyQueryError, query, run_canned
 
 pytestmark = pytest.mark.unit
 GRPOFLOW = str(Path(sys.executable).with_name("grpoflow"))  # the installed script a user runs
@@ -227,7 +227,7 @@ def test_queries_read_nothing_outside_the_store(store, tmp_path_factory, sql):
      "RESET allowed_directories", "SET lock_configuration = false"],
 )  # fmt: skip
 def test_the_confinement_cannot_be_undone_on_the_connection_itself(store, tmp_path_factory, statement):
-    from storage.sql import connect
+    from grpoflow.storage.sql import connect
 
     secret = tmp_path_factory.mktemp("outside") / "secret.txt"
     secret.write_text("top secret\n")

@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 from prefect import flow
 
-import flows.runner
-from flows.runner import StepRunner, StepUnits
-from storage.rollouts import RolloutStore
-from tasks.config import InferenceConfig, SyncConfig
-from tasks.inference import InferenceUnavailableError
-from tasks.push import weight_push
-from tasks.replicas import Replica, ReplicaSet
-from tasks.steps import RolloutBatch, persist, push_weights
+import grpoflow.flows.runner  # noqa: F401  (binds the package; its attribute is used)
+from grpoflow import flows
+from grpoflow.flows.runner import StepRunner, StepUnits
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.config import InferenceConfig, SyncConfig
+from grpoflow.tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.push import weight_push
+from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.steps import RolloutBatch, persist, push_weights
 from tests.support import make_learner, rich_group
 
 pytestmark = pytest.mark.unit
@@ -141,7 +142,7 @@ def test_the_runner_counts_what_prefect_adds_to_the_critical_path(monkeypatch):
 def test_a_batch_is_taken_when_its_body_hands_it_over_and_a_failed_one_raises():
     from concurrent.futures import Future
 
-    from tasks.steps import handed_over
+    from grpoflow.tasks.steps import handed_over
 
     task, handoff = Future(), Future()  # the task run still being recorded: its future is not done
     handoff.set_result("batch")

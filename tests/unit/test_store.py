@@ -7,12 +7,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from storage.checkpoints import CheckpointStore, weights_store
-from storage.records import (
+from grpoflow.storage.checkpoints import CheckpointStore, weights_store
+from grpoflow.storage.records import (
     validate_run_id,
 )
-from storage.rollouts import RolloutStore
-from storage.sql import query
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
 from tests.support import rich_group
 
 pytestmark = pytest.mark.unit
@@ -166,7 +166,7 @@ def test_weight_versions_keep_last(tmp_path):
 
 
 def test_a_recycled_version_hands_its_files_to_the_next_and_never_the_served_one(tmp_path):
-    from storage.checkpoints import PIN_FILE
+    from grpoflow.storage.checkpoints import PIN_FILE
 
     w = weights_store(tmp_path)
     seen = []

@@ -19,8 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from flows.config import ConfigError, load_config
-from flows.tracking import (
+from grpoflow.flows.config import ConfigError, load_config
+from grpoflow.flows.tracking import (
     _mlflow_key,
     check_trackers,
     config_params,
@@ -32,8 +32,8 @@ from flows.tracking import (
     wandb_history_rows,
     wandb_log_files,
 )
-from storage.records import RewardCell
-from storage.rollouts import RolloutStore
+from grpoflow.storage.records import RewardCell
+from grpoflow.storage.rollouts import RolloutStore
 from tests.support import make_groups
 
 pytestmark = pytest.mark.unit
@@ -347,7 +347,7 @@ def test_a_continue_logs_each_step_once(tmp_path):
 def test_a_kill_while_another_tracker_starts_resumes_the_same_mlflow_run(tmp_path, monkeypatch):
     """The process dies while W&B starts (its offline service takes seconds), after MLflow made its run:
     the resume continues that run, with its params, instead of making a second one (seen in CI)."""
-    import flows.tracking as tracking_module
+    import grpoflow.flows.tracking as tracking_module
 
     _write_store(tmp_path)
     cfg = _cfg(tmp_path, "mlflow", "wandb")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from storage.records import RewardCell, TaggedMessage, ToolCallRecord
-from storage.rollouts import RolloutStore
-from storage.sql import query
-from tasks.broken_rewards import broken_rewards
-from tasks.config import RewardConfig
-from tasks.reward_kwargs import TrainerState, completion_messages
-from tasks.score import score_groups
+from grpoflow.storage.records import RewardCell, TaggedMessage, ToolCallRecord
+from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.storage.sql import query
+from grpoflow.tasks.broken_rewards import broken_rewards
+from grpoflow.tasks.config import RewardConfig
+from grpoflow.tasks.reward_kwargs import TrainerState, completion_messages
+from grpoflow.tasks.score import score_groups
 from tests.support import make_groups
 
 pytestmark = pytest.mark.unit
@@ -202,8 +202,8 @@ def test_timeouts_on_every_completion_are_a_broken_reward_too():
 
 
 def _watched(limit: int):
-    from flows.config import GRPOConfig
-    from flows.train import RewardWatch
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.train import RewardWatch
 
     specs = [RewardConfig(name="ok", fn=lambda completions, **_: [1.0] * len(completions)),
              RewardConfig(name="docs", fn=docs_style)]  # fmt: skip
@@ -223,7 +223,7 @@ def _scored(specs, fail: bool):
 
 
 def test_a_required_reward_broken_for_max_failed_reward_steps_stops_the_run_in_one_line():
-    from tasks.broken_rewards import BrokenRewardError
+    from grpoflow.tasks.broken_rewards import BrokenRewardError
 
     watch, specs = _watched(2)
     assert watch.step(0, _scored(specs, fail=True)) is None  # one broken step: logged, not yet stopped
@@ -251,11 +251,11 @@ def test_max_failed_reward_steps_0_never_stops_and_an_optional_reward_never_does
 def test_the_step_line_says_nothing_trained_and_which_rewards_failed():
     from types import SimpleNamespace
 
-    from flows.config import GRPOConfig
-    from flows.progress import StepReporter
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.progress import StepReporter
 
-    cfg = GRPOConfig(rewards=[RewardConfig(name="acc", fn="examples.rewards:letter_fraction"),
-                              RewardConfig(name="fmt", fn="examples.rewards:letter_fraction")])  # fmt: skip
+    cfg = GRPOConfig(rewards=[RewardConfig(name="acc", fn="grpoflow.examples.rewards:letter_fraction"),
+                              RewardConfig(name="fmt", fn="grpoflow.examples.rewards:letter_fraction")])  # fmt: skip
     me = SimpleNamespace(cfg=cfg)
     broken = {"reward/mean": None, "train/samples": 0.0, "reward/acc/failed_rate": 0.75, "reward/acc/timeout_rate": 0.25,
               "reward/fmt/failed_rate": 0.0, "reward/fmt/mean": 0.5, "reward/fmt/hits": 3.0, "wall_seconds": 2.0}  # fmt: skip

@@ -31,10 +31,10 @@ def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path
     proj, elsewhere = user_project(tmp_path)
     out = _run(
         f"""
-        from flows.config import load_config
-        from flows.runs import preflight
-        from storage.records import RolloutCompletion, RolloutGroup
-        from tasks.score import score_groups
+        from grpoflow.flows.config import load_config
+        from grpoflow.flows.runs import preflight
+        from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+        from grpoflow.tasks.score import score_groups
 
         cfg = load_config({str(proj / "cfg.yaml")!r})
         rows = preflight(cfg)  # imports every path, reads the rows
@@ -53,8 +53,8 @@ def _preflight_error(cfg_path, cwd) -> str:
     """Preflight of `cfg_path` in a fresh interpreter started in `cwd`; returns the ConfigError text."""
     out = _run(
         f"""
-        from flows.config import ConfigError, load_config
-        from flows.runs import preflight
+        from grpoflow.flows.config import ConfigError, load_config
+        from grpoflow.flows.runs import preflight
         try:
             preflight(load_config({str(cfg_path)!r}))
         except ConfigError as e:
@@ -68,7 +68,7 @@ def _preflight_error(cfg_path, cwd) -> str:
 
 def test_a_module_that_cannot_be_imported_names_the_directories_searched(tmp_path):
     proj, elsewhere = user_project(tmp_path)
-    (proj / "cfg.yaml").write_text(USER_CONFIG.replace("task:exact", "no_such_task:exact"))
+    (proj / "cfg.yaml").write_text(USER_CONFIG.replace("tasks:exact", "no_such_task:exact"))
     error = _preflight_error(proj / "cfg.yaml", elsewhere)
     assert "rewards[0].fn" in error and "no_such_task" in error
     assert str(proj) in error and str(elsewhere) in error
@@ -79,3 +79,17 @@ def test_a_missing_data_file_names_both_places_looked(tmp_path):
     (proj / "cfg.yaml").write_text(USER_CONFIG.replace("data.jsonl", "gone.jsonl"))
     error = _preflight_error(proj / "cfg.yaml", elsewhere)
     assert str(elsewhere / "gone.jsonl") in error and str(proj / "gone.jsonl") in error
+
+
+def test_grpoflow_leaves_the_names_tasks_flows_storage_and_examples_to_the_user(tmp_path):
+    # Installed, grpoflow is `grpoflow.*` alone: in a folder without modules of those names, none imports.
+    out = _run(
+        """
+        import importlib.util
+        print([n for n in ("tasks", "flows", "storage", "examples") if importlib.util.find_spec(n)])
+        import grpoflow.tasks, grpoflow.flows, grpoflow.storage, grpoflow.examples
+        """,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from flows.config import ConfigError, GRPOConfig, check_imports
-from tasks.config import ToolsConfig, WarmupConfig
-from tasks.generate import TemplateError
-from tasks.tools import HermesToolParser
-from tasks.warmup import IGNORE, PromptRenderer, example_ids, load_examples
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
+from grpoflow.tasks.config import ToolsConfig, WarmupConfig
+from grpoflow.tasks.generate import TemplateError
+from grpoflow.tasks.tools import HermesToolParser
+from grpoflow.tasks.warmup import IGNORE, PromptRenderer, example_ids, load_examples
 
-CALC = ToolsConfig(tools=["examples.tools:calculator"])
+CALC = ToolsConfig(tools=["grpoflow.examples.tools:calculator"])
 
 
 def _learned(tok, ids, labels) -> str:
@@ -24,9 +24,9 @@ def test_smollm2_learns_the_assistant_turns_only_on_the_rollout_prompt(smollm2_t
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     renderer = PromptRenderer(tok, CALC, HermesToolParser())
-    ex = load_examples(WarmupConfig(examples="examples.warmup:calculator_replies", examples_kwargs={"n": 2}))[
-        0
-    ]
+    ex = load_examples(
+        WarmupConfig(examples="grpoflow.examples.warmup:calculator_replies", examples_kwargs={"n": 2})
+    )[0]
     prompt = renderer.messages(ex, 0)
     # SmolLM2's template ignores tools=: the schema and the call format go into the system turn
     assert renderer.in_system
@@ -43,10 +43,12 @@ def test_smollm2_learns_the_assistant_turns_only_on_the_rollout_prompt(smollm2_t
 
 
 def test_a_template_that_renders_tools_keeps_them_out_of_the_system_turn():
-    from tasks.tiny_model import build_tokenizer
+    from grpoflow.tasks.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
-    renderer = PromptRenderer(tok, ToolsConfig(environment="examples.envs:CounterEnv"), HermesToolParser())
+    renderer = PromptRenderer(
+        tok, ToolsConfig(environment="grpoflow.examples.envs:CounterEnv"), HermesToolParser()
+    )
     assert not renderer.in_system
     assert [s["function"]["name"] for s in renderer.schemas] == ["increment"]
     msgs = renderer.messages({"prompt": "Count."}, 0)
@@ -62,7 +64,9 @@ def test_bad_examples_name_the_field_and_the_row():
     with pytest.raises(ValueError, match="warmup.steps is 5 but warmup.examples is not set"):
         WarmupConfig(steps=5)
     with pytest.raises(ConfigError, match="warmup.examples"):
-        check_imports(GRPOConfig(warmup={"examples": "examples.warmup:no_such_function", "steps": 1}))
+        check_imports(
+            GRPOConfig(warmup={"examples": "grpoflow.examples.warmup:no_such_function", "steps": 1})
+        )
     rows = [{"prompt": "a", "reply": "b"}, {"prompt": "c"}]
     with pytest.raises(ValueError, match="example 1 needs 'prompt' and 'reply'"):
         load_examples(WarmupConfig(examples=lambda: rows))
@@ -71,7 +75,7 @@ def test_bad_examples_name_the_field_and_the_row():
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
-    from tasks.tiny_model import build_tokenizer
+    from grpoflow.tasks.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     # drops every assistant turn but the last: the conversation is not a prefix of itself plus a turn
@@ -90,14 +94,14 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
 
 
 def test_warm_up_runs_once_per_model_and_settings(tmp_path):
-    from flows.runs import prepare_model
+    from grpoflow.flows.runs import prepare_model
 
     def cfg(**warmup):
         return GRPOConfig(
             model={"path": "tiny"},
             storage={"root": str(tmp_path)},
-            tools={"tools": ["examples.tools:calculator"]},
-            warmup={"examples": "examples.warmup:single_calls",
+            tools={"tools": ["grpoflow.examples.tools:calculator"]},
+            warmup={"examples": "grpoflow.examples.warmup:single_calls",
                     "examples_kwargs": {"tool": "calculator", "argument": "expression", "values": ["1 + 2"], "n": 8},
                     "steps": 6, "batch_size": 2, "lr": 3e-3, **warmup},
         )  # fmt: skip
