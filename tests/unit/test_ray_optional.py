@@ -36,7 +36,7 @@ def test_ray_is_not_imported_unless_asked():
     code = textwrap.dedent(
         """
         import asyncio, sys
-        import flows.train, flows.evaluate
+        import grpoflow.flows.evaluate, grpoflow.flows.train
         from grpoflow.flows.cluster import ray_cluster
         from grpoflow.flows.config import GRPOConfig
         from grpoflow.tasks.score import score_groups

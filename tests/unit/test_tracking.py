@@ -445,7 +445,7 @@ def test_check_trackers_names_the_field_and_the_extra(tmp_path, monkeypatch):
 def test_no_tracking_without_report_to_and_no_tracker_imported_until_then(tmp_path):
     assert tracking(_cfg(tmp_path), RUN) is None
     code = (
-        "import sys, flows.tracking; "
+        "import sys, grpoflow.flows.tracking; "
         "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
