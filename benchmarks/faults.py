@@ -2,9 +2,9 @@
 
 One vLLM CPU server (tiny model) and one temporary Prefect API are shared by every drill:
 
-- SIGKILL of the training process at many random moments (seeded; flows/drill.py), a resume after
+- SIGKILL of the training process at many random moments (seeded; tests/drill.py), a resume after
   each: rows lost, duplicates, temp files left, and processes of the run that survived it (orphans);
-- SIGKILL of the training process at each named point (flows/drill.py KILL_DRILL), then
+- SIGKILL of the training process at each named point (tests/drill.py KILL_DRILL), then
   `grpoflow train --resume`;
 - SIGKILL of the run's own embedded vLLM server mid-run (the flow restarts it);
 - ~30% failing reward cells in mixed ways, a reward that hangs or raises, and a tool that hangs or raises
@@ -23,7 +23,7 @@ from pathlib import Path
 
 # This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # grpoflow's packages, `flows.drill`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # grpoflow's packages, `tests.drill`
 
 import argparse
 import json
@@ -56,7 +56,7 @@ def store_counts(root: Path, run_id: str, steps: int) -> dict:
 
 
 def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
-    from grpoflow.flows.drill import KILL_DRILL, KILL_DRILL_SETS
+    from tests.drill import KILL_DRILL, KILL_DRILL_SETS
 
     out = []
     for point, spec in KILL_DRILL.items():
@@ -166,7 +166,7 @@ def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
 def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed: int) -> dict:
     """SIGKILL the run process at `kills` random moments (seeded), resuming after each; then check every
     table, temp files, the run's status, and that no process the run started survived a kill."""
-    from grpoflow.flows.drill import random_kill_drill, store_check
+    from tests.drill import random_kill_drill, store_check
 
     # Long enough that `kills` launches, each killed 5-20 s in (start-up is ~8 s), do not finish it.
     steps, run_id = 120, "random-kills"

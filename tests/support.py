@@ -301,3 +301,24 @@ def assistant_text(tok, ids: list[int]) -> str:
     messages` hands it to rewards): the tokens as the model wrote them, special ones kept, less a final EOS."""
     text = tok.decode(ids, skip_special_tokens=False)
     return text.removesuffix(tok.eos_token) if tok.eos_token else text
+
+
+def toolbox(*fns, timeout_s: float = 10.0):
+    """A ToolBox of plain functions, each under its own name."""
+    from grpoflow.tasks.tools import ToolBox
+
+    return ToolBox({f.__name__: f for f in fns}, timeout_s)
+
+
+def save_smollm2_tokenizer(out_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct's own tokenizer and chat template, from the GGUF, as a tokenizer dir
+    (seconds, no weights): what tests of templates and tool-call formats load."""
+    from transformers import AutoTokenizer
+
+    from grpoflow.tasks.models import smollm2_gguf_path
+
+    out = Path(out_dir)
+    if not (out / "tokenizer_config.json").is_file():
+        gguf = smollm2_gguf_path()
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
 from grpoflow.storage.processes import alive, group_members, guarded_children, kill_tree
 from grpoflow.storage.sql import run_status
+from tests.drill import clean_store, random_kill_drill, store_check
 from tests.support import REPO, unpause, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
 from grpoflow.storage.sql import query
+from tests.drill import clean_store, random_kill_drill, store_check
 from tests.support import REPO, assistant_text
 
 pytestmark = pytest.mark.integration

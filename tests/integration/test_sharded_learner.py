@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpoflow.flows.drill import clean_store, random_kill_drill, store_check
 from grpoflow.storage.processes import processes
 from grpoflow.storage.sql import query
+from tests.drill import clean_store, random_kill_drill, store_check
 from tests.support import tiny_cfg, unpause
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

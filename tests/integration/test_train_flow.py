@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.drill import KILL_DRILL, KILL_DRILL_SETS
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
+from tests.drill import KILL_DRILL, KILL_DRILL_SETS
 from tests.support import tiny_cfg
 
 pytestmark = pytest.mark.integration
@@ -199,7 +199,7 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     assert flow_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
 
 
-# SIGKILL at each named point of a step (flows/drill.py: KILL_DRILL), then `grpoflow train --resume`.
+# SIGKILL at each named point of a step (tests/drill.py: KILL_DRILL), then `grpoflow train --resume`.
 
 
 @pytest.mark.slow

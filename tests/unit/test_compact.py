@@ -232,7 +232,9 @@ def test_a_second_compactor_of_the_run_waits_for_the_first(tmp_path):
 
 
 def _compact_in_subprocess(root: Path, upto: int, every: int, faults: str) -> subprocess.CompletedProcess:
-    code = f"from grpoflow.storage.compact import compact_run; compact_run({str(root)!r}, 'r', {upto}, {every})"
+    code = (
+        f"from grpoflow.storage.compact import compact_run; compact_run({str(root)!r}, 'r', {upto}, {every})"
+    )
     env = {**os.environ, "GRPOFLOW_FAULTS": faults}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)
 

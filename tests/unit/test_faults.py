@@ -117,7 +117,7 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
         m = score_groups(groups, [RewardConfig(name="stuck", fn=stuck, timeout_s=0.5, required=False),
                                   RewardConfig(name="ok", fn=ok)])
         print("reward", m["reward/stuck/timeout_rate"], comp.reward)
-        box = ToolBox.from_functions([stuck_tool], timeout_s=0.5)
+        box = ToolBox({"stuck_tool": stuck_tool}, timeout_s=0.5)
         rec = asyncio.run(box.call(ParsedCall("stuck_tool", {"x": 1}, "{}"), turn=0))
         print("tool", rec.failed, rec.error)
         """,

@@ -17,6 +17,7 @@ from grpoflow.examples.envs import CounterEnv
 from grpoflow.tasks.config import GenerationConfig, ToolsConfig
 from grpoflow.tasks.tiny_model import build_tokenizer
 from grpoflow.tasks.tools import HermesToolParser
+from tests.support import toolbox
 from tests.unit.scripted import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit
@@ -434,7 +435,7 @@ def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
 
 
 def test_a_tool_raising_timeout_error_itself_is_a_failure_not_a_timeout():
-    from grpoflow.tasks.tools import ParsedCall, ToolBox
+    from grpoflow.tasks.tools import ParsedCall
 
     def gives_up() -> str:
         """Its own HTTP client gave up."""
@@ -445,9 +446,9 @@ def test_a_tool_raising_timeout_error_itself_is_a_failure_not_a_timeout():
         raise TimeoutError("upstream took too long")
 
     for fn in (gives_up, gives_up_async):
-        box = ToolBox.from_functions([fn], timeout_s=5.0)
+        box = toolbox(fn, timeout_s=5.0)
         rec = run(box.call(ParsedCall(fn.__name__, {}, "{}"), turn=0))
         assert rec.failed and rec.error == "TimeoutError: upstream took too long" and not box.timed_out
-    slow = ToolBox.from_functions([lambda: __import__("time").sleep(5)], timeout_s=0.2)
+    slow = toolbox(lambda: __import__("time").sleep(5), timeout_s=0.2)
     rec = run(slow.call(ParsedCall("<lambda>", {}, "{}"), turn=0))
     assert rec.error == "tool <lambda> timed out after 0.2s" and slow.timed_out

@@ -13,8 +13,8 @@ from grpoflow.flows.cli import build_parser
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.policy_server import policy_server
 from grpoflow.flows.serve import PLUGINS, server_command
-from grpoflow.tasks.tools import HermesToolParser, ToolBox
-from tests.support import wait_for
+from grpoflow.tasks.tools import HermesToolParser
+from tests.support import toolbox, wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ def test_tool_arguments_are_json_and_never_evaluated(tmp_path):
     payload = f"__import__('pathlib').Path({str(marker)!r}).touch()"
     text = '<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>'
     (call,) = HermesToolParser().parse(text % __import__("json").dumps(payload))
-    rec = asyncio.run(ToolBox.from_functions([calculator]).call(call, turn=0))
+    rec = asyncio.run(toolbox(calculator).call(call, turn=0))
     assert rec.failed and not marker.exists()  # the shipped calculator walks an AST, never eval()
 
 

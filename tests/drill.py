@@ -1,7 +1,7 @@
 """Kill drills. The named-point drill (KILL_DRILL): one SIGKILL per failpoint of a step. The random-moment
 drill: SIGKILL `grpoflow train` at seeded random moments, resume after each, then check the store and
-the process table. Both are run by the slow tests (a few kills) and by benchmarks/faults.py (many), so
-they live here, in the package both import.
+the process table. Both are run by the slow tests (a few kills) and by benchmarks/faults.py (many):
+a harness of the checkout's, beside the tests, not a part of the installed package.
 
 Only the run's own process is killed, as the kernel's OOM killer does: no cleanup code runs.
 """
