@@ -28,9 +28,9 @@ import time
 
 from grpoflow.flows.cluster import ray_cluster
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-from grpoflow.tasks.config import RewardConfig, ScaleConfig
-from grpoflow.tasks.imports import add_search_dir, import_object
-from grpoflow.tasks.score import score_groups
+from grpoflow.tasks.config.imports import add_search_dir, import_object
+from grpoflow.tasks.config.sections import RewardConfig, ScaleConfig
+from grpoflow.tasks.rewards.score import score_groups
 
 HEAVY = '''
 def spin(completions, iterations=1_000_000, **_):

@@ -170,8 +170,8 @@ def push_rows(bench, model_dir: str, shape: str, device: str, directory: Path) -
     """Learner.write_weights of a full learner, twice: into a new file, then over it in place."""
     import torch
 
-    from grpoflow.tasks.learn import Learner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
     learner = Learner(
@@ -198,8 +198,8 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from grpoflow.tasks.learn import Learner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=None, device=device)  # defaults
     learner = Learner(

@@ -24,10 +24,10 @@ import tempfile
 import time
 
 from grpoflow.flows.serve import start_server
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import VLLMClient
-from grpoflow.tasks.push import push_version, weight_push
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import push_version, weight_push
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.tiny_model import build_tiny_model
 
 
@@ -52,7 +52,7 @@ def push_seconds(url: str, model_dir: Path, root: Path, repeats: int = 3) -> dic
     """The run's push (tasks.push.push_version, sync's defaults: keep_last 2) of a model in this process."""
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.weights import save_weights
+    from grpoflow.tasks.push.weights import save_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     pusher = weight_push(root, "bench", SyncConfig(), InferenceConfig())

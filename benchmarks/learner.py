@@ -35,7 +35,7 @@ adds one variant that differs from the baseline in that one thing. Gradient chec
 
 Config objects: `tasks.config`'s LearnerConfig / AlgorithmConfig when pydantic imports, else
 `types.SimpleNamespace` objects with the same explicit values (`LEARNER_VALUES`, `ALGORITHM_VALUES`):
-every attribute the learner (tasks/learn.py, tasks/grpo.py) reads; the model section carries the dtype
+every attribute the learner (tasks/learner/learn.py, tasks/learner/grpo.py) reads; the model section carries the dtype
 (`model_config`). The printed `configs` says which.
 
 Each variant prints one JSON line. Time: the median over `--repeats` steps after one warm-up step,
@@ -180,7 +180,7 @@ def make_configs(
     algorithm = ALGORITHM_VALUES | {"num_iterations": num_iterations}
     if prefer_pydantic:
         try:
-            from grpoflow.tasks.config import AlgorithmConfig, LearnerConfig
+            from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig
         except ImportError:
             pass
         else:
@@ -196,7 +196,7 @@ def make_configs(
 def model_config(dtype: str, source: str):
     """The model section the learner reads its dtype from, of the same kind `make_configs` gave."""
     if source == "pydantic":
-        from grpoflow.tasks.config import ModelConfig
+        from grpoflow.tasks.config.sections import ModelConfig
 
         return ModelConfig(dtype=dtype)
     return types.SimpleNamespace(dtype=dtype)
@@ -208,8 +208,8 @@ def model_config(dtype: str, source: str):
 def arith_samples(model_dir: str, prompts: int, group: int, zero_groups: int, seed: int = 0):
     """The `--model` path's step: chat-template arithmetic prompts, 8-32 random completion tokens."""
     from grpoflow.examples.envs import arith_rows
-    from grpoflow.tasks.generate import load_tokenizer, prompt_messages, render
-    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner.learner_api import TrainSample
+    from grpoflow.tasks.rollouts.generate import load_tokenizer, prompt_messages, render
 
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
@@ -234,7 +234,7 @@ def random_samples(
     seed: int = 0,
 ):
     """Random token prompts x `group` completions; lengths uniform in the (low, high) ranges."""
-    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner.learner_api import TrainSample
 
     rng = random.Random(seed)
     out = []
@@ -416,8 +416,8 @@ def _updates(iterations: int, minis: int) -> dict:
 def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> dict:
     import torch
 
-    from grpoflow.tasks.learn import Learner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     learner_cfg, algorithm_cfg, source = make_configs(
         micro_batch_size=v["micro_batch_size"],
@@ -499,9 +499,9 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     import ray
 
     from grpoflow.flows.cluster import ray_cluster
-    from grpoflow.tasks.config import ScaleConfig
-    from grpoflow.tasks.distributed import DistributedLearner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config.sections import ScaleConfig
+    from grpoflow.tasks.learner.distributed import DistributedLearner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     n = v["world_size"]
     threads = max(1, v["threads"] // n)

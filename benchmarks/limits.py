@@ -117,9 +117,9 @@ class CpuMeter:
 
 
 def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
-    """Token ids of step `step`'s prompts, rendered exactly as tasks/generate.py renders them."""
+    """Token ids of step `step`'s prompts, rendered exactly as tasks/rollouts/generate.py renders them."""
     from grpoflow.flows.data import rows_for_step
-    from grpoflow.tasks.generate import prompt_messages, render
+    from grpoflow.tasks.rollouts.generate import prompt_messages, render
 
     d = cfg.data
     batch, cursor = rows_for_step(rows, step, d.prompts_per_step, seed=cfg.run.seed, shuffle=d.shuffle)
@@ -133,7 +133,7 @@ async def raw_generation(cfg, url: str, batches: list[list[list[int]]], in_fligh
     """Step-shaped batches, `in_flight` of them at once (all their requests together), the first round a
     warm-up; seconds per batch = round seconds / in_flight. With max_staleness k the pipeline keeps up
     to k + 1 batches in flight, and the server's throughput grows with its batch."""
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     g = cfg.generation
     seconds, tokens, outputs = [], [], []
@@ -181,7 +181,7 @@ async def raw_generation(cfg, url: str, batches: list[list[list[int]]], in_fligh
 
 def samples_like_a_step(outputs) -> list:
     """TrainSamples of one step's shape from generated completions (advantages +-1: every sample trains)."""
-    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner.learner_api import TrainSample
 
     out = []
     for prompt_ids, choices in outputs:
@@ -204,8 +204,8 @@ def raw_train(
     cfg, model_dir: Path, samples, repeats: int, url: str, root: Path, meter: CpuMeter
 ) -> list[dict[str, Any]]:
     from grpoflow.flows.runs import RunState, build_learner
-    from grpoflow.tasks.push import push_version, weight_push
-    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.push.push import push_version, weight_push
+    from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
     run = RunState("limits-raw", 0, 0, str(model_dir), str(model_dir), None, False)
     learner = build_learner(cfg, run)
@@ -290,7 +290,7 @@ def main() -> None:
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.config import load_config
     from grpoflow.flows.data import load_rows
-    from grpoflow.tasks.generate import load_tokenizer
+    from grpoflow.tasks.rollouts.generate import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))
     table, cores = [], []

@@ -31,9 +31,9 @@ import statistics
 import tempfile
 
 from grpoflow.flows.serve import start_server
-from grpoflow.tasks.config import InferenceConfig, LoraConfig, SyncConfig
-from grpoflow.tasks.push import push_version, weight_push
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig, SyncConfig
+from grpoflow.tasks.push.push import push_version, weight_push
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 HERE = Path(__file__).resolve().parent
 
@@ -53,8 +53,8 @@ def measure(label: str, model_dir: Path, root: Path, rank: int, repeats: int, ex
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.lora import attach, write_adapter
-    from grpoflow.tasks.weights import save_weights
+    from grpoflow.tasks.learner.lora import attach, write_adapter
+    from grpoflow.tasks.push.weights import save_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())

@@ -2,7 +2,7 @@
 
 For each replica count: start the servers as `grpoflow train` does (each bound to its own share of the
 cores), then generate `--batches` steps of `--prompts` prompts x G completions through the run's routing
-(tasks/replicas.py: each group to the least busy server) and print one JSON line: completion tokens per
+(tasks/rollouts/replicas.py: each group to the least busy server) and print one JSON line: completion tokens per
 second of generation (median over batches after one warm-up batch), and how the groups spread.
 
     .venv/bin/python benchmarks/replicas.py [--model models/smollm2-135m] [--replicas 1 2] [--batches 4]
@@ -40,8 +40,8 @@ def main() -> None:
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.examples.envs import arith_rows
     from grpoflow.flows.serve import inference_servers
-    from grpoflow.tasks.config import GenerationConfig, InferenceConfig, ToolsConfig
-    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.config.sections import GenerationConfig, InferenceConfig, ToolsConfig
+    from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
     from grpoflow.tasks.steps import RolloutJob, rollout_batch
 
     rows = arith_rows(args.prompts * (args.batches + 1), 0)

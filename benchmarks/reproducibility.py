@@ -44,8 +44,8 @@ RUNS = ("repro-a", "repro-b")
 
 def base_weights(url: str, model_dir: Path, inference) -> None:
     """Put the base model's weights back into the server (version 0), as the integration tests do."""
-    from grpoflow.tasks.config import SyncConfig
-    from grpoflow.tasks.push import load_version, weight_push
+    from grpoflow.tasks.config.sections import SyncConfig
+    from grpoflow.tasks.push.push import load_version, weight_push
 
     with tempfile.TemporaryDirectory(prefix="grpoflow-restore-") as tmp:
         load_version(weight_push(tmp, "restore", SyncConfig(), inference), url, model_dir, 0)

@@ -18,8 +18,8 @@ import json
 import time
 
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-from grpoflow.tasks.config import RewardConfig
-from grpoflow.tasks.score import score_groups
+from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.rewards.score import score_groups
 
 DELAY = 0.2
 

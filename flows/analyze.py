@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from grpoflow.storage.sql import CANNED, query
-from grpoflow.tasks.allowlist import check_path
+from grpoflow.tasks.config.allowlist import check_path
 
 
 @flow(name="rollout-sql", log_prints=True)

@@ -235,7 +235,7 @@ def cmd_retrain(args) -> int:
 
 
 def _server_inference(args):
-    from grpoflow.tasks.config import InferenceConfig
+    from grpoflow.tasks.config.sections import InferenceConfig
 
     return InferenceConfig(api_key=args.api_key) if args.api_key else InferenceConfig()
 
@@ -245,7 +245,7 @@ def cmd_promote(args) -> int:
     from grpoflow.flows.promote import base_version, checkpoint_version, promote, serving_version
     from grpoflow.storage.promotions import PromotionError
     from grpoflow.storage.records import validate_run_id
-    from grpoflow.tasks.push import WeightPushError
+    from grpoflow.tasks.push.push import WeightPushError
 
     root, run = _root(args), validate_run_id(args.run)
     lineage = validate_run_id(args.lineage or run)
@@ -268,7 +268,7 @@ def cmd_rollback(args) -> int:
     from grpoflow.flows.promote import rollback
     from grpoflow.storage.promotions import PromotionError
     from grpoflow.storage.records import validate_run_id
-    from grpoflow.tasks.push import WeightPushError
+    from grpoflow.tasks.push.push import WeightPushError
 
     try:
         row = rollback(_root(args), validate_run_id(args.lineage), server_url=args.server,
@@ -562,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpoflow.flows.config import ConfigError
     from grpoflow.storage.records import InvalidRunIdError
     from grpoflow.storage.sql import QueryError
-    from grpoflow.tasks.broken_rewards import BrokenRewardError
-    from grpoflow.tasks.push import LoraUnsupportedError
+    from grpoflow.tasks.push.push import LoraUnsupportedError
+    from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
 
     try:
         if not getattr(args, "runs_flows", False):

@@ -8,7 +8,7 @@ status per reward function), 3. rollouts' reward, reward_valid, advantage, train
 4. steps (every numeric column but times and machine-dependent ones; the max abs difference of each
 column that differs), 5. the final checkpoints' weights (max abs difference, the worst tensor, bitwise
 equality), 6. what the runs' metadata says they ran on (seed, machine, threads, library versions:
-tasks/reproducible.py), any difference named. `report` returns the summary as a dict.
+tasks/rollouts/reproducible.py), any difference named. `report` returns the summary as a dict.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def compare_weights(root: Path, run_a: str, run_b: str) -> dict:
 def compare_environments(root: Path, run_a: str, run_b: str) -> list[str]:
     """6. What differs between the runs' reproducibility records (their run metadata)."""
     from grpoflow.storage.rollouts import RolloutStore
-    from grpoflow.tasks.reproducible import mismatches
+    from grpoflow.tasks.rollouts.reproducible import mismatches
 
     store = RolloutStore(root)
     a, b = ((store.read_run_meta(r) or {}).get("reproducibility") for r in (run_a, run_b))

@@ -1,6 +1,6 @@
 """The config tree of a grpoflow run: one validated pydantic model, every field documented.
 
-Only flows see the whole tree; each unit below takes its own section (`tasks/config.py`). Validation
+Only flows see the whole tree; each unit below takes its own section (`tasks/config/sections.py`). Validation
 fails early (before any model is loaded) with the dotted path of the offending field.
 """
 
@@ -12,8 +12,9 @@ from typing import Any
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from grpoflow.tasks.allowlist import NotAllowedError, check_path
-from grpoflow.tasks.config import (
+from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
+from grpoflow.tasks.config.imports import add_search_dir, import_object
+from grpoflow.tasks.config.sections import (
     AlgorithmConfig,
     DataConfig,
     DatasetConfig,
@@ -32,7 +33,6 @@ from grpoflow.tasks.config import (
     TrackingConfig,
     WarmupConfig,
 )
-from grpoflow.tasks.imports import add_search_dir, import_object
 
 __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from them
     "AlgorithmConfig",

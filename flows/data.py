@@ -13,8 +13,8 @@ from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
 from grpoflow.storage.records import held_out, row_id_of
-from grpoflow.tasks.allowlist import NotAllowedError, check_path
-from grpoflow.tasks.config import DatasetConfig
+from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
+from grpoflow.tasks.config.sections import DatasetConfig
 
 
 def _read_rows(path: str, field: str, cfg: GRPOConfig) -> list[dict[str, Any]]:
@@ -276,7 +276,7 @@ def rows_for_step(
 
 
 def confine_dataset(ds: DatasetConfig) -> None:
-    """`data.dataset`'s local paths inside the worker's allow-lists (tasks/allowlist.py); its files
+    """`data.dataset`'s local paths inside the worker's allow-lists (tasks/config/allowlist.py); its files
     are read locally only."""
     if not ds.is_builder():
         if not Path(ds.path).exists():  # a Hub name: load_dataset would download from the network

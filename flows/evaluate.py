@@ -33,10 +33,10 @@ from grpoflow.flows.runs import confine, prepare_model, rollout_job
 from grpoflow.flows.serve import inference_server
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.records import validate_run_id
-from grpoflow.tasks.config import LoraConfig
-from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
-from grpoflow.tasks.lora_push import adapter_rank
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
+from grpoflow.tasks.push.lora_push import adapter_rank
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.steps import RolloutBatch, RolloutJob, persist, rollout_batch
 
 
@@ -74,7 +74,7 @@ def adapter_base(cfg: GRPOConfig, model: str) -> tuple[str, LoraConfig] | None:
     rank = adapter_rank(model)
     if rank is None:
         return None
-    from grpoflow.tasks.checkpoint_io import learner_info
+    from grpoflow.tasks.learner.checkpoint_io import learner_info
 
     base = learner_info(Path(model).parent).get("base_model")
     if base is None:
@@ -121,7 +121,7 @@ def evaluate_model(
     them as step `step` of `eval_run` (split 'eval'); the groups. `tokenizer`: default `model`'s."""
     replicas = ReplicaSet([Replica(0, url)], version=step)
     if load:
-        from grpoflow.tasks.push import load_version, weight_push
+        from grpoflow.tasks.push.push import load_version, weight_push
 
         backend = "checkpoint" if adapter_rank(model) is None else "lora"
         sync = cfg.sync.model_copy(update={"backend": backend})

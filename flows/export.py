@@ -17,7 +17,7 @@ from grpoflow.flows.config import ConfigError
 from grpoflow.storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from grpoflow.storage.records import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore, atomic_publish_dir
-from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR
 
 
 @dataclass
@@ -41,8 +41,8 @@ def export_checkpoint(root: str | Path, run_id: str, out: str | Path, step: int 
     if not merge:
         atomic_publish_dir(out, lambda tmp: shutil.copytree(adapter, tmp, dirs_exist_ok=True))
         return Exported(out, step, "adapter")
-    from grpoflow.tasks.checkpoint_io import learner_info
-    from grpoflow.tasks.lora import merge as merge_adapter
+    from grpoflow.tasks.learner.checkpoint_io import learner_info
+    from grpoflow.tasks.learner.lora import merge as merge_adapter
 
     info = learner_info(ckpt)
     base = info.get("base_model")

@@ -14,9 +14,9 @@ from grpoflow.flows.data import rows_for_step
 from grpoflow.flows.runner import StepRunner
 from grpoflow.flows.runs import RunState
 from grpoflow.flows.serve import Server, is_healthy
-from grpoflow.tasks.inference import InferenceUnavailableError
-from grpoflow.tasks.push import WeightPush, load_version
-from grpoflow.tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
+from grpoflow.tasks.push.push import WeightPush, load_version
+from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from grpoflow.tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
 
 
@@ -40,7 +40,7 @@ class RolloutPipeline:
 
     A server that fails leaves the rotation and its groups are generated on the others, while its
     reviver restarts it (embedded) or waits for it (external) and loads the current weights
-    (tasks/replicas.py). When no server is left the step's batch fails with InferenceUnavailableError:
+    (tasks/rollouts/replicas.py). When no server is left the step's batch fails with InferenceUnavailableError:
     the pipeline waits for an embedded server to come back and generates the lost batches again; with
     external servers only, the run stops, resumable.
     """

@@ -12,12 +12,12 @@ from prefect import flow, get_run_logger
 
 from grpoflow.flows.serve import ServerHandle, ServerStartError, _tail, server_command
 from grpoflow.storage.processes import stop_stale
-from grpoflow.tasks.config import LoraConfig
+from grpoflow.tasks.config.sections import LoraConfig
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
-    from grpoflow.tasks.inference import InferenceError, VLLMClient
-    from grpoflow.tasks.push import release_abandoned_pause
+    from grpoflow.tasks.push.push import release_abandoned_pause
+    from grpoflow.tasks.rollouts.inference import InferenceError, VLLMClient
 
     try:
         async with VLLMClient(url, api_key=api_key, retries=0) as client:
@@ -57,8 +57,8 @@ def lora_lineages(root: str | Path, lineages: list[str], model_dir: str | None) 
 
 def _serve_lineages(url: str, api_key: str | None, adapters: dict[str, str]) -> None:
     """Load each lineage's adapter under its name (again after a restart: the registry is gone)."""
-    from grpoflow.tasks.inference import VLLMClient
-    from grpoflow.tasks.lora_serve import serve_lineage
+    from grpoflow.tasks.push.lora_serve import serve_lineage
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go() -> None:
         async with VLLMClient(url, api_key=api_key) as client:
@@ -94,7 +94,7 @@ def policy_server(
     runtime, `max_loras` per batch; each lineage's adapter is loaded under its name at start and after
     every restart, and promotions and rollbacks (`--server`) replace it there."""
     log = get_run_logger()
-    from grpoflow.tasks.allowlist import check_path
+    from grpoflow.tasks.config.allowlist import check_path
 
     check_path(root, "root")
     adapters: dict[str, str] = {}

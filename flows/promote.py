@@ -12,7 +12,7 @@ on the base model with LoRA enabled, shared by several lineages: a version is th
 server makes the lineage's own name serve it: the name is an alias in the server, re-pointed at the
 adapter loaded under an internal name of its own, so it never answers 404, with no per-step re-reads,
 no prefix-cache reset (cached KV is keyed by adapter name and path) and no other lineage touched
-(tasks/lora_serve.py). Below its first promotion the name serves the base model as an identity adapter.
+(tasks/push/lora_serve.py). Below its first promotion the name serves the base model as an identity adapter.
 
 Order of effects, so that a crash at any point leaves the log true of the server or errs safe: pin the
 version, load it into the server, then record the decision (a crash before the record leaves a pinned
@@ -28,8 +28,8 @@ from typing import Any
 from grpoflow.storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from grpoflow.storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.learner_api import checkpoint_weights
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.learner.learner_api import checkpoint_weights
 
 
 def checkpoint_version(root: str | Path, run_id: str, step: int | None = None) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def is_adapter(path: str | None) -> bool:
 def base_adapter(root: str | Path, lineage: str, like: str) -> str:
     """The lineage's base model as an adapter (every lora_B zero, shaped like the adapter `like`),
     written once beside its promotion log: what its name serves below its first promotion."""
-    from grpoflow.tasks.lora_serve import identity_adapter
+    from grpoflow.tasks.push.lora_serve import identity_adapter
 
     return str(identity_adapter(like, PromotionLog(root).lineage_dir(lineage) / "base-adapter"))
 
@@ -75,7 +75,7 @@ def lineage_adapter(root: str | Path, lineage: str) -> str | None:
 
 def adapter_base_model(adapter: str) -> str | None:
     """The base model a LoRA checkpoint's adapter goes on (its learner.json's `base_model`)."""
-    from grpoflow.tasks.checkpoint_io import learner_info
+    from grpoflow.tasks.learner.checkpoint_io import learner_info
 
     return learner_info(Path(adapter).parent).get("base_model")
 
@@ -100,7 +100,7 @@ def load_into_server(
     name (the module doc). The seconds it took."""
     if is_adapter(path):
         return load_lineage_adapter(path, server_url=server_url, lineage=lineage, inference=inference)
-    from grpoflow.tasks.push import load_version, weight_push
+    from grpoflow.tasks.push.push import load_version, weight_push
 
     sync = (sync or SyncConfig()).model_copy(update={"backend": "checkpoint"})
     pusher = weight_push(root, lineage, sync, inference or InferenceConfig(), reset_prefix_cache=True)
@@ -114,8 +114,8 @@ def load_lineage_adapter(
     import asyncio
     import time
 
-    from grpoflow.tasks.inference import client_for
-    from grpoflow.tasks.lora_serve import serve_lineage
+    from grpoflow.tasks.push.lora_serve import serve_lineage
+    from grpoflow.tasks.rollouts.inference import client_for
 
     async def load() -> str:
         async with client_for(server_url, inference or InferenceConfig()) as client:

@@ -30,7 +30,7 @@ from grpoflow.flows.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.records import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.lora_push import adapter_rank
+from grpoflow.tasks.push.lora_push import adapter_rank
 
 GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
 

@@ -25,9 +25,9 @@ from typing import Any
 from prefect import Task, get_run_logger
 from prefect.utilities.annotations import quote
 
-from grpoflow.tasks.inference import InferenceUnavailableError
-from grpoflow.tasks.push import PushStats, WeightPush
-from grpoflow.tasks.replicas import ReplicaSet
+from grpoflow.tasks.push.push import PushStats, WeightPush
+from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.replicas import ReplicaSet
 from grpoflow.tasks.steps import (
     RolloutBatch,
     RolloutJob,

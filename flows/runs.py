@@ -19,12 +19,18 @@ from grpoflow.flows.data import confine_dataset, load_rows, split_rows
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.records import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.allowlist import NotAllowedError, check_path, check_server, check_server_flags, enforced
-from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR
+from grpoflow.tasks.config.allowlist import (
+    NotAllowedError,
+    check_path,
+    check_server,
+    check_server_flags,
+    enforced,
+)
+from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.learner_api import PolicyLearner
-    from grpoflow.tasks.replicas import ReplicaSet
+    from grpoflow.tasks.learner.learner_api import PolicyLearner
+    from grpoflow.tasks.rollouts.replicas import ReplicaSet
     from grpoflow.tasks.steps import RolloutJob
 
 
@@ -91,7 +97,7 @@ def _eval_source(cfg: GRPOConfig) -> str:
 def check_reward_models(cfg: GRPOConfig) -> None:
     """Each `rewards[i].model` must be a sequence-classification model directory (read from its config
     alone: no weights are loaded here)."""
-    from grpoflow.tasks.reward_model import RewardModelError, check_reward_model
+    from grpoflow.tasks.rewards.reward_model import RewardModelError, check_reward_model
 
     for i, r in enumerate(cfg.rewards):
         if r.model is None:
@@ -117,7 +123,7 @@ def check_lora_targets(cfg: GRPOConfig, model: Path) -> None:
     """learner.lora.target_modules must name linear layers of `model` (read from its config alone)."""
     if cfg.learner.lora is None:
         return
-    from grpoflow.tasks.lora import LoraTargetError, check_targets
+    from grpoflow.tasks.learner.lora import LoraTargetError, check_targets
 
     try:
         check_targets(model, cfg.learner.lora)
@@ -127,7 +133,7 @@ def check_lora_targets(cfg: GRPOConfig, model: Path) -> None:
 
 def confine(cfg: GRPOConfig, **servers: str | None) -> None:
     """Refuse, before any file is read or request sent, what the worker's settings do not allow
-    (tasks/allowlist.py); server flags that undo grpoflow's own safety defaults are refused always.
+    (tasks/config/allowlist.py); server flags that undo grpoflow's own safety defaults are refused always.
     `servers`: a flow's own server parameters (name=url), bounded like `inference.url`."""
     try:
         for name, url in servers.items():
@@ -193,7 +199,7 @@ def warmed_model(cfg: GRPOConfig, base: Path) -> Path:
     """`base` after the warm-up, cached under <root>/models/warmup-<key>: the key covers the base
     model's weights file, the warm-up and tools settings and the seed, so any change warms up anew
     and a resumed run finds the model it started from."""
-    from grpoflow.tasks.warmup import callable_name, warm_up
+    from grpoflow.tasks.learner.warmup import callable_name, warm_up
 
     weights = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
     key = {
@@ -302,14 +308,14 @@ def write_meta(cfg: GRPOConfig, run: RunState, status: str, **extra: Any) -> Non
 
 def build_learner(cfg: GRPOConfig, run: RunState) -> PolicyLearner:
     """The run's learner on its sections, resumed from the run's checkpoint if it has one. With
-    `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/distributed.py)."""
+    `learner.world_size` > 1 its ranks run on the run's Ray cluster (tasks/learner/distributed.py)."""
     # torch is imported here, not at the top: preflight and the CLI use this module without a model.
-    from grpoflow.tasks.learn import Learner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     kind = Learner
     if cfg.learner.world_size > 1:
-        from grpoflow.tasks.distributed import DistributedLearner as kind
+        from grpoflow.tasks.learner.distributed import DistributedLearner as kind
     learner = kind(
         run.model_path,
         cfg.learner,
@@ -338,7 +344,7 @@ def rollout_job(
 ) -> RolloutJob:
     """What each step's rollout task needs: the servers it generates on, and the config's sections;
     `train_rows`: the training split (its size is an epoch; dynamic sampling draws from it)."""
-    from grpoflow.tasks.sampling import DynamicSampling
+    from grpoflow.tasks.rollouts.sampling import DynamicSampling
     from grpoflow.tasks.steps import RolloutJob  # Prefect's import stays out of preflight's path
 
     sampling = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.storage.processes import forget_process, record_process, stop_stale
-from grpoflow.tasks.config import InferenceConfig, LoraConfig
+from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server: stdlib + psutil
@@ -230,7 +230,7 @@ def server_command(
     # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
     cmd += ["--middleware", "grpoflow_lease.PauseLease"]
     # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
-    # (tasks/lora_serve.py); without any alias it passes every request through unbuffered.
+    # (tasks/push/lora_serve.py); without any alias it passes every request through unbuffered.
     cmd += ["--middleware", "grpoflow_alias.ModelAlias"]
     if api_key:
         # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check

@@ -46,7 +46,7 @@ from grpoflow.storage import explore
 from grpoflow.storage.records import InvalidRunIdError, validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import CANNED, QueryError, format_result, query
-from grpoflow.tasks.allowlist import check_path
+from grpoflow.tasks.config.allowlist import check_path
 
 STATIC = Path(__file__).parent / "ui_static"
 DEFAULT_PORT = 8300

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from grpoflow.tasks.imports import import_object
+from grpoflow.tasks.config.imports import import_object
 
 _REMOTE: Any = None  # the Ray remote function, made on first use (ray.remote needs ray imported)
 _LOCK = threading.Lock()

@@ -27,20 +27,20 @@ from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.broken_rewards import BrokenReward, broken_rewards
-from grpoflow.tasks.config import (
+from grpoflow.tasks.config.sections import (
     AlgorithmConfig,
     GenerationConfig,
     InferenceConfig,
     RewardConfig,
     ToolsConfig,
 )
-from grpoflow.tasks.grpo import group_advantages
-from grpoflow.tasks.push import PushStats, WeightPush, push_version
-from grpoflow.tasks.replicas import ReplicaSet
-from grpoflow.tasks.reproducible import save_kept
-from grpoflow.tasks.reward_kwargs import TrainerState
-from grpoflow.tasks.sampling import NO_SIGNAL, DynamicSampling, select
+from grpoflow.tasks.learner.grpo import group_advantages
+from grpoflow.tasks.push.push import PushStats, WeightPush, push_version
+from grpoflow.tasks.rewards.broken_rewards import BrokenReward, broken_rewards
+from grpoflow.tasks.rewards.reward_kwargs import TrainerState
+from grpoflow.tasks.rollouts.replicas import ReplicaSet
+from grpoflow.tasks.rollouts.reproducible import save_kept
+from grpoflow.tasks.rollouts.sampling import NO_SIGNAL, DynamicSampling, select
 
 
 @dataclass
@@ -74,9 +74,9 @@ class RolloutJob:
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
-    from grpoflow.tasks.generate import generate_groups, load_tokenizer
-    from grpoflow.tasks.inference import client_for
-    from grpoflow.tasks.replicas import Servers
+    from grpoflow.tasks.rollouts.generate import generate_groups, load_tokenizer
+    from grpoflow.tasks.rollouts.inference import client_for
+    from grpoflow.tasks.rollouts.replicas import Servers
 
     kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
               seed=job.seed, split=job.split)  # fmt: skip
@@ -89,7 +89,7 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
 
 
 async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> RolloutBatch:
-    from grpoflow.tasks.score import reward_metrics, score_groups_async
+    from grpoflow.tasks.rewards.score import reward_metrics, score_groups_async
 
     t0 = time.perf_counter()
     groups = await _generate(rows, prompt_indices, job)
@@ -119,7 +119,7 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
 async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, state: TrainerState):
     """Dynamic sampling's further rounds, while the step holds fewer than prompts_per_step groups with
     reward variance: (the new groups, their generation seconds, their scoring seconds)."""
-    from grpoflow.tasks.score import score_groups_async
+    from grpoflow.tasks.rewards.score import score_groups_async
 
     ds, more, gen_s, score_s, rounds = job.sampling, [], 0.0, 0.0, 1
     for rnd in range(1, ds.max_rounds):
@@ -369,7 +369,7 @@ class StepRecord:
 
 def update(learner, groups: list[RolloutGroup]) -> dict[str, float]:
     """Train on the step's trained completions; the learner's train/ figures."""
-    from grpoflow.tasks.learner_api import samples_from_groups
+    from grpoflow.tasks.learner.learner_api import samples_from_groups
 
     failpoint("train")
     return learner.train_step(samples_from_groups(groups))

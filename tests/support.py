@@ -19,7 +19,7 @@ from grpoflow.storage.records import (
 )
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.learn import Learner
+    from grpoflow.tasks.learner.learn import Learner
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -98,7 +98,7 @@ def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
 
 def unpause(url: str) -> None:
     """Resume the server at `url`: a run killed mid-push leaves it paused, and later tests need it."""
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -209,7 +209,7 @@ def rich_group(gid: str = "train-00000003", n: int = 2) -> RolloutGroup:
 def train_samples() -> list:
     """Three learner samples: one prompt with two completions, the first rewarded and the second
     punished (a tool token masked in the first), and a second prompt's completion at advantage 0.5."""
-    from grpoflow.tasks.learner_api import TrainSample  # torch: imported by the tests that train
+    from grpoflow.tasks.learner.learner_api import TrainSample  # torch: imported by the tests that train
 
     return [
         TrainSample([5, 6, 7, 70, 71, 72], 3, [1, 0, 1], [-5.5, 0.0, -5.5], 1.0),
@@ -229,13 +229,13 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
     (off-policy correction off unless given: these samples' behaviour logprobs are made up), on
     LEARNER_DEVICE unless `device` is among them, computing in `dtype` (float32: the tests' exact
     comparisons hold on a GPU too; the precision recipe's tests ask for bfloat16)."""
-    from grpoflow.tasks.config import (  # torch: for the tests that train
+    from grpoflow.tasks.config.sections import (  # torch: for the tests that train
         AlgorithmConfig,
         LearnerConfig,
         ModelConfig,
     )
-    from grpoflow.tasks.learn import Learner
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
     fields.setdefault("device", LEARNER_DEVICE)
 
@@ -305,7 +305,7 @@ def assistant_text(tok, ids: list[int]) -> str:
 
 def toolbox(*fns, timeout_s: float = 10.0):
     """A ToolBox of plain functions, each under its own name."""
-    from grpoflow.tasks.tools import ToolBox
+    from grpoflow.tasks.rollouts.tools import ToolBox
 
     return ToolBox({f.__name__: f for f in fns}, timeout_s)
 

@@ -11,7 +11,7 @@ the server holds, so merges do not accumulate. A fused vLLM layer (q/k/v, gate/u
 weights, and biases come from the base files too.
 
 Runs inside vLLM's worker process: imports only what vLLM's own environment has (torch, safetensors).
-The server should be paused around the call (tasks/lora_push.py: MergedLoraPush), as for a reload.
+The server should be paused around the call (tasks/push/lora_push.py: MergedLoraPush), as for a reload.
 """
 
 from __future__ import annotations

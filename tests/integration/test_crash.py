@@ -96,8 +96,8 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
 def test_a_pause_left_by_a_dead_trainer_is_released_only_after_its_lease(vllm_server):
     """policy-server's supervision step on the real server: a trainer's pause within its lease is left
     alone (a reload in progress); once the lease runs out the server is resumed and serves again."""
-    from grpoflow.tasks.inference import VLLMClient
-    from grpoflow.tasks.push import release_abandoned_pause
+    from grpoflow.tasks.push.push import release_abandoned_pause
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     def on_server(call):
         async def go():

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from grpoflow.tasks.config import AlgorithmConfig, LearnerConfig
-from grpoflow.tasks.learn import Learner
-from grpoflow.tasks.learner_api import LearnerRun, TrainSample
+from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig
+from grpoflow.tasks.learner.learn import Learner
+from grpoflow.tasks.learner.learner_api import LearnerRun, TrainSample
 from grpoflow.tasks.tiny_model import build_tiny_model
 from tests.support import wait_for
 
@@ -37,7 +37,7 @@ def cluster():
     """A local Ray for this module's ranks (2 CPUs: one per rank)."""
     pytest.importorskip("ray")
     from grpoflow.flows.cluster import ray_cluster
-    from grpoflow.tasks.config import ScaleConfig
+    from grpoflow.tasks.config.sections import ScaleConfig
 
     with ray_cluster(ScaleConfig(ray_address="local", num_cpus=2)) as c:
         yield c
@@ -75,7 +75,7 @@ def weights(state: dict) -> dict[str, torch.Tensor]:
 
 
 def sharded(model_dir, **learner):
-    from grpoflow.tasks.distributed import DistributedLearner
+    from grpoflow.tasks.learner.distributed import DistributedLearner
 
     lc, ac = configs(world_size=2, **learner)
     return DistributedLearner(model_dir, lc, ac, learner_run(model_dir))
@@ -143,7 +143,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_two(two_steps, mo
     assert m1["train/lr"] == two_steps["second"]["train/lr"]
     assert_same_weights(weights(one.model.state_dict()), two_steps["after_two"])
 
-    from grpoflow.tasks.distributed import DistributedLearner
+    from grpoflow.tasks.learner.distributed import DistributedLearner
 
     lc2 = lc.model_copy(update={"world_size": 2})
     d = DistributedLearner(ckpt / "model", lc2, ac, learner_run(model_dir))
@@ -184,7 +184,7 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
 ):
     import ray
 
-    from grpoflow.tasks.distributed import LearnerRankError
+    from grpoflow.tasks.learner.distributed import LearnerRankError
 
     monkeypatch.setenv("GRPOFLOW_FAULTS", fault)
     d = sharded(model_dir, collective_timeout_s=5.0)
@@ -205,7 +205,7 @@ def test_sigkill_of_a_rank_from_outside(cluster, model_dir):
     """A rank killed by the OS (not by a failpoint) between steps: the next step fails naming it."""
     import ray
 
-    from grpoflow.tasks.distributed import LearnerRankError
+    from grpoflow.tasks.learner.distributed import LearnerRankError
 
     d = sharded(model_dir, collective_timeout_s=5.0)
     pids = ray.get([r.pid.remote() for r in d.ranks])

@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpoflow.flows.serve import ServerStartError, start_server
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
-from grpoflow.tasks.push import push_version, weight_push
-from grpoflow.tasks.replicas import Replica, ReplicaSet
-from grpoflow.tasks.weights import save_weights
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import push_version, weight_push
+from grpoflow.tasks.push.weights import save_weights
+from grpoflow.tasks.rollouts.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration
 

@@ -82,13 +82,13 @@ def smollm2_lora_server(tmp_path_factory):
 def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_path, smollm2_lora_server):
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.config import InferenceConfig, LoraConfig, SyncConfig
-    from grpoflow.tasks.generate import load_tokenizer, render
-    from grpoflow.tasks.inference import VLLMClient
-    from grpoflow.tasks.learner_api import TrainSample
-    from grpoflow.tasks.lora import merge
-    from grpoflow.tasks.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
-    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig, SyncConfig
+    from grpoflow.tasks.learner.learner_api import TrainSample
+    from grpoflow.tasks.learner.lora import merge
+    from grpoflow.tasks.push.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
+    from grpoflow.tasks.rollouts.generate import load_tokenizer, render
+    from grpoflow.tasks.rollouts.inference import VLLMClient
+    from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
     from tests.support import make_learner
 
     model_dir = smollm2_lora_server.model_dir

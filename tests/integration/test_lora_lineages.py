@@ -3,7 +3,7 @@ while lineage A is retrained, gated on the same server (candidate and incumbent 
 promoted, promoted again and rolled back, down to its base. B's name answers its own greedy tokens at
 every point, A's name the new adapter's right after each swap, and neither name ever answers an error
 while A's adapter is swapped (its name is an alias re-pointed between adapters loaded under internal
-names, tasks/lora_serve.py)."""
+names, tasks/push/lora_serve.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ PROMPTS = ["Write a word like cat with many letters a.", "Write a word like bana
 
 
 def greedy(url: str, tok, model: str) -> list[list[int]]:
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url, retries=0) as c:
@@ -34,7 +34,7 @@ def greedy(url: str, tok, model: str) -> list[list[int]]:
 
 
 def served(url: str) -> dict[str, str]:
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -45,7 +45,7 @@ def served(url: str) -> dict[str, str]:
 
 def load_as(url: str, name: str, path: str) -> None:
     """The same adapter under a name of the test's own: its greedy tokens are the reference."""
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -107,7 +107,7 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
 
     from grpoflow.flows.promote import checkpoint_version, rollback
     from grpoflow.flows.retrain import grpo_retrain
-    from grpoflow.tasks.lora_serve import internal_name
+    from grpoflow.tasks.push.lora_serve import internal_name
 
     url, tok = lora_server.url, AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = tiny_cfg(tmp_path, tiny_model_dir, url, **{

@@ -13,10 +13,16 @@ import json
 
 import pytest
 
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import InferenceError, VLLMClient
-from grpoflow.tasks.push import MergedLoraPush, WeightPushError, load_version, no_such_method, push_version
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import (
+    MergedLoraPush,
+    WeightPushError,
+    load_version,
+    no_such_method,
+    push_version,
+)
+from grpoflow.tasks.rollouts.inference import InferenceError, VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from tests.integration.test_lora_push import merged_greedy, peft_model, served_greedy
 from tests.support import REPO
 
@@ -30,7 +36,7 @@ def pusher_for(root, run_id: str) -> MergedLoraPush:
 async def test_a_merged_adapter_generates_what_the_merged_model_does_and_merges_never_add_up(
     vllm_server, tmp_path
 ):
-    from grpoflow.tasks.lora import write_adapter
+    from grpoflow.tasks.learner.lora import write_adapter
 
     base = await served_greedy(vllm_server.url, None)
     pusher, servers = pusher_for(tmp_path, "merged"), ReplicaSet([Replica(0, vllm_server.url)])
@@ -53,7 +59,7 @@ async def test_a_merged_adapter_generates_what_the_merged_model_does_and_merges_
 async def test_a_failed_merge_leaves_the_server_serving_the_version_before(vllm_server, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from grpoflow.tasks.lora import write_adapter
+    from grpoflow.tasks.learner.lora import write_adapter
 
     pusher, servers = pusher_for(tmp_path, "merge-fail"), ReplicaSet([Replica(0, vllm_server.url)])
     model = peft_model(vllm_server.model_dir, seed=1)

@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from grpoflow.tasks.config import LORA_TARGETS, InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import InferenceHTTPError, VLLMClient
-from grpoflow.tasks.push import LoraPush, push_version
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.config.sections import LORA_TARGETS, InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import LoraPush, push_version
+from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def pusher_for(root, run_id: str) -> LoraPush:
 
 
 async def test_a_pushed_adapter_generates_what_the_merged_model_does(lora_server, tmp_path):
-    from grpoflow.tasks.lora import write_adapter
+    from grpoflow.tasks.learner.lora import write_adapter
 
     model = peft_model(lora_server.model_dir, seed=1)
     pusher, servers = pusher_for(tmp_path, "merge"), ReplicaSet([Replica(0, lora_server.url)])
@@ -82,7 +82,7 @@ async def test_a_pushed_adapter_generates_what_the_merged_model_does(lora_server
 
 
 async def test_a_push_keeps_the_previous_version_servable_and_unloads_the_ones_before(lora_server, tmp_path):
-    from grpoflow.tasks.lora import write_adapter
+    from grpoflow.tasks.learner.lora import write_adapter
 
     pusher, servers = pusher_for(tmp_path, "keep"), ReplicaSet([Replica(0, lora_server.url)])
     paths, tokens = {}, {}
@@ -110,7 +110,7 @@ def test_grpo_evaluate_scores_a_lora_checkpoint_as_its_base_with_the_adapter(
     from grpoflow.flows.evaluate import grpo_evaluate
     from grpoflow.storage.checkpoints import CheckpointStore
     from grpoflow.storage.sql import query
-    from grpoflow.tasks.lora import write_adapter
+    from grpoflow.tasks.learner.lora import write_adapter
     from tests.support import REPO
 
     model = peft_model(lora_server.model_dir, seed=21)

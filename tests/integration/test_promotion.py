@@ -37,7 +37,7 @@ def live_server(tiny_model_dir, tmp_path_factory):
 
 
 def greedy(url: str, tok) -> list[list[int]]:
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:
@@ -58,8 +58,8 @@ def test_promote_reject_rollback_on_a_live_server(
 
     from grpoflow.flows import cli
     from grpoflow.flows.retrain import grpo_retrain
-    from grpoflow.tasks.config import InferenceConfig, SyncConfig
-    from grpoflow.tasks.push import load_version, weight_push
+    from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push.push import load_version, weight_push
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     sets = [

@@ -16,7 +16,7 @@ import pytest
 from grpoflow.examples.rewards import letter_fraction
 from grpoflow.storage.processes import is_alive
 from grpoflow.storage.sql import query
-from grpoflow.tasks.replicas import ReplicaSet
+from grpoflow.tasks.rollouts.replicas import ReplicaSet
 from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,11 +10,11 @@ from transformers import AutoTokenizer
 from grpoflow.examples.tools import calculator
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
-from grpoflow.tasks.config import GenerationConfig, RewardConfig, ToolsConfig
-from grpoflow.tasks.generate import generate_groups
-from grpoflow.tasks.inference import Choice, VLLMClient
-from grpoflow.tasks.replicas import Replica, ReplicaSet, Servers
-from grpoflow.tasks.score import score_groups_async
+from grpoflow.tasks.config.sections import GenerationConfig, RewardConfig, ToolsConfig
+from grpoflow.tasks.rewards.score import score_groups_async
+from grpoflow.tasks.rollouts.generate import generate_groups
+from grpoflow.tasks.rollouts.inference import Choice, VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers
 
 pytestmark = pytest.mark.integration
 

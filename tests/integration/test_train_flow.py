@@ -168,8 +168,8 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     from grpoflow.flows.data import load_rows, rows_for_step
     from grpoflow.flows.runs import RunState, build_learner, rollout_job
     from grpoflow.flows.train import grpo_train
-    from grpoflow.tasks.push import weight_push
-    from grpoflow.tasks.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.push.push import weight_push
+    from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
     from grpoflow.tasks.steps import assign_advantages, persist, push_weights, rollout_batch, update
 
     steps = 3
@@ -240,7 +240,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
     finally:  # a kill at weight_push leaves the shared server paused; later tests need it serving
         import asyncio
 
-        from grpoflow.tasks.inference import VLLMClient
+        from grpoflow.tasks.rollouts.inference import VLLMClient
 
         async def unpause():
             async with VLLMClient(vllm_server.url) as c:
@@ -284,7 +284,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
 def _paused(url: str) -> bool:
     import asyncio
 
-    from grpoflow.tasks.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
 
     async def go():
         async with VLLMClient(url) as c:

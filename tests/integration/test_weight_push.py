@@ -12,11 +12,11 @@ import functools
 import pytest
 from transformers import AutoModelForCausalLM
 
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import VLLMClient, cache_salt_for
-from grpoflow.tasks.push import CheckpointPush, WeightPushError, push_version
-from grpoflow.tasks.replicas import Replica, ReplicaSet
-from grpoflow.tasks.weights import save_weights
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
+from grpoflow.tasks.push.weights import save_weights
+from grpoflow.tasks.rollouts.inference import VLLMClient, cache_salt_for
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpoflow.tasks.inference import Choice, InferenceHTTPError
-from grpoflow.tasks.replicas import Replica, ReplicaSet, Servers
+from grpoflow.tasks.rollouts.inference import Choice, InferenceHTTPError
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers
 
 BASE = "policy"  # the served model name grpoflow starts vLLM with
 

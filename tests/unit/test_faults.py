@@ -97,9 +97,9 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
         """
         import asyncio, threading
         from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-        from grpoflow.tasks.config import RewardConfig
-        from grpoflow.tasks.score import score_groups
-        from grpoflow.tasks.tools import ParsedCall, ToolBox
+        from grpoflow.tasks.config.sections import RewardConfig
+        from grpoflow.tasks.rewards.score import score_groups
+        from grpoflow.tasks.rollouts.tools import ParsedCall, ToolBox
 
         def stuck(completions, **_):
             threading.Event().wait()

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-import grpoflow.tasks.generate as gen
+import grpoflow.tasks.rollouts.generate as gen
 from grpoflow.examples.envs import CounterEnv
-from grpoflow.tasks.config import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.rollouts.tools import HermesToolParser
 from grpoflow.tasks.tiny_model import build_tokenizer
-from grpoflow.tasks.tools import HermesToolParser
 from tests.support import toolbox
 from tests.unit.scripted import ScriptedBackend, one_server
 
@@ -314,9 +314,9 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
     """An environment whose reset note differs per sample: the learner's input, the rollouts row and
     the `prompts` a reward function receives are each completion's own prompt."""
     from grpoflow.storage.records import rollout_rows
-    from grpoflow.tasks.config import RewardConfig
-    from grpoflow.tasks.learner_api import samples_from_groups
-    from grpoflow.tasks.score import score_groups
+    from grpoflow.tasks.config.sections import RewardConfig
+    from grpoflow.tasks.learner.learner_api import samples_from_groups
+    from grpoflow.tasks.rewards.score import score_groups
     from tests.unit.envs import TargetEnv
 
     async def script(text, k, seed):
@@ -398,7 +398,7 @@ def test_environment_that_cannot_snapshot_fails_preflight_naming_the_fix():
 
 
 def test_own_snapshot_method_is_used_and_is_not_a_tool():
-    from grpoflow.tasks.tools import environment_tools
+    from grpoflow.tasks.rollouts.tools import environment_tools
     from tests.unit.envs import LockedEnvWithSnapshot
 
     env = LockedEnvWithSnapshot()
@@ -410,7 +410,7 @@ def test_own_snapshot_method_is_used_and_is_not_a_tool():
 def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
     """After a push, no request may be served from prefix-cache KV of older weights: each request
     (each turn of a multi-turn rollout too) is salted with its version's salt, renewed by the push."""
-    from grpoflow.tasks.inference import cache_salt_for, renew_cache_salt
+    from grpoflow.tasks.rollouts.inference import cache_salt_for, renew_cache_salt
 
     async def script(text, k, seed):
         return call("ping") if "pong" not in text else "done"
@@ -435,7 +435,7 @@ def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
 
 
 def test_a_tool_raising_timeout_error_itself_is_a_failure_not_a_timeout():
-    from grpoflow.tasks.tools import ParsedCall
+    from grpoflow.tasks.rollouts.tools import ParsedCall
 
     def gives_up() -> str:
         """Its own HTTP client gave up."""

@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from grpoflow.tasks.config import AlgorithmConfig
-from grpoflow.tasks.grpo import compute_loss, group_advantages
+from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.learner.grpo import compute_loss, group_advantages
 
 pytestmark = pytest.mark.unit
 

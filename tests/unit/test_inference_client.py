@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import (
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
+from grpoflow.tasks.rollouts.inference import (
     InferenceError,
     InferenceHTTPError,
     InferenceProtocolError,
@@ -22,8 +23,7 @@ from grpoflow.tasks.inference import (
     VLLMClient,
     cache_salt_for,
 )
-from grpoflow.tasks.push import CheckpointPush, WeightPushError, push_version
-from grpoflow.tasks.replicas import Replica, ReplicaSet, VersionBox
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, VersionBox
 
 pytestmark = pytest.mark.unit
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpoflow.tasks.learn import Learner
-from grpoflow.tasks.learner_api import TrainSample
-from grpoflow.tasks.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
+from grpoflow.tasks.learner.learn import Learner
+from grpoflow.tasks.learner.learner_api import TrainSample
+from grpoflow.tasks.learner.logprobs import logprobs_from, shared_prompt_logprobs, token_logprobs
 from tests.support import make_learner
 from tests.support import train_samples as samples
 
@@ -294,7 +294,7 @@ def test_pushed_weights_read_back_exactly_overwritten_in_place_with_tied_tensors
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from grpoflow.tasks.weights import save_weights, write_safetensors
+    from grpoflow.tasks.push.weights import save_weights, write_safetensors
 
     path = tmp_path / "t.safetensors"
     write_safetensors({"big": torch.randn(1000)}, path)

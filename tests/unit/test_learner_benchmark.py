@@ -107,27 +107,27 @@ def _config_reads(path: Path, names: tuple[str, ...] = ("learner", "c", "algorit
 
 def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic_values():
     pytest.importorskip("pydantic")
-    from grpoflow.tasks.config import AlgorithmConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig, ModelConfig
 
     bench = _load()
     kw = {"micro_batch_size": 16, "share_prompt": False, "gradient_checkpointing": True, "mini_batches": 2}
     typed = bench.make_configs(**kw, num_iterations=3)
     plain = bench.make_configs(**kw, num_iterations=3, prefer_pydantic=False)
     assert typed[2] == "pydantic" and plain[2] == "namespace"
-    read = _config_reads(REPO / "tasks" / "learn.py") | _config_reads(REPO / "tasks" / "grpo.py")
+    read = _config_reads(REPO / "tasks" / "learner" / "learn.py") | _config_reads(REPO / "tasks" / "learner" / "grpo.py")
     for cls, pydantic_cfg, namespace in ((LearnerConfig, typed[0], plain[0]), (AlgorithmConfig, typed[1], plain[1])):  # fmt: skip
         fields = read & set(cls.model_fields)
         assert len(fields) >= 5, (cls, fields)  # the pattern still finds them
         for field in sorted(fields):
             assert getattr(namespace, field) == getattr(pydantic_cfg, field), field
     # The model section: the learner reads its dtype alone.
-    assert _config_reads(REPO / "tasks" / "learn.py", ("model",)) & set(ModelConfig.model_fields) == {"dtype"}
+    assert _config_reads(REPO / "tasks" / "learner" / "learn.py", ("model",)) & set(ModelConfig.model_fields) == {"dtype"}
     assert vars(bench.model_config("bfloat16", "namespace")) == {"dtype": "bfloat16"}
     assert bench.model_config("bfloat16", "pydantic").dtype == "bfloat16"
 
 
 def test_flop_count_shares_prompts_and_counts_the_head_on_completion_tokens_only():
-    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner.learner_api import TrainSample
 
     bench = _load()
     dims = {"params_non_embedding": 100, "layers": 2, "attn_width": 8, "hidden": 8, "vocab": 50}

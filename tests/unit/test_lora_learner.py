@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpoflow.tasks.config import LoraConfig
-from grpoflow.tasks.learner_api import TrainSample
-from grpoflow.tasks.logprobs import token_logprobs
-from grpoflow.tasks.lora import LoraTargetError, check_targets, merge
+from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.learner.learner_api import TrainSample
+from grpoflow.tasks.learner.logprobs import token_logprobs
+from grpoflow.tasks.learner.lora import LoraTargetError, check_targets, merge
 from tests.support import make_learner
 from tests.support import train_samples as samples
 

@@ -10,10 +10,9 @@ import json
 import pytest
 from aiohttp import web
 
-import grpoflow.tasks.generate as gen
-from grpoflow.tasks.config import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
-from grpoflow.tasks.inference import InferenceHTTPError, VLLMClient, cache_salt_for
-from grpoflow.tasks.push import (
+import grpoflow.tasks.rollouts.generate as gen
+from grpoflow.tasks.config.sections import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
+from grpoflow.tasks.push.push import (
     CheckpointPush,
     LoraPush,
     LoraUnsupportedError,
@@ -21,7 +20,8 @@ from grpoflow.tasks.push import (
     push_version,
     weight_push,
 )  # fmt: skip
-from grpoflow.tasks.replicas import Replica, ReplicaSet, Servers, VersionBox
+from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient, cache_salt_for
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers, VersionBox
 from grpoflow.tasks.tiny_model import build_tokenizer
 from tests.unit.scripted import ScriptedBackend
 

@@ -137,11 +137,11 @@ def _served(server) -> dict[str, str]:
 def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_root, monkeypatch):
     from safetensors.torch import load_file
 
-    from grpoflow.tasks.lora_serve import internal_name
+    from grpoflow.tasks.push.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     root, server = lora_root, ScriptedBackend(None, None)
-    monkeypatch.setattr("grpoflow.tasks.inference.client_for", lambda url, inference, **k: server)
+    monkeypatch.setattr("grpoflow.tasks.rollouts.inference.client_for", lambda url, inference, **k: server)
     url = "http://scripted.invalid"
     b1 = checkpoint_version(root, "bea", 1)
     assert b1["path"].endswith("step-000001/adapter")
@@ -182,11 +182,11 @@ def test_lora_lineages_promote_and_roll_back_by_name_on_one_shared_server(lora_r
 
 
 def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
-    from grpoflow.tasks.lora_serve import internal_name
+    from grpoflow.tasks.push.lora_serve import internal_name
     from tests.unit.scripted import ScriptedBackend
 
     server = ScriptedBackend(None, None)
-    monkeypatch.setattr("grpoflow.tasks.inference.client_for", lambda url, inference, **k: server)
+    monkeypatch.setattr("grpoflow.tasks.rollouts.inference.client_for", lambda url, inference, **k: server)
     a1 = checkpoint_version(lora_root, "ada", 1)
     for reason in ("first", "again"):
         promote(lora_root, "ada", a1, incumbent=None, server_url="http://s.invalid", reason=reason)
@@ -197,7 +197,7 @@ def test_a_lora_version_already_served_is_kept(lora_root, monkeypatch):
 def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_left(lora_root, monkeypatch):
     """A request rewritten to the old adapter just before the swap resolves it by name a few awaits
     later: the unload waits for the middleware's in-flight count to drop (bounded by drain_s)."""
-    from grpoflow.tasks.lora_serve import serve_adapter
+    from grpoflow.tasks.push.lora_serve import serve_adapter
     from tests.unit.scripted import ScriptedBackend
 
     server = ScriptedBackend(None, None)
@@ -221,9 +221,9 @@ def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_
 
 
 def test_a_server_without_the_alias_middleware_is_refused_with_how_to_start_one(lora_root):
-    from grpoflow.tasks.inference import InferenceHTTPError
-    from grpoflow.tasks.lora_serve import serve_adapter
-    from grpoflow.tasks.push_api import WeightPushError
+    from grpoflow.tasks.push.lora_serve import serve_adapter
+    from grpoflow.tasks.push.push_api import WeightPushError
+    from grpoflow.tasks.rollouts.inference import InferenceHTTPError
     from tests.unit.scripted import ScriptedBackend
 
     class OldServer(ScriptedBackend):

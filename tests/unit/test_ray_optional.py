@@ -39,8 +39,8 @@ def test_ray_is_not_imported_unless_asked():
         import grpoflow.flows.evaluate, grpoflow.flows.train
         from grpoflow.flows.cluster import ray_cluster
         from grpoflow.flows.config import GRPOConfig
-        from grpoflow.tasks.score import score_groups
-        from grpoflow.tasks.tools import ParsedCall, ToolBox
+        from grpoflow.tasks.rewards.score import score_groups
+        from grpoflow.tasks.rollouts.tools import ParsedCall, ToolBox
         from tests.support import make_groups
 
         cfg = GRPOConfig()

@@ -1,4 +1,4 @@
-"""Several generation servers: routing, health and revival bookkeeping (tasks/replicas.py), core shares
+"""Several generation servers: routing, health and revival bookkeeping (tasks/rollouts/replicas.py), core shares
 and the config's server fields. The servers here are bookkeeping only: `load` and `is_healthy` are
 recorders standing in for the flow's real ones (a real reload needs a vLLM server; the integration
 tests run two real ones)."""
@@ -11,8 +11,8 @@ import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
 from grpoflow.flows.serve import core_shares
-from grpoflow.tasks.inference import InferenceUnavailableError
-from grpoflow.tasks.replicas import MAX_RESTARTS, Replica, ReplicaSet
+from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit

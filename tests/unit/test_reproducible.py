@@ -13,7 +13,7 @@ import pytest
 
 from grpoflow.flows.config import load_config
 from grpoflow.flows.pipeline import RolloutPipeline
-from grpoflow.tasks.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
+from grpoflow.tasks.rollouts.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
 from grpoflow.tasks.steps import RolloutBatch
 from tests.support import rich_group
 
@@ -43,7 +43,7 @@ def test_nothing_to_keep_writes_nothing_and_reads_as_none(tmp_path):
 def test_a_batch_that_cannot_be_pickled_costs_the_resume_not_the_checkpoint(tmp_path, caplog):
     batch = _batch(4)
     batch.groups[0].row["lock"] = threading.Lock()  # e.g. an environment snapshot holding a lock
-    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.reproducible"):
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.rollouts.reproducible"):
         save_kept(tmp_path, [batch])
     assert not (tmp_path / KEPT_FILE).exists()
     assert "generates them again" in caplog.text and "lock" in caplog.text
@@ -54,7 +54,7 @@ def test_kept_batches_that_cannot_be_read_back_cost_the_resume_only_its_reproduc
     data = (tmp_path / KEPT_FILE).read_bytes()
     # as if the class a snapshot was pickled from had moved since: unpickling names a module that is gone
     (tmp_path / KEPT_FILE).write_bytes(data.replace(b"grpoflow.storage.records", b"grpoflow.storage.gone_xx"))
-    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.reproducible"):
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.rollouts.reproducible"):
         assert load_kept(tmp_path) == []
     assert "cannot be read back" in caplog.text and "generates them again" in caplog.text
 

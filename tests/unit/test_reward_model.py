@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.tasks import reward_model as rm
-from grpoflow.tasks.reward_model import RewardModelError, check_reward_model, reward_model
+from grpoflow.tasks.rewards import reward_model as rm
+from grpoflow.tasks.rewards.reward_model import RewardModelError, check_reward_model, reward_model
 from grpoflow.tasks.tiny_model import build_tiny_model, build_tokenizer
 from tests.support import by_hand, save_reward_model
 
@@ -156,7 +156,7 @@ def test_check_reward_model(tmp_path):
 def test_check_reward_model_does_not_import_torch(tmp_path):
     good = save_reward_model(tmp_path / "rm", build_tokenizer())
     code = (
-        "import sys; from grpoflow.tasks.reward_model import check_reward_model as c; c(sys.argv[1]); "
+        "import sys; from grpoflow.tasks.rewards.reward_model import check_reward_model as c; c(sys.argv[1]); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code, str(good)], cwd=REPO, check=True, timeout=120)

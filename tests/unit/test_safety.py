@@ -13,7 +13,7 @@ from grpoflow.flows.cli import build_parser
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.policy_server import policy_server
 from grpoflow.flows.serve import PLUGINS, server_command
-from grpoflow.tasks.tools import HermesToolParser
+from grpoflow.tasks.rollouts.tools import HermesToolParser
 from tests.support import toolbox, wait_for
 
 pytestmark = pytest.mark.unit

@@ -11,15 +11,15 @@ import pytest
 
 from grpoflow.examples.rewards import soft_overlong_penalty
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-from grpoflow.tasks.config import (
+from grpoflow.tasks.config.sections import (
     AlgorithmConfig,
     GenerationConfig,
     InferenceConfig,
     RewardConfig,
     ToolsConfig,
 )
-from grpoflow.tasks.replicas import Replica, ReplicaSet
-from grpoflow.tasks.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+from grpoflow.tasks.rollouts.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
 from grpoflow.tasks.steps import RolloutJob, assign_advantages
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-import grpoflow.tasks.generate as gen
-from grpoflow.tasks.config import GenerationConfig, ToolsConfig
+import grpoflow.tasks.rollouts.generate as gen
+from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
 from tests.unit.scripted import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit

@@ -9,10 +9,10 @@ import pytest
 from grpoflow.storage.records import RewardCell, TaggedMessage, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
-from grpoflow.tasks.broken_rewards import broken_rewards
-from grpoflow.tasks.config import RewardConfig
-from grpoflow.tasks.reward_kwargs import TrainerState, completion_messages
-from grpoflow.tasks.score import score_groups
+from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.rewards.broken_rewards import broken_rewards
+from grpoflow.tasks.rewards.reward_kwargs import TrainerState, completion_messages
+from grpoflow.tasks.rewards.score import score_groups
 from tests.support import make_groups
 
 pytestmark = pytest.mark.unit
@@ -223,7 +223,7 @@ def _scored(specs, fail: bool):
 
 
 def test_a_required_reward_broken_for_max_failed_reward_steps_stops_the_run_in_one_line():
-    from grpoflow.tasks.broken_rewards import BrokenRewardError
+    from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
 
     watch, specs = _watched(2)
     assert watch.step(0, _scored(specs, fail=True)) is None  # one broken step: logged, not yet stopped

@@ -34,7 +34,7 @@ def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path
         from grpoflow.flows.config import load_config
         from grpoflow.flows.runs import preflight
         from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-        from grpoflow.tasks.score import score_groups
+        from grpoflow.tasks.rewards.score import score_groups
 
         cfg = load_config({str(proj / "cfg.yaml")!r})
         rows = preflight(cfg)  # imports every path, reads the rows

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
-from grpoflow.tasks.config import ToolsConfig, WarmupConfig
-from grpoflow.tasks.generate import TemplateError
-from grpoflow.tasks.tools import HermesToolParser
-from grpoflow.tasks.warmup import IGNORE, PromptRenderer, example_ids, load_examples
+from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
+from grpoflow.tasks.learner.warmup import IGNORE, PromptRenderer, example_ids, load_examples
+from grpoflow.tasks.rollouts.generate import TemplateError
+from grpoflow.tasks.rollouts.tools import HermesToolParser
 
 CALC = ToolsConfig(tools=["grpoflow.examples.tools:calculator"])
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.config import AlgorithmConfig
+    from grpoflow.tasks.config.sections import AlgorithmConfig
 
 Scale = Literal["group", "batch", "none"]
 Baseline = Literal["group_mean", "leave_one_out"]

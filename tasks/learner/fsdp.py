@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.tasks.weights import write_model_dir
+from grpoflow.tasks.push.weights import write_model_dir
 
 
 def process_group() -> tuple[int, int]:

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
-from grpoflow.tasks.config import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import (
+from grpoflow.tasks.config.sections import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
+from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.rollouts.inference import (
     InferenceError,
     InferenceHTTPError,
     InferenceUnavailableError,
@@ -39,7 +40,6 @@ from grpoflow.tasks.inference import (
     client_for,
     renew_cache_salt,
 )
-from grpoflow.tasks.push_api import WeightPushError, WeightPushUnavailableError
 
 
 class LoraUnsupportedError(WeightPushError):

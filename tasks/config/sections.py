@@ -547,7 +547,7 @@ class InferenceConfig(Section):
 class SyncConfig(Section):
     backend: Literal["checkpoint", "lora", "lora_merged"] | None = Field(
         None,
-        description="Weight push backend (tasks/push.py: WeightPush): 'checkpoint' writes safetensors to "
+        description="Weight push backend (tasks/push/push.py: WeightPush): 'checkpoint' writes safetensors to "
         "the store, then vLLM reloads them (reload_weights); 'lora' writes the adapter (PEFT format) and "
         "vLLM loads it as an adapter named for the version, which requests then name; 'lora_merged' "
         "writes the adapter and each server merges it into its base weights in place (paused, as for "

@@ -1,6 +1,6 @@
 """Serving a lineage's adapter under the lineage's own, fixed name on a long-lived LoRA server.
 
-A run's pushes load each version under a new name (`<run>@v<N>`, tasks/lora_push.py); users of a
+A run's pushes load each version under a new name (`<run>@v<N>`, tasks/push/lora_push.py); users of a
 lineage instead ask for the lineage's name, whatever version it serves, so promotion and rollback
 must change what one name points at while clients keep asking for it. vLLM 0.32 has no good way:
 unload + load leaves a window where the name answers 404, and `load_inplace` stays set on the
@@ -36,8 +36,8 @@ import shutil
 import time
 from pathlib import Path
 
-from grpoflow.tasks.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
-from grpoflow.tasks.push_api import WeightPushError
+from grpoflow.tasks.push.push_api import WeightPushError
+from grpoflow.tasks.rollouts.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DRAIN_S = 30.0  # longest wait for requests rewritten to a replaced adapter before it is unloaded
@@ -123,7 +123,7 @@ def identity_adapter(like: str | Path, out: Path) -> Path:
 async def serve_lineage(url: str, client: VLLMClient, name: str, path: str) -> str:
     """`serve_adapter` with the push's errors: a server that cannot take adapters raises
     LoraUnsupportedError saying how to start it; other failures leave it serving what it served."""
-    from grpoflow.tasks.lora_push import _lora_error, adapter_rank
+    from grpoflow.tasks.push.lora_push import _lora_error, adapter_rank
 
     try:
         return await serve_adapter(client, name, path)

@@ -1,14 +1,14 @@
 """The learner: policy model, optimizer, LR schedule, GRPO train step, resumable checkpoints.
 
 `Learner.train_step(batch)` recomputes the policy's logprobs on the completion tokens
-(tasks/logprobs.py), applies the loss from `tasks/grpo.py` with the masks, and steps. Masked samples
+(tasks/learner/logprobs.py), applies the loss from `tasks/learner/grpo.py` with the masks, and steps. Masked samples
 (invalid reward, dropped group, stale) never reach the forward pass: they would contribute nothing but
-cost compute. Its checkpoint files are tasks/checkpoint_io.py's, its weights for the servers
-tasks/weights.py's.
+cost compute. Its checkpoint files are tasks/learner/checkpoint_io.py's, its weights for the servers
+tasks/push/weights.py's.
 
 A Learner built inside an initialised `torch.distributed` process group of N > 1 ranks is one rank
-of a sharded learner (tasks/distributed.py starts them): its model is sharded with FSDP2
-(tasks/fsdp.py), every rank plans the step from the whole batch (so the loss normalisers are the
+of a sharded learner (tasks/learner/distributed.py starts them): its model is sharded with FSDP2
+(tasks/learner/fsdp.py), every rank plans the step from the whole batch (so the loss normalisers are the
 global ones) and runs its share of the micro-batches, and the gradients are summed over ranks, so the
 update is the one a single process makes.
 """
@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpoflow.tasks import checkpoint_io
-from grpoflow.tasks.fsdp import aliases, process_group, shard, write_gathered_weights
-from grpoflow.tasks.grpo import compute_loss
-from grpoflow.tasks.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
-from grpoflow.tasks.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
-from grpoflow.tasks.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
-from grpoflow.tasks.weights import save_weights
+from grpoflow.tasks.learner import checkpoint_io
+from grpoflow.tasks.learner.fsdp import aliases, process_group, shard, write_gathered_weights
+from grpoflow.tasks.learner.grpo import compute_loss
+from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
+from grpoflow.tasks.learner.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
+from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
+from grpoflow.tasks.push.weights import save_weights
 
 if TYPE_CHECKING:  # the learner runs with torch and transformers alone (a bare GPU worker)
-    from grpoflow.tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config.sections import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
 
 @dataclass
@@ -131,7 +131,7 @@ class Learner:
             self.model.gradient_checkpointing_enable()
         self.lora = self.config.lora
         if self.lora is not None:
-            from grpoflow.tasks.lora import attach
+            from grpoflow.tasks.learner.lora import attach
 
             if self.config.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
                 self.model.enable_input_require_grads()
@@ -325,7 +325,7 @@ class Learner:
         + config.json); for LoRA the adapter in PEFT's format, as vLLM loads it. A sharded learner
         gathers them onto rank 0, which writes; every rank calls it."""
         if self.lora is not None:
-            from grpoflow.tasks.lora import write_adapter
+            from grpoflow.tasks.learner.lora import write_adapter
 
             write_adapter(self.model, Path(directory))
         elif self.world_size == 1:  # float32 master weights go out in the compute dtype the servers run

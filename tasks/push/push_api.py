@@ -1,5 +1,5 @@
-"""What every weight-push backend shares: the `WeightPush` protocol and its errors (tasks/push.py
-selects a backend and runs the pushes; tasks/lora_push.py is the `lora` backend)."""
+"""What every weight-push backend shares: the `WeightPush` protocol and its errors (tasks/push/push.py
+selects a backend and runs the pushes; tasks/push/lora_push.py is the `lora` backend)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from grpoflow.tasks.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
 
 
 class WeightPushError(RuntimeError):
@@ -21,7 +21,7 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
 
 
 class WeightPush(Protocol):
-    """How a version of the weights gets into a server (tasks/push.py's module doc)."""
+    """How a version of the weights gets into a server (tasks/push/push.py's module doc)."""
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
         """Publish `version`, filled by `write(directory)` (the learner's `write_weights`); its path."""

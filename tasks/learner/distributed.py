@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from grpoflow.storage.faults import ENV as FAULTS_ENV
 from grpoflow.storage.faults import failpoint
-from grpoflow.tasks.learn import Learner
-from grpoflow.tasks.learner_api import TrainSample
-from grpoflow.tasks.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
+from grpoflow.tasks.learner.learn import Learner
+from grpoflow.tasks.learner.learner_api import TrainSample
+from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.config import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
-    from grpoflow.tasks.learner_api import LearnerRun
+    from grpoflow.tasks.config.sections import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.learner.learner_api import LearnerRun
 
 # What the ranks are doing in each call `DistributedLearner` makes on them, for the error naming a
 # failed rank. Keyed by the Learner's methods themselves, so renaming one cannot leave a stale name.

@@ -17,11 +17,22 @@ from typing import Any
 
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
-from grpoflow.tasks.config import GenerationConfig, ToolsConfig
-from grpoflow.tasks.imports import import_object
-from grpoflow.tasks.inference import Choice, InferenceHTTPError, InferenceUnavailableError, cache_salt_for
-from grpoflow.tasks.replicas import Servers
-from grpoflow.tasks.tools import HermesToolParser, ToolBox, ToolCallParser, environment_tools, tool_schema
+from grpoflow.tasks.config.imports import import_object
+from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.rollouts.inference import (
+    Choice,
+    InferenceHTTPError,
+    InferenceUnavailableError,
+    cache_salt_for,
+)
+from grpoflow.tasks.rollouts.replicas import Servers
+from grpoflow.tasks.rollouts.tools import (
+    HermesToolParser,
+    ToolBox,
+    ToolCallParser,
+    environment_tools,
+    tool_schema,
+)
 
 
 def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:

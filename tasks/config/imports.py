@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from grpoflow.tasks.allowlist import check_import_path, check_imported
+from grpoflow.tasks.config.allowlist import check_import_path, check_imported
 
 _SEARCH_DIRS: list[str] = []  # directories of loaded config files, in load order
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.tasks.fsdp import one_process_dcp
-from grpoflow.tasks.learner_api import MODEL_DIR
+from grpoflow.tasks.learner.fsdp import one_process_dcp
+from grpoflow.tasks.learner.learner_api import MODEL_DIR
 
 # The optimizer's state in a checkpoint: torch.distributed.checkpoint shards, loadable at any world size.
 OPTIMIZER_DIR = "optimizer"

@@ -23,7 +23,7 @@ for the version (`tasks.inference.renew_cache_salt`) before the version flips: r
 `cache_salt_for(version)` never reuse KV computed under other weights. Promotion and rollback also
 drop the whole prefix cache (`reset_prefix_cache`): the live server's other clients salt nothing.
 
-`lora` (`tasks/lora_push.py: LoraPush`, with `learner.lora`): each version is a PEFT adapter, loaded
+`lora` (`tasks/push/lora_push.py: LoraPush`, with `learner.lora`): each version is a PEFT adapter, loaded
 under its own name, which generation requests name; no pause (that module's doc).
 
 `lora_merged` (`MergedLoraPush`, with `learner.lora`): each version is a PEFT adapter, as for `lora`,
@@ -46,8 +46,10 @@ from pathlib import Path
 
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
-from grpoflow.tasks.config import InferenceConfig, SyncConfig
-from grpoflow.tasks.inference import (
+from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
+from grpoflow.tasks.push.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.rollouts.inference import (
     MERGE_LORA_RPC,
     InferenceError,
     InferenceHTTPError,
@@ -56,9 +58,7 @@ from grpoflow.tasks.inference import (
     client_for,
     renew_cache_salt,
 )
-from grpoflow.tasks.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
-from grpoflow.tasks.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
-from grpoflow.tasks.replicas import Replica, ReplicaSet
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 __all__ = [  # the backends' shared names stay importable from here
     "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "WeightPush",

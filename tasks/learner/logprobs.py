@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.learner_api import TrainSample
+    from grpoflow.tasks.learner.learner_api import TrainSample
 
 
 class MicroBatch(NamedTuple):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpoflow.storage.records import RolloutGroup
-from grpoflow.tasks.config import RewardConfig
-from grpoflow.tasks.reward_kwargs import is_conversational
+from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.rewards.reward_kwargs import is_conversational
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.storage.rollouts import atomic_publish_dir
-from grpoflow.tasks.config import ToolsConfig, WarmupConfig
-from grpoflow.tasks.generate import (
+from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
+from grpoflow.tasks.rollouts.generate import (
     TemplateError,
     prompt_messages,
     render,
@@ -28,7 +28,7 @@ from grpoflow.tasks.generate import (
     with_reset_note,
     with_system_text,
 )
-from grpoflow.tasks.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
+from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
 
 IGNORE = -100  # labels the loss skips
 

@@ -157,7 +157,7 @@ class ToolBox:
                     out = await in_daemon_thread(fn, **call.arguments)
         except Exception as e:
             # Only our own deadline is a timeout; a TimeoutError the tool raised itself is a failure
-            # with its own message (the same rule as reward functions, tasks/score.py).
+            # with its own message (the same rule as reward functions, tasks/rewards/score.py).
             if isinstance(e, TimeoutError) and deadline.expired():
                 self.timed_out = self.timed_out or remote is None  # a killed Ray task left nothing behind
                 err = f"tool {call.name} timed out after {self.timeout_s}s"

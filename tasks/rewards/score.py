@@ -3,7 +3,7 @@
 All reward functions of a batch run at once: `async def` ones each on their own event loop, sync ones
 on daemon threads (or a process pool for CPU-bound functions, or Ray tasks on a cluster), a reward
 `model` on a thread of its own, each under its own timeout. They get TRL's keywords
-(tasks/reward_kwargs.py). A result is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong
+(tasks/rewards/reward_kwargs.py). A result is `valid`, `invalid` (None/NaN/inf), `failed` (exception, wrong
 length, non-numeric) or `timeout`; nothing is silently turned into 0. An optional reward's missing
 value is imputed with its group's mean (neutral for the advantage), the cell keeping its status.
 """
@@ -31,10 +31,10 @@ from typing import Any
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.processes import watch_parent
 from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
-from grpoflow.tasks.config import RewardConfig
-from grpoflow.tasks.imports import import_object
+from grpoflow.tasks.config.imports import import_object
+from grpoflow.tasks.config.sections import RewardConfig
 from grpoflow.tasks.remote import call_on_ray
-from grpoflow.tasks.reward_kwargs import (
+from grpoflow.tasks.rewards.reward_kwargs import (
     RewardLog,
     TrainerState,
     call_logged,
@@ -184,7 +184,7 @@ async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any
 
 def _call_reward_model(spec: RewardConfig, n: int, kwargs: dict[str, Any]) -> tuple[list[float], RewardLog]:
     """A reward `model`: loaded once per run (the first batch's load counts against its timeout)."""
-    from grpoflow.tasks.reward_model import reward_model
+    from grpoflow.tasks.rewards.reward_model import reward_model
 
     model = reward_model(spec.model, spec.device)
     return model.score(kwargs["prompts"], kwargs["completions"], spec.batch_size), RewardLog(n)

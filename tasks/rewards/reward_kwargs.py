@@ -17,7 +17,7 @@ from typing import Any
 
 from grpoflow.storage.records import RolloutCompletion
 
-# Metric names grpoflow writes per reward itself (tasks/score.py); log_metric may not take them.
+# Metric names grpoflow writes per reward itself (tasks/rewards/score.py); log_metric may not take them.
 RESERVED_METRICS = frozenset(
     {"mean", "std", "invalid_rate", "failed_rate", "timeout_rate", "imputed_rate", "seconds"}
 )
@@ -132,7 +132,7 @@ def call_logged(fn: Any, n: int, /, **kwargs: Any) -> tuple[Any, RewardLog]:
     """`fn(**kwargs)` with `log_extra` and `log_metric` of a fresh RewardLog for `n` completions; `fn`
     may be an import path (resolved where this runs: a pool process, a Ray worker). Returns the values
     (numpy arrays and tensors as lists) and the log."""
-    from grpoflow.tasks.imports import import_object
+    from grpoflow.tasks.config.imports import import_object
 
     log = RewardLog(n)
     out = (import_object(fn) if isinstance(fn, str) else fn)(**kwargs, **log.kwargs())
