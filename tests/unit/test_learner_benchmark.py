@@ -114,14 +114,15 @@ def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic
     typed = bench.make_configs(**kw, num_iterations=3)
     plain = bench.make_configs(**kw, num_iterations=3, prefer_pydantic=False)
     assert typed[2] == "pydantic" and plain[2] == "namespace"
-    read = _config_reads(REPO / "tasks" / "learner" / "learn.py") | _config_reads(REPO / "tasks" / "learner" / "grpo.py")
+    learner = REPO / "tasks" / "learner"
+    read = _config_reads(learner / "learn.py") | _config_reads(learner / "grpo.py")
     for cls, pydantic_cfg, namespace in ((LearnerConfig, typed[0], plain[0]), (AlgorithmConfig, typed[1], plain[1])):  # fmt: skip
         fields = read & set(cls.model_fields)
         assert len(fields) >= 5, (cls, fields)  # the pattern still finds them
         for field in sorted(fields):
             assert getattr(namespace, field) == getattr(pydantic_cfg, field), field
     # The model section: the learner reads its dtype alone.
-    assert _config_reads(REPO / "tasks" / "learner" / "learn.py", ("model",)) & set(ModelConfig.model_fields) == {"dtype"}
+    assert _config_reads(learner / "learn.py", ("model",)) & set(ModelConfig.model_fields) == {"dtype"}
     assert vars(bench.model_config("bfloat16", "namespace")) == {"dtype": "bfloat16"}
     assert bench.model_config("bfloat16", "pydantic").dtype == "bfloat16"
 
