@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--rows-per-step", default="10000", help="one or more, comma-separated (e.g. 64,640)")
     ap.add_argument("--layouts", default="per-step,compacted", help="per-step, compacted or both")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="steps between background compactions")
-    ap.add_argument("--compact-every", type=int, default=100, help="grpoflow.storage.compact_every")
+    ap.add_argument("--compact-every", type=int, default=100, help="storage.compact_every")
     ap.add_argument("--record-rows", type=int, default=20_000)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="grpoflow-storage-"))

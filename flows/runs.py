@@ -153,7 +153,7 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
         for i, r in enumerate(cfg.rewards):
             if r.model is not None:
                 check_path(r.model, f"rewards[{i}].model")
-        check_path(cfg.storage.root, "grpoflow.storage.root")
+        check_path(cfg.storage.root, "storage.root")
         _confine_trackers(cfg)
         if cfg.inference.url:
             check_server(cfg.inference.url, "inference.url")

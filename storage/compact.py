@@ -50,7 +50,7 @@ ROW_GROUP_BYTES = 64 << 20
 DELETE_WAIT_S = 5.0  # how long a compaction waits for readers in flight before leaving the deletes
 
 
-def check_every(every: int, field: str = "grpoflow.storage.compact_every") -> int:
+def check_every(every: int, field: str = "storage.compact_every") -> int:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"{field}: must be an integer >= 1 to compact, got {every!r}")
     return every

@@ -66,7 +66,7 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     sets = {
         "run.steps": steps,
         "run.run_id": "up",
-        "grpoflow.storage.compact_every": 2,
+        "storage.compact_every": 2,
         "run.reproducible": True,
     }
     cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets)
