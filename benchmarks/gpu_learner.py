@@ -40,18 +40,13 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-# This folder has a storage.py; keep it from shadowing the `storage` package.
+# This folder's scripts (storage.py, inference.py, ...) must not shadow modules of those names. On a bare
+# machine, benchmarks/learner.py (loaded before any grpoflow import) maps `grpoflow` onto the checkout.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-if "grpoflow" not in sys.modules and importlib.util.find_spec("grpoflow") is None:  # a bare machine
-    sys.modules["grpoflow"] = types.ModuleType("grpoflow")  # its folders are grpoflow's subpackages
-    sys.modules["grpoflow"].__path__ = [str(REPO)]
-if str(REPO) not in sys.path:  # `tests` for the pytest run
-    sys.path.insert(0, str(REPO))
 
 TESTS = ["tests/unit/test_learn.py", "tests/unit/test_lora_learner.py", "tests/unit/test_grpo.py",
          "tests/unit/test_precision.py"]  # fmt: skip
@@ -166,17 +161,20 @@ def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int)
     return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
 
 
+def default_learner(bench, model_dir: str, device: str):
+    """A full fine-tuning Learner with the learner's defaults (micro-batch 8, shared prompt auto)."""
+    from grpoflow.tasks.learner.learn import Learner
+    from grpoflow.tasks.learner.learner_api import LearnerRun
+
+    cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=None, device=device)
+    return Learner(model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source))
+
+
 def push_rows(bench, model_dir: str, shape: str, device: str, directory: Path) -> list[dict]:
     """Learner.write_weights of a full learner, twice: into a new file, then over it in place."""
     import torch
 
-    from grpoflow.tasks.learner.learn import Learner
-    from grpoflow.tasks.learner.learner_api import LearnerRun
-
-    cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=True, device=device)
-    learner = Learner(
-        model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source)
-    )
+    learner = default_learner(bench, model_dir, device)
     rows = []
     directory.mkdir(parents=True, exist_ok=True)
     for kind in ("new file", "overwrite"):
@@ -198,13 +196,7 @@ def profile_step(bench, model_dir: str, samples, shape: str, device: str, out: P
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from grpoflow.tasks.learner.learn import Learner
-    from grpoflow.tasks.learner.learner_api import LearnerRun
-
-    cfg, alg, source = bench.make_configs(micro_batch_size=8, share_prompt=None, device=device)  # defaults
-    learner = Learner(
-        model_dir, cfg, alg, LearnerRun(total_steps=10), model=bench.model_config("auto", source)
-    )
+    learner = default_learner(bench, model_dir, device)
     learner.train_step(samples)  # warm-up
     cuda = learner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

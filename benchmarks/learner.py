@@ -80,7 +80,7 @@ import os
 import sys
 from pathlib import Path
 
-# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+# This folder's scripts (storage.py, inference.py, ...) must not shadow modules of those names.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 REPO = Path(__file__).resolve().parents[1]
 import importlib.util
