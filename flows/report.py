@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.sql import CANNED, query
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from grpoflow.flows.runs import confine
 from grpoflow.flows.serve import inference_server
 from grpoflow.flows.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.push.lora_push import adapter_rank
 

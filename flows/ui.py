@@ -43,7 +43,7 @@ from prefect import flow, get_run_logger
 
 from grpoflow.flows.serve import is_loopback
 from grpoflow.storage import explore
-from grpoflow.storage.records import InvalidRunIdError, validate_run_id
+from grpoflow.storage.ids import InvalidRunIdError, validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import CANNED, QueryError, format_result, query
 from grpoflow.tasks.config.allowlist import check_path
