@@ -163,7 +163,7 @@ def cmd_compact(args) -> int:
 def check_serve(args) -> None:
     """`serve`'s bad input, refused before the Prefect API starts (one line, no traceback)."""
     from grpoflow.flows.config import ConfigError
-    from grpoflow.flows.serve import is_loopback
+    from grpoflow.flows.launch import is_loopback
 
     if not args.api_key and not is_loopback(args.host):
         raise ConfigError(

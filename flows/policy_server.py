@@ -10,7 +10,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from grpoflow.flows.serve import ServerHandle, ServerStartError, _tail, server_command
+from grpoflow.flows.launch import ServerHandle, ServerStartError, _tail
+from grpoflow.flows.serve import server_command
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.sections import LoraConfig
 

@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import web
 from prefect import flow, get_run_logger
 
-from grpoflow.flows.serve import is_loopback
+from grpoflow.flows.launch import is_loopback
 from grpoflow.storage import explore, explore_rollouts
 from grpoflow.storage.ids import InvalidRunIdError, validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
