@@ -14,14 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from grpoflow.storage.records import (
-    RewardCell,
-    RolloutCompletion,
-    RolloutGroup,
-    TaggedMessage,
-    ToolCallRecord,
-    TurnRecord,
-)
+from grpoflow.storage import records
 
 # ---------------------------------------------------------------------------------------------
 # Arrow schemas
@@ -126,7 +119,7 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def rollout_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[dict[str, Any]]:
+def rollout_rows(groups: list[records.RolloutGroup], *, run_id: str, step: int) -> list[dict[str, Any]]:
     """One dict per completion, matching ROLLOUTS_SCHEMA."""
     created = _now()
     rows = []
@@ -181,7 +174,7 @@ def rollout_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[
     return rows
 
 
-def reward_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[dict[str, Any]]:
+def reward_rows(groups: list[records.RolloutGroup], *, run_id: str, step: int) -> list[dict[str, Any]]:
     """One dict per (completion, reward function) cell, matching REWARDS_SCHEMA."""
     return [
         {
@@ -206,14 +199,16 @@ def reward_rows(groups: list[RolloutGroup], *, run_id: str, step: int) -> list[d
     ]
 
 
-def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> list[RolloutGroup]:
+def groups_from_rows(
+    rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]
+) -> list[records.RolloutGroup]:
     """Rebuild groups from table rows (inverse of rollout_rows/reward_rows, environments excepted)."""
     cells = _cells_by_completion(rewards)
-    groups: dict[str, RolloutGroup] = {}
+    groups: dict[str, records.RolloutGroup] = {}
     for r in rollouts:
         g = groups.get(r["group_id"])
         if g is None:
-            g = groups[r["group_id"]] = RolloutGroup(
+            g = groups[r["group_id"]] = records.RolloutGroup(
                 group_id=r["group_id"],
                 prompt_index=r["prompt_index"],
                 prompt=r["prompt"],
@@ -230,11 +225,11 @@ def groups_from_rows(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any
     return list(groups.values())
 
 
-def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int], list[RewardCell]]:
-    cells: dict[tuple[str, int], list[RewardCell]] = {}
+def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int], list[records.RewardCell]]:
+    cells: dict[tuple[str, int], list[records.RewardCell]] = {}
     for r in rewards:
         cells.setdefault((r["group_id"], r["sample_index"]), []).append(
-            RewardCell(
+            records.RewardCell(
                 name=r["reward_name"],
                 value=r["value"],
                 status=r["status"],
@@ -250,16 +245,18 @@ def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int],
     return cells
 
 
-def _completion_from_row(r: dict[str, Any], g: RolloutGroup, cells: list[RewardCell]) -> RolloutCompletion:
-    return RolloutCompletion(
+def _completion_from_row(
+    r: dict[str, Any], g: records.RolloutGroup, cells: list[records.RewardCell]
+) -> records.RolloutCompletion:
+    return records.RolloutCompletion(
         sample_index=r["sample_index"],
         completion=r["completion"],
         completion_ids=list(r["completion_ids"]),
         completion_mask=list(r["completion_mask"]),
         logprobs=list(r["logprobs"]),
-        messages=[TaggedMessage(**m) for m in r["messages"]],
-        turns=[TurnRecord(**t) for t in r["turns"]],
-        tool_calls=[ToolCallRecord(**t) for t in r["tool_calls"]],
+        messages=[records.TaggedMessage(**m) for m in r["messages"]],
+        turns=[records.TurnRecord(**t) for t in r["turns"]],
+        tool_calls=[records.ToolCallRecord(**t) for t in r["tool_calls"]],
         truncated=r["truncated"],
         truncation_reason=r["truncation_reason"],
         finish_reason=r["finish_reason"],
