@@ -51,9 +51,9 @@ from aiohttp import web
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.ui import make_app
 from grpoflow.storage.compact import compact_store
-from grpoflow.storage.records import REWARDS_SCHEMA, ROLLOUTS_SCHEMA
 from grpoflow.storage.rollouts import TABLES, RolloutStore
 from grpoflow.storage.sql import query
+from grpoflow.storage.tables import REWARDS_SCHEMA, ROLLOUTS_SCHEMA
 
 RUN = "explorer-bench"
 G = 8  # group size
@@ -127,7 +127,7 @@ def step_tables(step: int, split: str, first: int, n_groups: int, steps: int,
     mask = np.concatenate(masks)
     logprobs = np.minimum(rng.normal(-1.0, 0.8, mask.size), 0).astype(np.float32) * mask
 
-    # Reward cells: (row, function) row-major, as storage.records.reward_rows writes them.
+    # Reward cells: (row, function) row-major, as storage.tables.reward_rows writes them.
     status = rng.choice(len(STATUSES), (n, len(REWARDS)), p=STATUS_P)
     p_correct = 0.2 + 0.6 * step / max(1, steps - 1)  # a learning curve
     value = np.stack([(rng.random(n) < p_correct).astype(float), rng.beta(5, 2, n)], axis=1)

@@ -37,9 +37,10 @@ import numpy as np
 import pyarrow as pa
 
 from grpoflow.storage.compact import BackgroundCompactor
-from grpoflow.storage.records import ROLLOUTS_SCHEMA, RolloutCompletion, RolloutGroup
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import run_canned
+from grpoflow.storage.tables import ROLLOUTS_SCHEMA
 
 TOKENS = 200
 

@@ -131,8 +131,8 @@ def cmd_export(args) -> int:
 def cmd_compact(args) -> int:
     from grpoflow.flows.config import ConfigError
     from grpoflow.storage.compact import compact_store
+    from grpoflow.storage.ids import validate_run_id
     from grpoflow.storage.layout import StoreLayoutError
-    from grpoflow.storage.records import validate_run_id
     from grpoflow.storage.rollouts import RolloutStore
 
     if args.every is not None and args.every < 1:
@@ -163,7 +163,7 @@ def cmd_compact(args) -> int:
 def check_serve(args) -> None:
     """`serve`'s bad input, refused before the Prefect API starts (one line, no traceback)."""
     from grpoflow.flows.config import ConfigError
-    from grpoflow.flows.serve import is_loopback
+    from grpoflow.flows.launch import is_loopback
 
     if not args.api_key and not is_loopback(args.host):
         raise ConfigError(
@@ -172,7 +172,7 @@ def check_serve(args) -> None:
         )
     if not args.model and not args.lineage:
         raise ConfigError("serve: give --model DIR or --lineage L (the lineage's promoted weights)")
-    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.ids import validate_run_id
 
     for lineage in args.lineage or []:
         validate_run_id(lineage)  # a bad id is its own one-line error
@@ -243,8 +243,8 @@ def _server_inference(args):
 def cmd_promote(args) -> int:
     from grpoflow.flows.config import ConfigError
     from grpoflow.flows.promote import base_version, checkpoint_version, promote, serving_version
+    from grpoflow.storage.ids import validate_run_id
     from grpoflow.storage.promotions import PromotionError
-    from grpoflow.storage.records import validate_run_id
     from grpoflow.tasks.push.push import WeightPushError
 
     root, run = _root(args), validate_run_id(args.run)
@@ -266,8 +266,8 @@ def cmd_promote(args) -> int:
 def cmd_rollback(args) -> int:
     from grpoflow.flows.config import ConfigError
     from grpoflow.flows.promote import rollback
+    from grpoflow.storage.ids import validate_run_id
     from grpoflow.storage.promotions import PromotionError
-    from grpoflow.storage.records import validate_run_id
     from grpoflow.tasks.push.push import WeightPushError
 
     try:
@@ -283,7 +283,7 @@ def cmd_evaluate(args) -> int:
     import json
 
     from grpoflow.flows.evaluate import grpo_evaluate
-    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.ids import validate_run_id
 
     cfg = _config(args)
     if args.run:
@@ -296,7 +296,7 @@ def cmd_evaluate(args) -> int:
 
 def cmd_report(args) -> int:
     from grpoflow.flows.report import grpo_report_flow
-    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.ids import validate_run_id
 
     validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
 
@@ -306,7 +306,7 @@ def cmd_report(args) -> int:
 
 def cmd_compare(args) -> int:
     from grpoflow.flows.compare import identical, report
-    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.ids import validate_run_id
 
     for run in (args.run_a, args.run_b):
         validate_run_id(run)
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     from grpoflow.flows.config import ConfigError
-    from grpoflow.storage.records import InvalidRunIdError
+    from grpoflow.storage.ids import InvalidRunIdError
     from grpoflow.storage.sql import QueryError
     from grpoflow.tasks.push.push import LoraUnsupportedError
     from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError

@@ -1,7 +1,7 @@
 """The Ray cluster that `executor: ray` rewards and tools run on: started for the run, or joined.
 
 `scale.ray_address: local` starts a head node on this machine, `ray start --head --block`, under
-grpoflow's guard as the vLLM server is (flows/serve.py): the guard leads a process group that holds
+grpoflow's guard as the vLLM server is (flows/launch.py): the guard leads a process group that holds
 Ray's GCS server, raylet, agents and workers, and kills that group once the run's process is gone,
 SIGKILL included. A local head has no dashboard, a capped object store and its own temp folder.
 Any other address joins an existing cluster, which a run never stops.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpoflow.flows.serve import ServerHandle, free_port, guarded_command
+from grpoflow.flows.launch import ServerHandle, free_port, guarded_command
 from grpoflow.storage.processes import session_pids
 from grpoflow.tasks.config.sections import ScaleConfig
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
-from grpoflow.storage.records import held_out, row_id_of
+from grpoflow.storage.ids import held_out, row_id_of
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
 from grpoflow.tasks.config.sections import DatasetConfig
 

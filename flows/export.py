@@ -15,7 +15,7 @@ from pathlib import Path
 
 from grpoflow.flows.config import ConfigError
 from grpoflow.storage.checkpoints import CheckpointNotFoundError, CheckpointStore
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore, atomic_publish_dir
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR
 

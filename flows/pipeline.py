@@ -11,9 +11,10 @@ from prefect import get_run_logger
 
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.data import rows_for_step
+from grpoflow.flows.launch import is_healthy
 from grpoflow.flows.runner import StepRunner
 from grpoflow.flows.runs import RunState
-from grpoflow.flows.serve import Server, is_healthy
+from grpoflow.flows.serve import Server
 from grpoflow.tasks.push.push import WeightPush, load_version
 from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import MAX_RESTARTS, Replica, ReplicaSet

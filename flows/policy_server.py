@@ -10,7 +10,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from grpoflow.flows.serve import ServerHandle, ServerStartError, _tail, server_command
+from grpoflow.flows.launch import ServerHandle, ServerStartError, _tail
+from grpoflow.flows.serve import server_command
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.sections import LoraConfig
 
@@ -30,8 +31,8 @@ def served_model_dir(root: str | Path, lineage: str | None, model_dir: str | Non
     """What a policy server of `lineage` serves: the version its promotion log says (a promoted
     checkpoint, or the base model it rolled back to), else `model_dir`."""
     if lineage is not None:
+        from grpoflow.storage.ids import validate_run_id
         from grpoflow.storage.promotions import PromotionLog
-        from grpoflow.storage.records import validate_run_id
 
         serving = PromotionLog(root).serving(validate_run_id(lineage))
         if serving is not None:
@@ -46,7 +47,7 @@ def lora_lineages(root: str | Path, lineages: list[str], model_dir: str | None) 
     that share one server; a lineage with no decision yet is left out (its name is not served until
     its first promotion loads it). The base: `model_dir`, else the base of the first adapter."""
     from grpoflow.flows.promote import adapter_base_model, lineage_adapter
-    from grpoflow.storage.records import validate_run_id
+    from grpoflow.storage.ids import validate_run_id
 
     adapters = {name: a for name in lineages if (a := lineage_adapter(root, validate_run_id(name)))}
     base = model_dir or next((b for a in adapters.values() if (b := adapter_base_model(a))), None)

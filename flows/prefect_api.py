@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from grpoflow.flows.serve import ServerHandle, free_port, guarded_command
+from grpoflow.flows.launch import ServerHandle, free_port, guarded_command
 
 
 @contextlib.contextmanager
@@ -32,7 +32,15 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     url = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
-        # What Prefect's own temporary server sets: no UI, ephemeral mode.
+        # What Prefect's own temporary server sets (prefect 3.9,
+        # prefect.server.api.server.SubprocessASGIServer._run_uvicorn_command): no UI; ephemeral mode
+        # (create_app runs only the services meant for a temporary server, and telemetry reports it as
+        # one); "final" (the last app this process builds: create_app frees the router copies it no
+        # longer needs). The two double-underscore variables are Prefect-internal, but no public way
+        # exists: uvicorn's --factory calls create_app() without arguments, create_app reads them in
+        # place of its `ephemeral`/`final` parameters, no setting maps to them, and `prefect server
+        # start` has no ephemeral flag (`--no-services` is the webserver-only mode); it sets
+        # PREFECT__SERVER_FINAL the same way (prefect.cli._server_utils, its background start).
         "PREFECT_UI_ENABLED": "0",
         "PREFECT__SERVER_EPHEMERAL": "1",
         "PREFECT__SERVER_FINAL": "1",

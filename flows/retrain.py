@@ -28,7 +28,7 @@ from grpoflow.flows.runs import confine
 from grpoflow.flows.serve import inference_server
 from grpoflow.flows.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.push.lora_push import adapter_rank
 
@@ -73,6 +73,26 @@ def _evaluate_both(cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: di
         inc_groups = evaluate_model(cfg, inc, step, f"{lineage}-eval-incumbent", rows, server.url,
                                     load=load_inc, tokenizer=tok)  # fmt: skip
     return cand_groups, inc_groups
+
+
+def _record_retrain(store: RolloutStore, lineage: str, steps: range, cand_eval: dict, inc_eval: dict,
+                    decision: dict) -> None:  # fmt: skip
+    """Append this call (the steps it trained, both evaluations, the decision) to the lineage run's
+    `retrains` in runs/<run>.json, and mark the run as the lineage's."""
+    meta = store.read_run_meta(lineage) or {}
+    meta.setdefault("retrains", []).append(
+        {
+            "at": datetime.now(UTC).isoformat(),
+            "from_step": steps.start,
+            "to_step": steps.stop - 1,
+            "eval": cand_eval,
+            "incumbent_eval": inc_eval,
+            "decision": decision["decision"],
+            "decision_id": decision["decision_id"],
+        }
+    )
+    meta["lineage"] = lineage
+    store.write_run_meta(lineage, meta)
 
 
 def _flow_run_id() -> str | None:
@@ -135,18 +155,5 @@ def grpo_retrain(
                       **({"inference": cfg.inference, "sync": cfg.sync} if better else {}))  # fmt: skip
     print(f"lineage {lineage}: {decision['decision']}: {why}")
 
-    meta = store.read_run_meta(run_id) or {}
-    meta.setdefault("retrains", []).append(
-        {
-            "at": datetime.now(UTC).isoformat(),
-            "from_step": done,
-            "to_step": cfg.run.steps - 1,
-            "eval": cand_eval,
-            "incumbent_eval": inc_eval,
-            "decision": decision["decision"],
-            "decision_id": decision["decision_id"],
-        }
-    )
-    meta["lineage"] = lineage
-    store.write_run_meta(run_id, meta)
+    _record_retrain(store, lineage, range(done, cfg.run.steps), cand_eval, inc_eval, decision)
     return {"train": summary, "eval": cand_eval, "incumbent_eval": inc_eval, "decision": decision}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, where_searched
 from grpoflow.flows.data import confine_dataset, load_rows, split_rows
 from grpoflow.storage.checkpoints import CheckpointStore
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.allowlist import (
     NotAllowedError,

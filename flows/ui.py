@@ -1,9 +1,9 @@
 """`grpoflow ui`: the rollout explorer, a read-only web application over the store.
 
-An aiohttp server: the JSON API below (each page's figures from storage/explore.py, over the same
-confined, read-only DuckDB views and read lock as `grpoflow sql`), and the page itself (flows/ui_static:
-plain HTML, JavaScript and CSS, no build step, nothing fetched from elsewhere). The `rollout-explorer`
-Prefect deployment serves it from a worker.
+An aiohttp server: the JSON API below (each page's figures from storage/explore.py, the rollout pages'
+from storage/explore_rollouts.py, over the same confined, read-only DuckDB views and read lock as
+`grpoflow sql`), and the page itself (flows/ui_static: plain HTML, JavaScript and CSS, no build step,
+nothing fetched from elsewhere). The `rollout-explorer` Prefect deployment serves it from a worker.
 
 Safety:
 - Loopback by default; any other bind address needs an API key (`--api-key`, or
@@ -41,9 +41,9 @@ from typing import Any
 from aiohttp import web
 from prefect import flow, get_run_logger
 
-from grpoflow.flows.serve import is_loopback
-from grpoflow.storage import explore
-from grpoflow.storage.records import InvalidRunIdError, validate_run_id
+from grpoflow.flows.launch import is_loopback
+from grpoflow.storage import explore, explore_rollouts
+from grpoflow.storage.ids import InvalidRunIdError, validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import CANNED, QueryError, format_result, query
 from grpoflow.tasks.config.allowlist import check_path
@@ -196,13 +196,13 @@ class Explorer:
         filters = rollout_filters(q)
         offset, limit = _param(q, "offset", int, 0), _param(q, "limit", int, 50)
         with explore.explorer_connection(self.root, [run_id]) as con:
-            return explore.rollout_page(con, run_id, filters, offset, limit)
+            return explore_rollouts.rollout_page(con, run_id, filters, offset, limit)
 
     def rollouts_count(self, q) -> dict:
         run_id = _run(q)
         filters = rollout_filters(q)
         with explore.explorer_connection(self.root, [run_id]) as con:
-            return {"total": explore.rollout_count(con, run_id, filters)}
+            return {"total": explore_rollouts.rollout_count(con, run_id, filters)}
 
     def rollout(self, q) -> dict:
         run_id, split = _run(q), _split(q)
@@ -210,7 +210,7 @@ class Explorer:
         sample = _param(q, "sample", int, required=True)
         meta = self.store.read_run_meta(run_id) or {}
         with explore.explorer_connection(self.root, [run_id]) as con:
-            row = explore.rollout(con, run_id, split, step, group, sample)
+            row = explore_rollouts.rollout(con, run_id, split, step, group, sample)
         row["tokens"], row["tokenizer"] = tokens_of(row, meta.get("base_model"))
         return row
 
@@ -218,20 +218,20 @@ class Explorer:
         run_id, split = _run(q), _split(q)
         step, group = _param(q, "step", int, required=True), _param(q, "group", required=True)
         with explore.explorer_connection(self.root, [run_id]) as con:
-            return explore.group(con, run_id, split, step, group)
+            return explore_rollouts.group(con, run_id, split, step, group)
 
     def occurrences(self, q) -> dict:
         row_id = _param(q, "row_id", required=True)
         with explore.explorer_connection(self.root) as con:
-            return {"row_id": row_id, "occurrences": explore.occurrences(con, row_id, _split(q))}
+            return {"row_id": row_id, "occurrences": explore_rollouts.occurrences(con, row_id, _split(q))}
 
     def compare(self, q) -> dict:
         row_id, split = _param(q, "row_id", required=True), _split(q)
         a_run, b_run = _run(q, "a_run"), _run(q, "b_run")
         a_step, b_step = _param(q, "a_step", int, required=True), _param(q, "b_step", int, required=True)
         with explore.explorer_connection(self.root, [a_run, b_run]) as con:
-            a = explore.group_of_row(con, a_run, a_step, row_id, split)
-            b = explore.group_of_row(con, b_run, b_step, row_id, split)
+            a = explore_rollouts.group_of_row(con, a_run, a_step, row_id, split)
+            b = explore_rollouts.group_of_row(con, b_run, b_step, row_id, split)
         return {"row_id": row_id, "prompt": a["prompt"], "a": a, "b": b}
 
     def canned(self, q) -> dict:

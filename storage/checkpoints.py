@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.storage.faults import failpoint
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import fsync_dir, fsync_tree
 
 STATE_FILE = "state.json"

@@ -38,9 +38,9 @@ import pyarrow.parquet as pq
 
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.faults import failpoint
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import Part, deleting, list_parts, range_name, run_lock, select
 from grpoflow.storage.processes import is_alive
-from grpoflow.storage.records import validate_run_id
 from grpoflow.storage.rollouts import TABLES, RolloutStore, atomic_publish, fsync_dir
 
 FANOUT = 10

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grpoflow.storage.checkpoints import PIN_FILE, STATE_FILE
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import step_name
-from grpoflow.storage.records import validate_run_id
 from grpoflow.storage.rollouts import atomic_write_parquet, atomic_write_text
 
 Decision = Literal["promoted", "rejected", "rolled_back"]

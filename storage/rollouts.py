@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grpoflow.storage.faults import failpoint
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import (
     Part,
     deleting,
@@ -33,15 +34,14 @@ from grpoflow.storage.layout import (
     step_name,
     visible_parts,
 )
-from grpoflow.storage.records import (
+from grpoflow.storage.records import RolloutGroup
+from grpoflow.storage.tables import (
     REWARDS_SCHEMA,
     ROLLOUTS_SCHEMA,
     STEPS_CORE_SCHEMA,
-    RolloutGroup,
     groups_from_rows,
     reward_rows,
     rollout_rows,
-    validate_run_id,
 )
 
 TABLES = ("rollouts", "rewards", "steps")

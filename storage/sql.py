@@ -20,9 +20,10 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import reading, visible_parts
 from grpoflow.storage.promotions import PROMOTIONS_SCHEMA
-from grpoflow.storage.records import SCHEMAS, validate_run_id
+from grpoflow.storage.tables import SCHEMAS
 
 VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
 

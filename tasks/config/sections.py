@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from grpoflow.storage.records import validate_run_id
+from grpoflow.storage.ids import validate_run_id
 
 
 class Section(BaseModel):

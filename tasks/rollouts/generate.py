@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from grpoflow.storage.faults import failpoint
-from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
+from grpoflow.storage.ids import row_id_of
+from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.inference import (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.serve import free_port, is_healthy
+from grpoflow.flows.launch import free_port, is_healthy
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
 from tests.support import need_browser, wait_for

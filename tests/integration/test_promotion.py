@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpoflow.flows.config import load_config
-from grpoflow.storage.records import held_out
+from grpoflow.storage.ids import held_out
 from grpoflow.storage.sql import query
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from grpoflow.flows.serve import free_port, is_healthy
+from grpoflow.flows.launch import free_port, is_healthy
 from grpoflow.storage.processes import group_members, kill_tree
 from grpoflow.tasks.rollouts.inference import InferenceUnavailableError, VLLMClient
 from tests.support import REPO, wait_for

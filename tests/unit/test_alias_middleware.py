@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpoflow.flows.serve import PLUGINS
+from grpoflow.flows.launch import PLUGINS
 
 pytestmark = pytest.mark.unit
 
@@ -180,7 +180,7 @@ def test_the_client_drives_the_middleware_over_http(alias):
 
     import uvicorn
 
-    from grpoflow.flows.serve import free_port
+    from grpoflow.flows.launch import free_port
     from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient
 
     inner = Inner()

@@ -10,7 +10,7 @@ from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.data import load_rows, split_rows
 from grpoflow.flows.evaluate import eval_rows
 from grpoflow.flows.runs import preflight
-from grpoflow.storage.records import held_out, row_id_of
+from grpoflow.storage.ids import held_out, row_id_of
 from tests.support import REPO
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The rollout explorer's API (flows/ui.py over storage/explore.py) on a small store written by the store's
+"""The rollout explorer's API (flows/ui.py over storage/explore.py, explore_rollouts.py) on a small store written by the store's
 own writers, through real HTTP (aiohttp's test server): each answer checked against the rows written,
 the filters against hand-counted rows, and the safety rules (read-only, loopback Host, API key, no file
 outside the static folder, SQL confined). The pages themselves run in a browser in
@@ -145,17 +145,17 @@ async def test_rollout_filters_count_the_matching_rows(client, query, expected):
 
 
 def test_a_text_search_walking_step_windows_pages_like_one_query(tmp_path):
-    from grpoflow.storage import explore
+    from grpoflow.storage import explore, explore_rollouts
 
     _store(tmp_path, steps=7)
     with explore.explorer_connection(tmp_path) as con:
-        where, params = explore._where(RUN, {"text": "ANSWER"})
-        every = explore._page_keys(con, where, params, 0, 100, windowed=False)
+        where, params = explore_rollouts._where(RUN, {"text": "ANSWER"})
+        every = explore_rollouts._page_keys(con, where, params, 0, 100, windowed=False)
         assert len(every) == 7 * 8 - 7  # one markup completion per step
         for offset, n in ((0, 5), (3, 10), (20, 30), (45, 10), (60, 5)):
             # windows of 1, 2, 4, ... steps: a page spans several, starts mid-window, or runs past the end
             assert (
-                explore._page_keys(con, where, params, offset, n, windowed=True, width=1)
+                explore_rollouts._page_keys(con, where, params, offset, n, windowed=True, width=1)
                 == every[offset : offset + n]
             )
 

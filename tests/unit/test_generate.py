@@ -313,7 +313,7 @@ def test_hermes_parser_handles_several_calls_and_string_arguments():
 def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
     """An environment whose reset note differs per sample: the learner's input, the rollouts row and
     the `prompts` a reward function receives are each completion's own prompt."""
-    from grpoflow.storage.records import rollout_rows
+    from grpoflow.storage.tables import rollout_rows
     from grpoflow.tasks.config.sections import RewardConfig
     from grpoflow.tasks.learner.learner_api import samples_from_groups
     from grpoflow.tasks.rewards.score import score_groups

@@ -14,7 +14,7 @@ import pytest
 from grpoflow.flows.config import ConfigError, load_config
 from grpoflow.flows.data import load_rows, split_rows
 from grpoflow.flows.runs import confine, preflight
-from grpoflow.storage.records import row_id_of
+from grpoflow.storage.ids import row_id_of
 
 pytestmark = pytest.mark.unit
 

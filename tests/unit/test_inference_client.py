@@ -151,7 +151,7 @@ async def test_400_is_not_retried_and_carries_the_body(replay_server):
 
 
 async def test_connection_refused_is_retried_then_raises():
-    from grpoflow.flows.serve import free_port
+    from grpoflow.flows.launch import free_port
 
     async with VLLMClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as c:
         with pytest.raises(InferenceUnavailableError, match="ClientConnectorError"):

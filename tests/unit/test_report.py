@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from grpoflow.flows.report import FIGURES, NO_TOOL_CALLS, STEP_TIME_PARTS, figures, report_data, write_report
+from grpoflow.flows.report import write_report
+from grpoflow.flows.report_data import NO_TOOL_CALLS, STEP_TIME_PARTS, report_data
+from grpoflow.flows.report_figures import FIGURES, figures
 from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query

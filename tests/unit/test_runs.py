@@ -100,7 +100,7 @@ def test_pushing_every_n_steps_drops_nothing_and_staleness_is_one_number(max_sta
     """Versions as the loop makes them: the batch of step s is generated when step s - max_staleness
     starts, under the last push (after step t, version t + 1 when (t + 1) % sync_every == 0). No batch
     is dropped by construction, and the check, the metric and the stored column agree."""
-    from grpoflow.storage.records import rollout_rows
+    from grpoflow.storage.tables import rollout_rows
 
     def served_at_start_of(u: int) -> int:
         return max([t + 1 for t in range(u) if (t + 1) % sync_every == 0], default=0)

@@ -11,8 +11,9 @@ import pytest
 
 from grpoflow.flows.cli import build_parser
 from grpoflow.flows.config import GRPOConfig
+from grpoflow.flows.launch import PLUGINS
 from grpoflow.flows.policy_server import policy_server
-from grpoflow.flows.serve import PLUGINS, server_command
+from grpoflow.flows.serve import server_command
 from grpoflow.tasks.rollouts.tools import HermesToolParser
 from tests.support import toolbox, wait_for
 

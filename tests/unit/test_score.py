@@ -10,9 +10,9 @@ import time
 import pytest
 
 from grpoflow.storage.processes import alive
-from grpoflow.storage.records import reward_rows
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query, run_canned
+from grpoflow.storage.tables import reward_rows
 from grpoflow.tasks.config.sections import RewardConfig
 from grpoflow.tasks.rewards.score import RewardImportError, resolve_reward, score_groups, score_groups_async
 from tests.support import make_groups, wait_for

@@ -8,9 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpoflow.storage.checkpoints import CheckpointStore, weights_store
-from grpoflow.storage.records import (
-    validate_run_id,
-)
+from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
 from tests.support import rich_group
