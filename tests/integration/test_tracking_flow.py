@@ -201,8 +201,8 @@ def test_trackers_hold_the_steps_table_through_a_kill_and_a_dead_mlflow_server(
         _same(ml, table, "mlflow")
         assert runs[0].data.params["run.steps"] == str(STEPS)
 
-        # W&B: the offline run files, read by W&B's own reader.
-        from grpoflow.flows.tracking import wandb_history
+        # W&B: the offline run files, read by the tests' reader of W&B's transaction logs.
+        from tests.support_wandb import wandb_history
 
         wb = wandb_history(tmp_path / "wandb" / RUN)
         _same({s: {k: v for k, v in m.items() if k in table[s]} for s, m in wb.items()}, table, "wandb")
