@@ -20,6 +20,7 @@ from prefect.artifacts import (
 
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.runs import RunState
+from grpoflow.flows.tracking import TRACKERS
 from grpoflow.tasks.rewards.reward_kwargs import RESERVED_METRICS
 from grpoflow.tasks.steps import StepRecord
 
@@ -155,7 +156,7 @@ class StepReporter:
     def markdown(self, links: dict[str, str] | None = None) -> str:
         s = self.summary()
         root = s["store"]
-        tracked = "".join(f"- {TRACKER_NAMES.get(k, k)}: {_link(v)}\n" for k, v in (links or {}).items())
+        tracked = "".join(f"- {TRACKERS[k].title}: {_link(v)}\n" for k, v in (links or {}).items())
         if tracked:
             tracked = f"\nTracking runs (steps up to the last checkpoint):\n\n{tracked}"
         return f"""# grpo-train `{self.run.run_id}`
@@ -172,9 +173,6 @@ grpoflow sql --root {root} "SELECT step, avg(reward) FILTER (reward_valid) AS re
 grpoflow sql --root {root} "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL"
 ```
 """
-
-
-TRACKER_NAMES = {"tensorboard": "TensorBoard", "mlflow": "MLflow", "wandb": "W&B"}
 
 
 def _link(where: str) -> str:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from grpoflow.storage.ids import validate_run_id
+from grpoflow.tasks.config.choices import TRACKER_NAMES
 
 
 class Section(BaseModel):
@@ -617,7 +618,7 @@ class RunConfig(Section):
         "out, returns the wrong number of values) on every completion of this many consecutive steps; "
         "each such step is logged at once. 0: never stop.",
     )
-    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+    report_to: list[Literal[TRACKER_NAMES]] = Field(
         default_factory=list,
         description="Trackers that get every step's metrics, the config, sample tables and the report's plots "
         "(settings: the `tracking` section). Each is an optional extra: pip install 'grpoflow[tracking]'. "

@@ -1,9 +1,10 @@
-"""Trackers as sinks of the `steps` table (flows/tracking.py), with the real libraries and their own
-readers: TensorBoard's event files through TensorBoard's EventAccumulator, MLflow through its client on a
-local SQLite store, W&B offline through its transaction logs. What each holds is the steps table
-exactly (TensorBoard: to float32, its scalar type); a continue logs each step once, a TensorBoard
-re-log after a kill shows only the new values; a failing tracker is warned about once and the others
-go on; a tracker that is not installed is named with its extra."""
+"""Trackers as sinks of the `steps` table (flows/tracking/), with the real libraries and their own
+readers: TensorBoard's event files through TensorBoard's EventAccumulator, MLflow through its client on
+a local SQLite store, W&B offline through its transaction logs (tests/support_wandb.py). What each
+holds is the steps table exactly (TensorBoard: to float32, its scalar type); a continue logs each step
+once, a TensorBoard re-log after a kill shows only the new values, a W&B session killed before its run
+finished loses no step; a failing tracker is warned about once and the others go on; a tracker that is
+not installed is named with its extra."""
 
 from __future__ import annotations
 
@@ -20,21 +21,15 @@ import psutil
 import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
-from grpoflow.flows.tracking import (
-    _mlflow_key,
-    check_trackers,
-    config_params,
-    local_mlflow_uri,
-    sample_table,
-    step_metrics,
-    tracking,
-    wandb_history,
-    wandb_history_rows,
-    wandb_log_files,
-)
+from grpoflow.flows.tracking import TRACKERS, check_trackers, tracking
+from grpoflow.flows.tracking.mlflow_tracker import _mlflow_key, local_mlflow_uri
+from grpoflow.flows.tracking.tracker_api import config_params, sample_table, step_metrics
+from grpoflow.flows.tracking.wandb_tracker import WandbTracker
 from grpoflow.storage.records import RewardCell
 from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.config.choices import TRACKER_NAMES
 from tests.support import make_groups
+from tests.support_wandb import wandb_history, wandb_history_rows, wandb_log_files
 
 pytestmark = pytest.mark.unit
 
@@ -102,10 +97,13 @@ def _expected(root: Path) -> dict[int, dict[str, float]]:
     return {r["step"]: step_metrics(r) for r in RolloutStore(root).read_steps(RUN)}
 
 
+def _overrides(root: Path, *report_to: str, **sets) -> list[str]:
+    return [f"storage.root={root}", f"run.report_to={json.dumps(list(report_to))}", f"run.steps={STEPS}",
+            f"run.log_samples_every={SAMPLES_EVERY}"] + [f"{k}={v}" for k, v in sets.items()]  # fmt: skip
+
+
 def _cfg(root: Path, *report_to: str, **sets):
-    overrides = [f"storage.root={root}", f"run.report_to={json.dumps(list(report_to))}", f"run.steps={STEPS}",
-                 f"run.log_samples_every={SAMPLES_EVERY}"] + [f"{k}={v}" for k, v in sets.items()]  # fmt: skip
-    return load_config(None, overrides)
+    return load_config(None, _overrides(root, *report_to, **sets))
 
 
 def _state(root: Path) -> dict:
@@ -289,7 +287,7 @@ def test_links_state_and_no_leftovers(logged):
         "wandb": str(root / "wandb" / RUN / "wandb"),
     }
     state = _state(root)
-    assert state["tensorboard"]["cursor"] == STEPS - 1
+    assert state["tensorboard"]["cursor"] == state["wandb"]["cursor"] == STEPS - 1
     assert state["wandb"]["id"].startswith(f"{RUN}-") and state["wandb"]["mode"] == "offline"
     assert logged.wandb_left == []  # close() ended W&B's service process
 
@@ -307,7 +305,7 @@ def test_a_continue_logs_each_step_once(tmp_path):
     first.closed(2)
     first.finish(None)
     before = _state(tmp_path)
-    assert before["tensorboard"]["cursor"] == 2
+    assert before["tensorboard"]["cursor"] == before["wandb"]["cursor"] == 2
     second = tracking(cfg, RUN, flow_run_id="flow-b", logger=log)
     second.closed(STEPS - 1)
     _write_png(tmp_path / "report" / "reward.png")
@@ -347,20 +345,18 @@ def test_a_continue_logs_each_step_once(tmp_path):
 def test_a_kill_while_another_tracker_starts_resumes_the_same_mlflow_run(tmp_path, monkeypatch):
     """The process dies while W&B starts (its offline service takes seconds), after MLflow made its run:
     the resume continues that run, with its params, instead of making a second one (seen in CI)."""
-    import grpoflow.flows.tracking as tracking_module
-
     _write_store(tmp_path)
     cfg = _cfg(tmp_path, "mlflow", "wandb")
 
-    class DiesStarting(tracking_module.WandbTracker):
+    class DiesStarting(WandbTracker):
         def open(self, state):
             raise SystemExit  # as a kill: nothing after this line of the tracking thread runs
 
-    monkeypatch.setitem(tracking_module.TRACKERS, "wandb", DiesStarting)
+    monkeypatch.setitem(TRACKERS, "wandb", DiesStarting)
     first = tracking(cfg, RUN, flow_run_id="flow-a", logger=ListLogger())
     first._thread.join(30)
     made = _state(tmp_path)["mlflow"]["run_id"]
-    monkeypatch.setitem(tracking_module.TRACKERS, "wandb", tracking_module.WandbTracker)
+    monkeypatch.setitem(TRACKERS, "wandb", WandbTracker)
     second = tracking(cfg, RUN, flow_run_id="flow-b", logger=ListLogger())
     second.closed(STEPS - 1)
     second.finish(None)
@@ -392,6 +388,47 @@ def test_tensorboard_relog_after_a_kill_shows_only_the_new_values(tmp_path):
     expected = _expected(tmp_path)
     assert expected[3]["reward/mean"] == 1.0 + 10.0  # the new values
     assert _tb_scalars(_tb(tmp_path)) == _by_key(expected, as_float32=True)
+
+
+# A process that reports to the trackers its overrides name, closes steps 0..2, and waits to be killed.
+_KILLED = f"""
+import sys, time
+from grpoflow.flows.config import load_config
+from grpoflow.flows.tracking import tracking
+
+tracking(load_config(None, sys.argv[1:]), {RUN!r}).closed(2)
+time.sleep(600)
+"""
+
+
+def _flushed_through(root: Path, tracker: str) -> int:
+    path = root / "tracking" / f"{RUN}.json"
+    return json.loads(path.read_text()).get(tracker, {}).get("cursor", -1) if path.is_file() else -1
+
+
+def test_a_wandb_session_killed_before_its_run_finished_loses_no_step(tmp_path):
+    """SIGKILLed once steps 0..2 went to W&B and were flushed (TensorBoard's cursor, saved in the same
+    round, says 2), before W&B's run finished: W&B had not written them (it writes a session's log at
+    `finish`), its cursor never moved, and the resume logs 0..5 to W&B, each once."""
+    _write_store(tmp_path)
+    trackers = ("tensorboard", "wandb")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, *_overrides(tmp_path, *trackers)])
+    try:
+        deadline = time.monotonic() + 120
+        while _flushed_through(tmp_path, "tensorboard") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the process never flushed step 2"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _state(tmp_path)["wandb"]["cursor"] == -1
+    log = ListLogger()
+    resumed = tracking(_cfg(tmp_path, *trackers), RUN, logger=log)
+    resumed.closed(STEPS - 1)
+    resumed.finish(None)
+    assert log.warnings == []
+    assert _wandb_logged(tmp_path) == _expected(tmp_path)  # every step, none twice
+    assert _state(tmp_path)["wandb"]["cursor"] == STEPS - 1
 
 
 # -- failures ----------------------------------------------------------------------------------------
@@ -440,6 +477,12 @@ def test_check_trackers_names_the_field_and_the_extra(tmp_path, monkeypatch):
         "run.report_to[1]: mlflow is not installed: pip install 'grpoflow[mlflow]' (or grpoflow[tracking] "
         "for all three; make install installs them)"
     )
+
+
+def test_the_trackers_are_the_configs_choices():
+    assert tuple(TRACKERS) == TRACKER_NAMES
+    assert {name: (t.title, t.module) for name, t in TRACKERS.items()} == {
+        "tensorboard": ("TensorBoard", "tensorboard"), "mlflow": ("MLflow", "mlflow"), "wandb": ("W&B", "wandb")}  # fmt: skip
 
 
 def test_no_tracking_without_report_to_and_no_tracker_imported_until_then(tmp_path):
