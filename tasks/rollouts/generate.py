@@ -19,12 +19,8 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
-from grpoflow.tasks.rollouts.inference import (
-    Choice,
-    InferenceHTTPError,
-    InferenceUnavailableError,
-    cache_salt_for,
-)
+from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
+from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError, InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Servers
 from grpoflow.tasks.rollouts.tools import (
     HermesToolParser,

@@ -410,7 +410,7 @@ def test_own_snapshot_method_is_used_and_is_not_a_tool():
 def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
     """After a push, no request may be served from prefix-cache KV of older weights: each request
     (each turn of a multi-turn rollout too) is salted with its version's salt, renewed by the push."""
-    from grpoflow.tasks.rollouts.inference import cache_salt_for, renew_cache_salt
+    from grpoflow.tasks.rollouts.cache_salt import cache_salt_for, renew_cache_salt
 
     async def script(text, k, seed):
         return call("ping") if "pong" not in text else "done"
