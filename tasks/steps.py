@@ -74,9 +74,10 @@ class RolloutJob:
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
-    from grpoflow.tasks.rollouts.generate import generate_groups, load_tokenizer
+    from grpoflow.tasks.rollouts.generate import generate_groups
     from grpoflow.tasks.rollouts.inference import client_for
     from grpoflow.tasks.rollouts.replicas import Servers
+    from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
               seed=job.seed, split=job.split)  # fmt: skip

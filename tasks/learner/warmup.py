@@ -19,16 +19,21 @@ from typing import Any
 
 from grpoflow.storage.rollouts import atomic_publish_dir
 from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
-from grpoflow.tasks.rollouts.generate import (
+from grpoflow.tasks.rollouts.templates import (
     TemplateError,
     prompt_messages,
     render,
-    resolve_callable,
     tools_in_system_turn,
     with_reset_note,
     with_system_text,
 )
-from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
+from grpoflow.tasks.rollouts.tools import (
+    HermesToolParser,
+    ToolCallParser,
+    environment_tools,
+    resolve_callable,
+    tool_schema,
+)
 
 IGNORE = -100  # labels the loss skips
 
