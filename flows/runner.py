@@ -28,10 +28,10 @@ from prefect.utilities.annotations import quote
 from grpoflow.tasks.push.push import PushStats, WeightPush
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
+from grpoflow.tasks.step_record import StepRecord
 from grpoflow.tasks.steps import (
     RolloutBatch,
     RolloutJob,
-    StepRecord,
     eval_batch,
     persist,
     push_weights,
