@@ -20,6 +20,7 @@ from grpoflow.tasks.rollouts.tools import ToolCallParser, resolve_callable
 
 
 def sample_seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
+    """A request's seed, fixed by the run's `seed` and distinct per prompt, sample and turn (None: unseeded)."""
     if seed is None:
         return None
     return (seed * 1_000_003 + prompt_index * 10_007 + sample * 101 + turn) % (2**31 - 1)
