@@ -209,7 +209,7 @@ def arith_samples(model_dir: str, prompts: int, group: int, zero_groups: int, se
     """The `--model` path's step: chat-template arithmetic prompts, 8-32 random completion tokens."""
     from grpoflow.examples.envs import arith_rows
     from grpoflow.tasks.learner.learner_api import TrainSample
-    from grpoflow.tasks.rollouts.generate import load_tokenizer, prompt_messages, render
+    from grpoflow.tasks.rollouts.templates import load_tokenizer, prompt_messages, render
 
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)

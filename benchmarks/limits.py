@@ -119,7 +119,7 @@ class CpuMeter:
 def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
     """Token ids of step `step`'s prompts, rendered exactly as tasks/rollouts/generate.py renders them."""
     from grpoflow.flows.data import rows_for_step
-    from grpoflow.tasks.rollouts.generate import prompt_messages, render
+    from grpoflow.tasks.rollouts.templates import prompt_messages, render
 
     d = cfg.data
     batch, cursor = rows_for_step(rows, step, d.prompts_per_step, seed=cfg.run.seed, shuffle=d.shuffle)
@@ -290,7 +290,7 @@ def main() -> None:
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.config import load_config
     from grpoflow.flows.data import load_rows
-    from grpoflow.tasks.rollouts.generate import load_tokenizer
+    from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))
     table, cores = [], []

@@ -54,8 +54,8 @@ def main() -> None:
 
     from grpoflow.examples.envs import sum_rows
     from grpoflow.flows.serve import start_server
-    from grpoflow.tasks.rollouts.generate import load_tokenizer, prompt_messages, render
     from grpoflow.tasks.rollouts.inference import VLLMClient
+    from grpoflow.tasks.rollouts.templates import load_tokenizer, prompt_messages, render
 
     tok = load_tokenizer(args.model)
     rows = sum_rows(n=PROMPTS * (2 * args.repeats + 1), seed=0)

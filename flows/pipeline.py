@@ -16,7 +16,7 @@ from grpoflow.flows.runner import StepRunner
 from grpoflow.flows.runs import RunState
 from grpoflow.flows.serve import Server
 from grpoflow.tasks.push.push import WeightPush, load_version
-from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from grpoflow.tasks.steps import RolloutBatch, RolloutJob, handed_over, rollout_batch
 

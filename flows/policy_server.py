@@ -18,7 +18,8 @@ from grpoflow.tasks.config.sections import LoraConfig
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:
     from grpoflow.tasks.push.push import release_abandoned_pause
-    from grpoflow.tasks.rollouts.inference import InferenceError, VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference_api import InferenceError
 
     try:
         async with VLLMClient(url, api_key=api_key, retries=0) as client:

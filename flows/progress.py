@@ -22,7 +22,7 @@ from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.runs import RunState
 from grpoflow.flows.tracking import TRACKERS
 from grpoflow.tasks.rewards.reward_kwargs import RESERVED_METRICS
-from grpoflow.tasks.steps import StepRecord
+from grpoflow.tasks.step_record import StepRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
 

@@ -26,12 +26,12 @@ from prefect import Task, get_run_logger
 from prefect.utilities.annotations import quote
 
 from grpoflow.tasks.push.push import PushStats, WeightPush
-from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
+from grpoflow.tasks.step_record import StepRecord
 from grpoflow.tasks.steps import (
     RolloutBatch,
     RolloutJob,
-    StepRecord,
     eval_batch,
     persist,
     push_weights,

@@ -35,10 +35,10 @@ from grpoflow.flows.tracking import tracking
 from grpoflow.storage.compact import BackgroundCompactor
 from grpoflow.storage.processes import identity
 from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.advantages import assign_advantages
 from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
 from grpoflow.tasks.push.push import weight_push
 from grpoflow.tasks.rollouts.reproducible import environment, load_kept
-from grpoflow.tasks.steps import assign_advantages
 
 
 def mark_cancelled(flow, flow_run, state) -> None:

@@ -1,14 +1,14 @@
-"""The units of work of one training step, each with one name, and the step's record.
+"""The units of work of one training step, each with one name.
 
-generate -> score (`rollout_batch`, task `rollout-batch`; the held-out split's: `eval-batch`), advantages (`assign_advantages`), update
-(`update`), persist (`persist`, task `persist-step`), push (`push_weights`, task `push-weights`),
-checkpoint (`save_checkpoint`, task `checkpoint`); `train_step` (task `train-step`) is the task run that
-records the learner's side of a step (update, persist, push) in the Prefect UI. How they run, as task
-runs or plain calls (`task.fn(...)`, as tests call them), is the flow's runner's choice
-(flows/runner.py). Each unit takes its own config sections (through `RolloutJob`, built once per run).
-Big objects (groups, the learner, the jobs) reach tasks wrapped in `quote(...)` so Prefect's argument
-walker never traverses token lists. A step's figures are one typed record, `StepRecord`: the `steps`
-row, the progress artifact and the step's log line are read from it.
+generate -> score (`rollout_batch`, task `rollout-batch`; the held-out split's: `eval-batch`), advantages
+(`assign_advantages`, tasks/advantages.py), update (`update`), persist (`persist`, task `persist-step`),
+push (`push_weights`, task `push-weights`), checkpoint (`save_checkpoint`, task `checkpoint`); `train_step`
+(task `train-step`) is the task run that records the learner's side of a step (update, persist, push) in
+the Prefect UI. How they run, as task runs or plain calls (`task.fn(...)`, as tests call them), is the
+flow's runner's choice (flows/runner.py). Each unit takes its own config sections (through `RolloutJob`,
+built once per run). Big objects (groups, the learner, the jobs) reach tasks wrapped in `quote(...)` so
+Prefect's argument walker never traverses token lists. A step's figures are one typed record,
+`StepRecord` (tasks/step_record.py).
 """
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.sections import (
-    AlgorithmConfig,
     GenerationConfig,
     InferenceConfig,
     RewardConfig,
     ToolsConfig,
 )
-from grpoflow.tasks.learner.grpo import group_advantages
 from grpoflow.tasks.push.push import PushStats, WeightPush, push_version
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, broken_rewards
 from grpoflow.tasks.rewards.reward_kwargs import TrainerState
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
 from grpoflow.tasks.rollouts.reproducible import save_kept
 from grpoflow.tasks.rollouts.sampling import NO_SIGNAL, DynamicSampling, select
+from grpoflow.tasks.step_record import StepRecord
 
 
 @dataclass
@@ -74,9 +73,10 @@ class RolloutJob:
 
 
 async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]:
-    from grpoflow.tasks.rollouts.generate import generate_groups, load_tokenizer
+    from grpoflow.tasks.rollouts.generate import generate_groups
     from grpoflow.tasks.rollouts.inference import client_for
     from grpoflow.tasks.rollouts.replicas import Servers
+    from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
               seed=job.seed, split=job.split)  # fmt: skip
@@ -217,154 +217,6 @@ def handed_over(future, handoff: Future):
     its retries), its error, from its future (a Prefect future, or a plain one)."""
     wait([handoff, getattr(future, "wrapped_future", future)], return_when=FIRST_COMPLETED)
     return handoff.result() if handoff.done() else future.result()
-
-
-def max_lag(max_staleness: int, sync_every: int) -> int:
-    """The largest staleness the pipeline produces by construction: a batch is generated up to
-    `max_staleness` steps ahead, under weights pushed up to `sync_every - 1` steps before that."""
-    return max_staleness + sync_every - 1
-
-
-def _reward_parts(g: RolloutGroup) -> list[list[tuple[float, float | None]]] | None:
-    """Each completion's reward cells as (weight, own valid value or None), for the leave-one-out
-    baseline to leave each function out separately; None when a completion's reward is not the sum of
-    its cells (no cells recorded), and the totals serve."""
-    if any(not c.reward_cells for c in g.completions):
-        return None
-    return [
-        [(x.weight, x.value if x.status == "valid" else None) for x in c.reward_cells] for c in g.completions
-    ]
-
-
-def assign_advantages(
-    groups: list[RolloutGroup],
-    *,
-    step: int,
-    algorithm: AlgorithmConfig,
-    sync_every: int = 1,
-) -> dict[str, float]:
-    """Drop stale groups, compute masked advantages, and mark which completions are trained on.
-
-    Staleness, here, in the `rollouts` table and in the metrics, is one number: training steps between
-    the policy that generated a sample (its version = training steps in those weights) and the
-    policy being trained at `step`. Only what exceeds `max_lag` (a server restart, a late batch) drops."""
-    fresh, stale, limit = [], 0, max_lag(algorithm.max_staleness, sync_every)
-    for g in groups:
-        staleness = max(step - c.policy_version for c in g.completions) if g.completions else 0
-        if g.dropped is not None:  # dynamic sampling left it out of the step
-            for c in g.completions:
-                c.trained, c.advantage, c.drop_reason = False, 0.0, g.dropped
-        elif staleness > limit:
-            stale += 1
-            for c in g.completions:
-                c.trained, c.advantage = False, 0.0
-                c.drop_reason = (
-                    f"stale: generated under version {c.policy_version}, trained at step {step} "
-                    f"(lag {staleness} > {limit})"
-                )
-        else:
-            fresh.append(g)
-    rewards = [[c.reward if c.reward_valid else None for c in g.completions] for g in fresh]
-    valid = [[c.reward_valid for c in g.completions] for g in fresh]
-    parts = [_reward_parts(g) for g in fresh]
-    adv, mask, metrics = group_advantages(
-        rewards,
-        valid,
-        scale=algorithm.scale,
-        baseline=algorithm.baseline,
-        parts=parts,
-        filter_zero_std=algorithm.filter_zero_std,
-    )
-    truncated = 0
-    for g, a_row, m_row in zip(fresh, adv, mask, strict=True):
-        n_valid = sum(c.reward_valid for c in g.completions)
-        for c, a, m in zip(g.completions, a_row, m_row, strict=True):
-            if m and c.truncated and algorithm.mask_truncated:
-                # DAPO's overlong filtering: its reward stays in the group's baseline, its tokens out of the loss
-                m, truncated = False, truncated + 1
-                c.drop_reason = "truncated at the token budget (algorithm.mask_truncated)"
-            c.advantage, c.trained = float(a), bool(m)
-            if not m and c.drop_reason is None:
-                if not c.reward_valid:
-                    c.drop_reason = f"reward invalid: {c.invalid_reason}"
-                elif n_valid < 2:
-                    c.drop_reason = "group has fewer than 2 valid completions"
-                else:
-                    c.drop_reason = "group filtered (zero reward variance)"
-    out = {f"adv/{k}": float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-    out["groups_dropped_stale"] = float(stale)
-    if algorithm.mask_truncated:
-        out["adv/truncated_masked"] = float(truncated)
-    out["staleness_max"] = float(
-        max((step - c.policy_version for g in groups for c in g.completions), default=0)
-    )
-    out["staleness_mean"] = float(
-        sum(step - c.policy_version for g in groups for c in g.completions)
-        / max(1, sum(len(g.completions) for g in groups))
-    )
-    return out
-
-
-@dataclass
-class StepTimes:
-    """Where a step's wall time went, in seconds."""
-
-    wall: float = 0.0  # since the previous step ended (its row write and report are in this step)
-    wait: float = 0.0  # the learner idling for generation
-    settle: float | None = None  # run.reproducible: a push waiting for the batches generated ahead
-    write: float = 0.0  # the step's rollouts and rewards, beside the update
-    prefect: float = 0.0  # Prefect's task runs on the step's critical path
-    checkpoint: float | None = None  # a checkpoint's save, when one was due
-    eval: float | None = None  # the held-out split scored after the step (run.eval_every): not in `wall`
-
-
-@dataclass
-class StepRecord:
-    """One step's figures, each part filled by the unit that measured it; `row()` is the `steps`
-    table's row (and what the progress artifact and trackers read)."""
-
-    step: int
-    rollout: dict[str, float] = field(default_factory=dict)  # gen/, reward/, server health: the batch's
-    advantages: dict[str, float] = field(default_factory=dict)  # adv/, staleness: assign_advantages
-    train: dict[str, float] = field(default_factory=dict)  # train/: the learner's
-    push: PushStats | None = None  # when the step pushed
-    policy_version: int = 0  # what the servers serve once the step is done
-    server_restarts: int = 0
-    eval: dict[str, float] = field(default_factory=dict)  # eval/: the held-out split, when it was scored
-    times: StepTimes = field(default_factory=StepTimes)
-
-    def row(self) -> dict[str, float]:
-        t = self.times
-        out = self.rollout | self.advantages | self.train | {"write_seconds": t.write}
-        if self.push is not None:
-            out |= self.push.metrics()
-        out |= {
-            "sync_seconds": self.push.total_seconds if self.push is not None else 0.0,
-            "policy_version": self.policy_version,
-            "server_restarts": self.server_restarts,
-            "wall_seconds": t.wall,
-            "wait_seconds": t.wait,
-            "prefect_overhead_seconds": t.prefect,
-            "prefect_overhead_frac": t.prefect / t.wall if t.wall > 0 else 0.0,
-        }
-        if t.checkpoint is not None:
-            out["checkpoint_seconds"] = t.checkpoint
-        if t.settle is not None:
-            out["settle_seconds"] = t.settle
-        if t.eval is not None:
-            out |= self.eval | {"eval_seconds": t.eval}
-        return out
-
-    def summary(self) -> str:
-        """What the learner's side of the step did, in one line (the train-step task run's log)."""
-        m = self.train
-        parts = [
-            f"wrote rollouts + rewards in {self.times.write:.2f}s",
-            f"trained {m.get('train/samples', 0):.0f} samples in {m.get('train/seconds', 0):.2f}s",
-        ]
-        if self.push is not None:
-            parts.append(f"pushed version {self.push.version} in {self.push.total_seconds:.2f}s")
-        return "; ".join(parts)
 
 
 def update(learner, groups: list[RolloutGroup]) -> dict[str, float]:

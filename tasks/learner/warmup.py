@@ -19,16 +19,21 @@ from typing import Any
 
 from grpoflow.storage.rollouts import atomic_publish_dir
 from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
-from grpoflow.tasks.rollouts.generate import (
+from grpoflow.tasks.rollouts.templates import (
     TemplateError,
     prompt_messages,
     render,
-    resolve_callable,
     tools_in_system_turn,
     with_reset_note,
     with_system_text,
 )
-from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser, environment_tools, tool_schema
+from grpoflow.tasks.rollouts.tools import (
+    HermesToolParser,
+    ToolCallParser,
+    environment_tools,
+    resolve_callable,
+    tool_schema,
+)
 
 IGNORE = -100  # labels the loss skips
 
@@ -118,7 +123,6 @@ def warm_up(
 ) -> dict[str, Any]:
     """SFT `base` for `warmup.steps` steps and write the result to `out` (complete or absent: it is
     written beside `out` and renamed into place). Returns the figures also written to warmup.json."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base, out = Path(base), Path(out)
@@ -132,21 +136,8 @@ def warm_up(
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     saved_dtype = model.dtype
     model = model.float().train()
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=warmup.lr, weight_decay=0.0)
-    losses, t0 = [], time.perf_counter()
-    for _ in range(warmup.steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(warmup.batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        x = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
-        y = torch.tensor([lab + [IGNORE] * (width - len(lab)) for _, lab in batch])
-        attn = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        loss = model(input_ids=x, attention_mask=attn, labels=y).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+    t0 = time.perf_counter()
+    losses = _sft(model, encoded, warmup, pad, seed)
     stats = {
         "base": str(base),
         "examples": callable_name(warmup.examples),
@@ -171,3 +162,26 @@ def warm_up(
         f"loss {stats['loss_first']} -> {stats['loss_last']}"
     )
     return stats
+
+
+def _sft(model, encoded: list[tuple[list[int], list[int]]], warmup: WarmupConfig, pad: int, seed: int):
+    """`warmup.steps` AdamW steps on batches of `encoded` drawn with `seed`, each padded to its longest
+    example; the loss of each step."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=warmup.lr, weight_decay=0.0)
+    losses = []
+    for _ in range(warmup.steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(warmup.batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        x = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+        y = torch.tensor([lab + [IGNORE] * (width - len(lab)) for _, lab in batch])
+        attn = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        loss = model(input_ids=x, attention_mask=attn, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses

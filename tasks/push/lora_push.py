@@ -31,14 +31,13 @@ from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.sections import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
-from grpoflow.tasks.rollouts.inference import (
+from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
+from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
+from grpoflow.tasks.rollouts.inference_api import (
     InferenceError,
     InferenceHTTPError,
     InferenceUnavailableError,
-    VLLMClient,
     already_loaded,
-    client_for,
-    renew_cache_salt,
 )
 
 

@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from grpoflow.tasks.push.push_api import WeightPushError
-from grpoflow.tasks.rollouts.inference import InferenceError, InferenceHTTPError, VLLMClient, already_loaded
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError, already_loaded
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DRAIN_S = 30.0  # longest wait for requests rewritten to a replaced adapter before it is unloaded

@@ -49,16 +49,15 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from grpoflow.tasks.push.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
-from grpoflow.tasks.rollouts.inference import (
-    MERGE_LORA_RPC,
+from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
+from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
+from grpoflow.tasks.rollouts.inference_api import (
     InferenceError,
     InferenceHTTPError,
     InferenceUnavailableError,
-    VLLMClient,
-    client_for,
-    renew_cache_salt,
 )
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 __all__ = [  # the backends' shared names stay importable from here
     "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "WeightPush",

@@ -16,24 +16,20 @@ import dataclasses
 import functools
 import inspect
 import math
-import multiprocessing as mp
 import numbers
-import os
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from grpoflow.storage.faults import failpoint
-from grpoflow.storage.processes import watch_parent
 from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.sections import RewardConfig
 from grpoflow.tasks.remote import call_on_ray
+from grpoflow.tasks.rewards.process_pool import in_process_pool
 from grpoflow.tasks.rewards.reward_kwargs import (
     RewardLog,
     TrainerState,
@@ -171,7 +167,7 @@ async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any
         if not isinstance(spec.fn, str):
             raise TypeError("executor='process' needs an import path 'module:function'")
         no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
-        return await _in_process_pool(functools.partial(call_logged, spec.fn, n, **no_env))
+        return await in_process_pool(functools.partial(call_logged, spec.fn, n, **no_env))
     if spec.executor == "ray":
         # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
         no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
@@ -286,72 +282,6 @@ def reward_metrics(groups: list[RolloutGroup], specs: list[RewardConfig]) -> dic
     out = _metrics(groups, specs, per_fn, 0.0)
     del out["score_seconds"]
     return out
-
-
-_PROCESS_POOL: cf.ProcessPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _process_pool() -> cf.ProcessPoolExecutor:
-    # One long-lived pool: spawning interpreters per batch would cost seconds. 'spawn', because
-    # forking a process that holds torch threads and an event loop is unsafe.
-    global _PROCESS_POOL
-    with _POOL_LOCK:
-        if _PROCESS_POOL is None:
-            _PROCESS_POOL = cf.ProcessPoolExecutor(
-                max_workers=2,
-                mp_context=mp.get_context("spawn"),
-                # a worker stuck in a hung reward never reads its queue again, so it would
-                # outlive a killed run: the watchdog ends it once its parent is gone
-                initializer=watch_parent,
-                initargs=(os.getpid(),),
-            )
-        return _PROCESS_POOL
-
-
-def _recycle_process_pool(pool: cf.ProcessPoolExecutor) -> None:
-    """Stop handing out `pool` and kill its workers: a hung reward would otherwise hold one forever."""
-    global _PROCESS_POOL
-    with _POOL_LOCK:
-        if _PROCESS_POOL is not pool:
-            return  # recycled already, by another call that saw it break
-        _PROCESS_POOL = None
-    # Python 3.11 has no terminate_workers: kill the executor's own process handles. The executor then
-    # sees its workers die and fails every call still on it with BrokenProcessPool (retried once).
-    for proc in list((pool._processes or {}).values()):
-        proc.kill()
-    pool.shutdown(wait=False)
-
-
-async def _in_process_pool(call: Callable[[], Any]) -> Any:
-    """Run `call()` (a picklable partial) in the shared process pool, recycling the pool when a call
-    is stuck.
-
-    Cancellation (the caller's timeout) means our worker may be stuck in user code for good, so the
-    pool is replaced and its workers killed. A call broken by that (another reward's or batch's
-    hang) or by a crashed worker is retried once on the new pool, under the caller's same deadline,
-    so a good reward is not failed by someone else's hang.
-    """
-    loop = asyncio.get_running_loop()
-    for attempt in range(2):
-        pool = _process_pool()
-        try:
-            fut = loop.run_in_executor(pool, call)
-        except RuntimeError:  # broken, or shut down by a recycle between lookup and submit
-            _recycle_process_pool(pool)
-            if attempt:
-                raise
-            continue
-        try:
-            return await fut
-        except BrokenProcessPool:
-            _recycle_process_pool(pool)
-            if attempt:
-                raise
-        except asyncio.CancelledError:
-            _recycle_process_pool(pool)
-            raise
-    raise AssertionError("unreachable")
 
 
 async def score_groups_async(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from grpoflow.storage.records import ToolCallRecord
+from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.remote import call_on_ray
 from grpoflow.tasks.threads import in_daemon_thread
 
@@ -97,6 +98,11 @@ def environment_tools(env: Any) -> dict[str, Callable[..., Any]]:
         if callable(attr) and inspect.ismethod(attr):
             out[name] = attr
     return out
+
+
+def resolve_callable(obj: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A tool or environment factory: an import path 'module:attr', or the callable itself."""
+    return import_object(obj) if isinstance(obj, str) else obj
 
 
 class ToolBox:

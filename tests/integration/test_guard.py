@@ -64,9 +64,10 @@ def test_a_reward_worker_stuck_in_a_hung_reward_dies_with_its_run(tmp_path):
     code = f"""
 import asyncio, os
 from grpoflow.tasks.config.sections import RewardConfig
-from grpoflow.tasks.rewards.score import score_groups, _process_pool
+from grpoflow.tasks.rewards.process_pool import process_pool
+from grpoflow.tasks.rewards.score import score_groups
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-pool = _process_pool()
+pool = process_pool()
 pids = pool.submit(os.getpid).result(), pool.submit(os.getpid).result()
 open({str(pid_file)!r}, "w").write(" ".join(str(p) for p in sorted(set(pids))))
 g = RolloutGroup("g", 0, "p", [1], [RolloutCompletion(0, "a", [1], [1], [-1.0])])

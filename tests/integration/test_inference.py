@@ -15,7 +15,8 @@ from grpoflow.flows.serve import start_server
 from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.push.weights import save_weights
-from grpoflow.tasks.rollouts.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError, InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration

@@ -86,9 +86,9 @@ def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_pa
     from grpoflow.tasks.learner.learner_api import TrainSample
     from grpoflow.tasks.learner.lora import merge
     from grpoflow.tasks.push.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version
-    from grpoflow.tasks.rollouts.generate import load_tokenizer, render
     from grpoflow.tasks.rollouts.inference import VLLMClient
     from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+    from grpoflow.tasks.rollouts.templates import load_tokenizer, render
     from tests.support import make_learner
 
     model_dir = smollm2_lora_server.model_dir

@@ -16,7 +16,8 @@ import torch
 
 from grpoflow.tasks.config.sections import LORA_TARGETS, InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import LoraPush, push_version
-from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,8 @@ from grpoflow.storage.sql import query
 from grpoflow.tasks.config.sections import GenerationConfig, RewardConfig, ToolsConfig
 from grpoflow.tasks.rewards.score import score_groups_async
 from grpoflow.tasks.rollouts.generate import generate_groups
-from grpoflow.tasks.rollouts.inference import Choice, VLLMClient
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import Choice
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,8 @@ import pytest
 
 from grpoflow.flows.launch import free_port, is_healthy
 from grpoflow.storage.processes import group_members, kill_tree
-from grpoflow.tasks.rollouts.inference import InferenceUnavailableError, VLLMClient
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from tests.support import REPO, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -23,7 +23,7 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     from grpoflow.flows.runs import prepare_model
     from grpoflow.flows.train import grpo_train
     from grpoflow.tasks.learner.warmup import PromptRenderer
-    from grpoflow.tasks.rollouts.generate import load_tokenizer, render
+    from grpoflow.tasks.rollouts.templates import load_tokenizer, render
     from grpoflow.tasks.rollouts.tools import HermesToolParser
 
     cfg = load_config(

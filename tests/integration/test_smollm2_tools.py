@@ -52,7 +52,7 @@ def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2
 def _train_and_check(config, sets, smollm2_model_dir, tmp_path):
     from grpoflow.flows.compare import identical, report
     from grpoflow.flows.train import grpo_train
-    from grpoflow.tasks.rollouts.generate import load_tokenizer
+    from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     cfg = load_config(config, [*sets, "run.run_id=smol-tools"])
     assert grpo_train(config=cfg)["steps_trained"] == STEPS

@@ -168,9 +168,10 @@ def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tin
     from grpoflow.flows.data import load_rows, rows_for_step
     from grpoflow.flows.runs import RunState, build_learner, rollout_job
     from grpoflow.flows.train import grpo_train
+    from grpoflow.tasks.advantages import assign_advantages
     from grpoflow.tasks.push.push import weight_push
     from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
-    from grpoflow.tasks.steps import assign_advantages, persist, push_weights, rollout_batch, update
+    from grpoflow.tasks.steps import persist, push_weights, rollout_batch, update
 
     steps = 3
     sets = {"run.steps": steps, "algorithm.max_staleness": 0, "run.run_id": "flow0"}

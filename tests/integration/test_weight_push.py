@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
 from grpoflow.tasks.push.weights import save_weights
-from grpoflow.tasks.rollouts.inference import VLLMClient, cache_salt_for
+from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
+from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
 pytestmark = pytest.mark.integration

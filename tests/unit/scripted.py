@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpoflow.tasks.rollouts.inference import Choice, InferenceHTTPError
+from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers
 
 BASE = "policy"  # the served model name grpoflow starts vLLM with

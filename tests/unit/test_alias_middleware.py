@@ -181,7 +181,8 @@ def test_the_client_drives_the_middleware_over_http(alias):
     import uvicorn
 
     from grpoflow.flows.launch import free_port
-    from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient
+    from grpoflow.tasks.rollouts.inference import VLLMClient
+    from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError
 
     inner = Inner()
     port = free_port("127.0.0.1")

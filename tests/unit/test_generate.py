@@ -15,7 +15,8 @@ import pytest
 import grpoflow.tasks.rollouts.generate as gen
 from grpoflow.examples.envs import CounterEnv
 from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
-from grpoflow.tasks.rollouts.tools import HermesToolParser
+from grpoflow.tasks.rollouts.multi_turn import snapshot
+from grpoflow.tasks.rollouts.tools import HermesToolParser, tool_schema
 from grpoflow.tasks.tiny_model import build_tokenizer
 from tests.support import toolbox
 from tests.unit.scripted import ScriptedBackend, one_server
@@ -102,7 +103,7 @@ def test_multi_turn_trajectory_masks_and_logprobs_align(tok):
         {"role": "tool", "content": "5"},
         {"role": "assistant", "content": "the answer is 5"},
     ]
-    expected = tok.apply_chat_template(convo, tools=[gen.tool_schema(add)], tokenize=False)
+    expected = tok.apply_chat_template(convo, tools=[tool_schema(add)], tokenize=False)
     assert tok.decode(g.prompt_ids + c.completion_ids) + "\n" == expected
     # mask-1 positions are exactly the generated tokens, and their logprobs line up one to one
     generated = [t for turn in c.turns for t in turn.output_ids]
@@ -263,7 +264,7 @@ def _counter_script():
     async def script(text, k, seed):
         calls = text.count("<tool_response>")
         prompt_index = 1 if "count more" in text else 0
-        sample = (seed - prompt_index * 10_007 - calls) // 101  # inverse of gen._seed with base seed 0
+        sample = (seed - prompt_index * 10_007 - calls) // 101  # inverse of sample_seed with base seed 0
         await asyncio.sleep(0.001 * (sample % 3))
         return call("increment", by=1) if calls < sample + 1 else "finished"
 
@@ -296,7 +297,7 @@ def test_environment_snapshots_keep_each_completions_own_state(tok):
 
 def test_without_snapshots_rewards_leak_between_completions(tok, monkeypatch):
     """Removing the snapshot makes the previous test's property fail: slots are reused and reset."""
-    monkeypatch.setattr(gen, "snapshot", lambda env: env)
+    monkeypatch.setattr("grpoflow.tasks.rollouts.multi_turn.snapshot", lambda env: env)
     groups = _counter_groups(tok)
     mismatched = [
         c for g in groups for c in g.completions if c.environment.get_reward() != c.sample_index + 1
@@ -360,7 +361,7 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
     ListEnv.release.clear()
 
     async def script(text, k, seed):
-        sample = (seed - text.count("<tool_response>")) // 101  # inverse of gen._seed, base seed 0
+        sample = (seed - text.count("<tool_response>")) // 101  # inverse of sample_seed, base seed 0
         calls = text.count("<tool_response>")
         if sample == 0:
             return call("hang") if calls == 0 else "done"
@@ -403,14 +404,14 @@ def test_own_snapshot_method_is_used_and_is_not_a_tool():
 
     env = LockedEnvWithSnapshot()
     env.count = 3
-    assert gen.snapshot(env) == {"count": 3}
+    assert snapshot(env) == {"count": 3}
     assert "snapshot" not in environment_tools(env)
 
 
 def test_every_request_carries_the_cache_salt_of_the_weights_it_runs_under(tok):
     """After a push, no request may be served from prefix-cache KV of older weights: each request
     (each turn of a multi-turn rollout too) is salted with its version's salt, renewed by the push."""
-    from grpoflow.tasks.rollouts.inference import cache_salt_for, renew_cache_salt
+    from grpoflow.tasks.rollouts.cache_salt import cache_salt_for, renew_cache_salt
 
     async def script(text, k, seed):
         return call("ping") if "pong" not in text else "done"

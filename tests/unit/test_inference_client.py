@@ -15,13 +15,13 @@ from aiohttp import web
 
 from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
-from grpoflow.tasks.rollouts.inference import (
+from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import (
     InferenceError,
     InferenceHTTPError,
     InferenceProtocolError,
     InferenceUnavailableError,
-    VLLMClient,
-    cache_salt_for,
 )
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, VersionBox
 

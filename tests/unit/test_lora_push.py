@@ -20,7 +20,9 @@ from grpoflow.tasks.push.push import (
     push_version,
     weight_push,
 )  # fmt: skip
-from grpoflow.tasks.rollouts.inference import InferenceHTTPError, VLLMClient, cache_salt_for
+from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet, Servers, VersionBox
 from grpoflow.tasks.tiny_model import build_tokenizer
 from tests.unit.scripted import ScriptedBackend

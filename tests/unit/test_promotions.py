@@ -223,7 +223,7 @@ def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_
 def test_a_server_without_the_alias_middleware_is_refused_with_how_to_start_one(lora_root):
     from grpoflow.tasks.push.lora_serve import serve_adapter
     from grpoflow.tasks.push.push_api import WeightPushError
-    from grpoflow.tasks.rollouts.inference import InferenceHTTPError
+    from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError
     from tests.unit.scripted import ScriptedBackend
 
     class OldServer(ScriptedBackend):

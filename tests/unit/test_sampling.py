@@ -11,6 +11,7 @@ import pytest
 
 from grpoflow.examples.rewards import soft_overlong_penalty
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+from grpoflow.tasks.advantages import assign_advantages
 from grpoflow.tasks.config.sections import (
     AlgorithmConfig,
     GenerationConfig,
@@ -20,7 +21,7 @@ from grpoflow.tasks.config.sections import (
 )
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.rollouts.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
-from grpoflow.tasks.steps import RolloutJob, assign_advantages
+from grpoflow.tasks.steps import RolloutJob
 
 pytestmark = pytest.mark.unit
 

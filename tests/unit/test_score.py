@@ -303,8 +303,8 @@ def test_leave_one_out_advantages_leave_imputed_values_out_of_other_baselines():
     # Scored for real: A (len 1) R 1, O 1; B (len 2) R 0, O failed -> imputed (1 + 0) / 2; C R 1, O 0.
     # Totals 2, 0.5, 1. Leave-one-out per function (hand numbers in test_grpo): 1.5, -1.0, -0.5; on the
     # totals B's imputed 0.5 would enter A's and C's baselines: 1.25, -1.0, -0.25.
+    from grpoflow.tasks.advantages import assign_advantages
     from grpoflow.tasks.config.sections import AlgorithmConfig
-    from grpoflow.tasks.steps import assign_advantages
 
     groups = make_groups(1, 3)
     specs = [

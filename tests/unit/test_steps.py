@@ -15,7 +15,7 @@ from grpoflow.flows.runner import StepRunner, StepUnits
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import weight_push
-from grpoflow.tasks.rollouts.inference import InferenceUnavailableError
+from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.steps import RolloutBatch, persist, push_weights
 from tests.support import make_learner, rich_group

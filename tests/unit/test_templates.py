@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 
 import grpoflow.tasks.rollouts.generate as gen
 from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.rollouts.templates import TemplateError, with_system_text
+from grpoflow.tasks.rollouts.tools import HermesToolParser, tool_schema
 from tests.unit.scripted import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit
@@ -128,10 +130,10 @@ def test_multi_turn_glue_is_the_templates_own_text_and_masks_align(smollm2_token
         assert c.num_turns == 2 and c.tool_calls[0].result == "5" and not c.tool_calls[0].failed
         # the prompt is the template's own rendering, tools included: by the template where it renders
         # `tools=` (llama3, qwen25), else in a system turn grpoflow writes (smollm2, zephyr)
-        schemas = [gen.tool_schema(add)]
+        schemas = [tool_schema(add)]
         user = [{"role": "user", "content": "What is 2 + 3?"}]
         if case in ("smollm2", "zephyr"):
-            user = gen.with_system_text(user, gen.HermesToolParser().instructions(schemas))
+            user = with_system_text(user, HermesToolParser().instructions(schemas))
         expected_prompt = tok.apply_chat_template(
             user, tools=schemas, add_generation_prompt=True, tokenize=False
         )
@@ -162,7 +164,7 @@ def test_a_template_that_drops_assistant_content_fails_with_a_clear_error(smollm
     async def script(text, k, seed):
         return CALL
 
-    with pytest.raises(gen.TemplateError, match="assistant message's content"):
+    with pytest.raises(TemplateError, match="assistant message's content"):
         asyncio.run(
             gen.generate_groups(
                 [{"prompt": "p"}],
@@ -178,7 +180,7 @@ def test_a_template_that_drops_assistant_content_fails_with_a_clear_error(smollm
 def test_smollm2_template_renders_tool_calls_the_hermes_parser_reads(smollm2_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     text = tok.apply_chat_template([{"role": "assistant", "content": CALL}], tokenize=False)
-    (parsed,) = gen.HermesToolParser().parse(text)
+    (parsed,) = HermesToolParser().parse(text)
     assert (parsed.name, parsed.arguments) == ("add", json.loads(CALL.strip()[11:-12])["arguments"])
 
 
@@ -194,7 +196,7 @@ def test_tools_are_stated_in_the_system_turn_when_smollm2s_template_ignores_them
     )
     assert bare == tok.apply_chat_template(
         [{"role": "user", "content": "q"}],
-        tools=[gen.tool_schema(add)],
+        tools=[tool_schema(add)],
         add_generation_prompt=True,
         tokenize=False,
     )  # the premise: this template ignores tools=
@@ -219,5 +221,5 @@ def test_tools_are_stated_in_the_system_turn_when_smollm2s_template_ignores_them
     else:  # the user's system text first, then the tools and the exact format the parser reads
         assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:")
         assert '"name": "add"' in system and '<tool_call>{"name": "<tool name>", "arguments"' in system
-        (call,) = gen.HermesToolParser().parse(CALL)
+        (call,) = HermesToolParser().parse(CALL)
         assert call.name == "add"

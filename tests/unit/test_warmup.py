@@ -9,7 +9,7 @@ import pytest
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
 from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
 from grpoflow.tasks.learner.warmup import IGNORE, PromptRenderer, example_ids, load_examples
-from grpoflow.tasks.rollouts.generate import TemplateError
+from grpoflow.tasks.rollouts.templates import TemplateError
 from grpoflow.tasks.rollouts.tools import HermesToolParser
 
 CALC = ToolsConfig(tools=["grpoflow.examples.tools:calculator"])

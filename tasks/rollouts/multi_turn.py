@@ -1,0 +1,120 @@
+"""Multi-turn rollouts: tool calls and stateful environments, one request per turn.
+
+Token sequence of a completion: prompt | model output (mask 1) | tool result + template glue
+(mask 0) | model output (mask 1) | ... Model tokens are never re-tokenised: the ids vLLM sampled are
+the ids we train on, and the behaviour logprobs line up with them one to one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from grpoflow.storage.records import RolloutCompletion, TaggedMessage, TurnRecord
+from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
+from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
+from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schema
+
+
+async def multi_turn_rollout(r: RolloutSettings, row: dict, index: int, sample: int, messages: list[dict]):
+    env = None
+    tools = {f.__name__: f for f in r.tools}
+    history = [dict(m) for m in messages]
+    remote = dict(r.remote_tools)
+    if r.env_pool is not None:
+        env = await r.env_pool.acquire()
+        history = with_reset_note(history, env.reset(**row))
+        methods = environment_tools(env)  # stateful: they always run here, never on Ray
+        tools.update(methods)
+        remote = {k: v for k, v in remote.items() if k not in methods}
+    # Rewards see the prompt in the row's own form, with this sample's reset note in it.
+    prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]
+    box = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus)
+    try:
+        c = await _run_turns(r, index, sample, history, box)
+        c.prompt_input = prompt_input
+        if env is not None:  # snapshot before the slot goes back to the pool and is reset
+            c.environment = snapshot(env)
+        return c
+    finally:
+        if env is not None:
+            (r.env_pool.retire if box.timed_out else r.env_pool.release)(env)
+
+
+def snapshot(env: Any) -> Any:
+    """An isolated copy of a finished rollout's environment for the reward functions: the
+    environment's own `snapshot()` when it defines one, else a deep copy (a shallow copy would share
+    lists and dicts with the pooled instance, which the next `reset` rewrites)."""
+    own = getattr(env, "snapshot", None)
+    return own() if callable(own) else copy.deepcopy(env)
+
+
+async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[dict], box: ToolBox):
+    schemas = [tool_schema(f) for f in box.tools.values()]
+    if schemas and r.tools_in_system_turn(schemas):
+        history[:] = with_system_text(history, r.parser.instructions(schemas))
+    prompt_text = render(r.tok, history, schemas, True)
+    prompt_ids = r.tok.encode(prompt_text, add_special_tokens=False)
+    ids, mask, lps, msgs, turns, calls = list(prompt_ids), [], [], [], [], []
+    c = RolloutCompletion(
+        sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[]
+    )
+    c.prompt_ids, c.prompt = prompt_ids, prompt_text
+    t_start, c.policy_version = time.perf_counter(), r.version_fn()
+    for turn in range(r.gen.max_turns):
+        limit = min(r.gen.max_tokens, r.budget - len(mask), r.max_len - len(ids))
+        if limit <= 0:
+            c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
+            break
+        ch = await _turn(r, ids, limit, sample_seed(r.seed, index, sample, turn), turns)
+        ids += ch.token_ids
+        mask += [1] * len(ch.token_ids)
+        lps += list(ch.logprobs)
+        raw = r.decode(ch.token_ids)
+        text = strip_eos(raw, r.eos_text)
+        msgs.append(TaggedMessage("assistant", text, True))
+        c.finish_reason = ch.finish_reason
+        if ch.finish_reason == "length":
+            c.truncated, c.truncation_reason = True, "max_tokens"
+            break
+        parsed = r.parser.parse(text) if box.tools else []
+        if not parsed:
+            break
+        if turn == r.gen.max_turns - 1:
+            c.truncated, c.truncation_reason = True, "max_turns"
+            break
+        records = [await box.call(p, turn) for p in parsed]
+        calls += records
+        tool_msgs = [{"role": "tool", "name": rec.name, "content": rec.result} for rec in records]
+        msgs += [TaggedMessage("tool", rec.result, False) for rec in records]
+        glue = glue_ids(
+            r.tok, r.eos_text, history, bool(r.eos_text) and raw.endswith(r.eos_text), tool_msgs, schemas
+        )
+        history += [{"role": "assistant", "content": text}, *tool_msgs]
+        ids += glue
+        mask += [0] * len(glue)
+        lps += [0.0] * len(glue)
+    c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids) :], mask, lps
+    c.completion = r.text(c.completion_ids)
+    c.messages, c.turns, c.tool_calls = msgs, turns, calls
+    c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
+    return c
+
+
+async def _turn(r: RolloutSettings, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
+    """One generation request of a multi-turn rollout, recorded in `turns`."""
+    t0 = time.perf_counter()
+    # Each turn reads the version anew: the server's weights may have changed in between.
+    (ch,), _ = await complete_served(r, ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
+    turns.append(
+        TurnRecord(
+            len(ids),
+            len(ch.token_ids),
+            time.perf_counter() - t0,
+            ch.finish_reason,
+            list(ch.token_ids),
+            list(ch.logprobs),
+        )
+    )
+    return ch

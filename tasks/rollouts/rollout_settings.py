@@ -1,0 +1,138 @@
+"""What every rollout of one `generate_groups` call shares (`RolloutSettings`, bound to one server per
+group, and the environment pool), and how a rollout asks its server for tokens (`complete_served`:
+under the version that server serves now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
+from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
+from grpoflow.tasks.rollouts.replicas import Servers
+from grpoflow.tasks.rollouts.templates import tools_in_system_turn
+from grpoflow.tasks.rollouts.tools import ToolCallParser, resolve_callable
+
+
+def sample_seed(seed: int | None, prompt_index: int, sample: int, turn: int) -> int | None:
+    """A request's seed, fixed by the run's `seed` and distinct per prompt, sample and turn (None: unseeded)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + prompt_index * 10_007 + sample * 101 + turn) % (2**31 - 1)
+
+
+class EnvPool:
+    """Environment instances pooled per concurrent slot and reused after `reset`.
+
+    A slot whose tool call timed out is retired: the hung call may still be running on its thread and
+    mutating that instance, so it is dropped and a fresh instance takes its place in the pool."""
+
+    def __init__(self, factory: Callable[[], Any], slots: int):
+        self.factory, self.slots, self.made = factory, slots, 0
+        self.free: asyncio.Queue = asyncio.Queue()
+
+    async def acquire(self) -> Any:
+        if self.free.empty() and self.made < self.slots:
+            self.made += 1
+            return self.factory()
+        return await self.free.get()
+
+    def release(self, env: Any) -> None:
+        self.free.put_nowait(env)
+
+    def retire(self, env: Any) -> None:
+        self.free.put_nowait(self.factory())  # `env` is dropped: its hung call may still write to it
+
+
+class RolloutSettings:
+    """What every rollout of one `generate_groups` call shares: the servers and tokenizer, the
+    generation and tools sections (tools resolved to callables), and the environment pool. A group
+    runs on a copy bound to one server (`on`): that server's client and the version it serves."""
+
+    def __init__(
+        self,
+        servers: Servers,
+        tokenizer,
+        gen: GenerationConfig,
+        tools: ToolsConfig,
+        *,
+        seed: int | None,
+        parser: ToolCallParser,
+    ):
+        self.servers, self.tok, self.gen, self.seed = servers, tokenizer, gen, seed
+        self.backend: Any = None  # the bound server's client (`on`)
+        self.version_fn: Callable[[], int] = _unbound
+        self.budget = gen.max_rollout_tokens or gen.max_tokens * gen.max_turns
+        self.tools = [resolve_callable(t) for t in tools.tools]
+        # tools.executor ray: plain sync tools run as Ray tasks, called by what the config names
+        self.remote_tools = {
+            fn.__name__: spec
+            for fn, spec in zip(self.tools, tools.tools, strict=True)
+            if tools.executor == "ray" and not inspect.iscoroutinefunction(fn)
+        }
+        self.tool_cpus = tools.num_cpus
+        factory = resolve_callable(tools.environment) if tools.environment is not None else None
+        self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
+        self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s
+        self.describe_tools, self._tools_in_system = tools.describe_tools, None
+        self.eos_text = tokenizer.eos_token or ""
+        self.max_len = 0
+
+    def on(self, client: Any, version_fn: Callable[[], int]) -> RolloutSettings:
+        """These settings bound to one server: its client, and the version of the weights it serves."""
+        bound = copy.copy(self)
+        bound.backend, bound.version_fn = client, version_fn
+        return bound
+
+    def tools_in_system_turn(self, schemas: list[dict]) -> bool:
+        """`tools_in_system_turn` for this run's template, decided once (the tools do not change)."""
+        if self._tools_in_system is None:
+            self._tools_in_system = tools_in_system_turn(self.describe_tools, self.tok, schemas)
+        return self._tools_in_system
+
+    @property
+    def single_turn(self) -> bool:
+        return not self.tools and self.env_pool is None and self.gen.max_turns == 1
+
+    def sample_kwargs(self) -> dict[str, Any]:
+        return {"temperature": self.gen.temperature, "top_p": self.gen.top_p}
+
+    def decode(self, ids: list[int]) -> str:
+        """The model's raw text, special tokens kept (tool-call parsing, EOS detection)."""
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def text(self, ids: list[int]) -> str:
+        """The completion as rewards and SQL see it: special tokens (EOS, role markers) dropped, as
+        TRL and users expect; `finish_reason` says whether the model stopped."""
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _unbound() -> int:
+    raise RuntimeError("RolloutSettings used before `on` bound it to a server")
+
+
+async def complete_served(r: RolloutSettings, ids: list[int], **params: Any) -> tuple[list[Choice], int]:
+    """One request under the version the bound server serves now, and that version. It names the
+    version's model (`Servers.model_name`: its LoRA adapter, or the server's own) and prefix-cache
+    salt, so it is served wholly by that version and never reuses KV computed under other weights.
+
+    An adapter the server no longer holds answers 404: a push retired the version while the request
+    was on its way (or being retried). It is asked again under the version served by then."""
+    while True:
+        version = r.version_fn()
+        model = r.servers.model_name(version)
+        try:
+            out = await r.backend.complete(ids, model=model, cache_salt=cache_salt_for(version), **params)
+            return out, version
+        except InferenceHTTPError as e:
+            if model is None or e.status != 404 or r.version_fn() == version:
+                raise
+
+
+def strip_eos(text: str, eos: str) -> str:
+    return text[: -len(eos)] if eos and text.endswith(eos) else text

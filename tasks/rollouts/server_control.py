@@ -1,0 +1,156 @@
+"""The vLLM server's control endpoints, which weight pushes and supervisors call: pause and resume
+(with grpoflow's pause lease), the prefix cache, LoRA adapters and their aliases, and weight loads
+through `collective_rpc`.
+
+`ServerControl` is a mixin of `VLLMClient` (tasks/rollouts/inference.py): it sends through the
+client's `_request` (one retry policy, the control timeout) and never through the semaphore that
+bounds generation, so a pause is never queued behind the requests it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from grpoflow.tasks.rollouts.inference_api import RETRY_STATUS, InferenceProtocolError, json_object
+
+# The method grpoflow's worker extension adds to vLLM's workers (flows/vllm_plugins/grpoflow_merge.py).
+MERGE_LORA_RPC = "grpoflow_merge_lora"
+
+
+class ServerControl:
+    """Pause/resume, prefix cache, adapters, aliases and weight loads of one server (a `VLLMClient`)."""
+
+    # What the client provides (tasks/rollouts/inference.py).
+    base_url: str
+    control_timeout: aiohttp.ClientTimeout
+    _request: Callable[..., Awaitable[str]]
+
+    async def pause(
+        self,
+        mode: str = "keep",
+        clear_cache: bool = False,
+        owner: str | None = None,
+        lease_s: float | None = None,
+    ) -> None:
+        """Pause generation. `owner` and `lease_s` go to grpoflow's lease middleware in the server: a
+        supervisor resumes a pause only once its lease has run out (its owner died mid-push)."""
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        if owner is not None:
+            params["owner"] = owner
+        if lease_s is not None:
+            params["lease_s"] = f"{lease_s:.3f}"
+        await self._request("POST", "/pause", params=params)
+
+    async def pause_lease(self) -> dict[str, Any]:
+        """Who paused the server and for how much longer: {"owner", "expires_in_s", "paused_at"}."""
+        text = await self._request("GET", "/grpoflow/pause_lease")
+        return json_object(text, f"GET {self.base_url}/grpoflow/pause_lease", ("owner", "expires_in_s"))
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def reset_prefix_cache(self, *, running: bool = True) -> bool:
+        """Drop the server's prefix cache, for every client. `running`: requests in flight are
+        preempted and recomputed (under the weights loaded now) so none keeps KV of the old ones.
+        False when vLLM could not reset it (blocks still held); the caller may retry."""
+        text = await self._request(
+            "POST", "/reset_prefix_cache", params={"reset_running_requests": str(running).lower()}
+        )
+        return bool(json_object(text, f"POST {self.base_url}/reset_prefix_cache", ("success",))["success"])
+
+    async def is_paused(self) -> bool:
+        text = await self._request("GET", "/is_paused")
+        value = json_object(text, f"GET {self.base_url}/is_paused", ("is_paused",))["is_paused"]
+        if not isinstance(value, bool):
+            raise InferenceProtocolError(
+                f"GET {self.base_url}/is_paused: 'is_paused' is not a bool: {text!r:.300}"
+            )
+        return value
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in `path` under `name` (requests naming `name` are served by it).
+        Never with vLLM's `load_inplace`: vLLM keeps that flag on the registered adapter and re-reads
+        its files at every engine step that runs it; a name is re-pointed with `set_alias` instead.
+
+        vLLM answers a name it already holds with 400 and a failed load with 500 (the adapter's files,
+        or a server that cannot take it): both are final, raised as InferenceHTTPError with vLLM's
+        message; a route the server lacks (started without VLLM_ALLOW_RUNTIME_LORA_UPDATING) is a 404.
+        Retried only on connection errors, timeouts and the other retryable statuses."""
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        await self._request(
+            "POST", "/v1/load_lora_adapter", json_body=body, retry_status=RETRY_STATUS - {500}
+        )
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Remove `name` from the server's adapters: new requests naming it are refused (404), requests
+        already running keep it. A name the server does not hold answers 404 (InferenceHTTPError)."""
+        await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
+
+    async def set_alias(self, name: str, target: str | None) -> str | None:
+        """Point the model name `name` at the loaded adapter (or model) `target`: requests naming
+        `name` are served by `target` from the next one on; None removes the alias. grpoflow's alias
+        middleware in the server (flows/vllm_plugins/grpoflow_alias.py); a server without it answers
+        404 (InferenceHTTPError). The target `name` pointed at before, or None."""
+        text = await self._request(
+            "POST",
+            "/grpoflow/alias",
+            json_body={"name": name, "target": target},
+            retry_status=RETRY_STATUS - {500},
+        )
+        return json_object(text, f"POST {self.base_url}/grpoflow/alias", ("previous",))["previous"]
+
+    async def aliases(self) -> dict[str, str]:
+        """The server's alias table {name: target}."""
+        return (await self._alias_state())["aliases"]
+
+    async def alias_in_flight(self) -> dict[str, int]:
+        """{target: requests sent to it through an alias whose answer has not ended yet}."""
+        return (await self._alias_state())["in_flight"]
+
+    async def _alias_state(self) -> dict[str, Any]:
+        where = f"GET {self.base_url}/grpoflow/aliases"
+        state = json_object(await self._request("GET", "/grpoflow/aliases"), where, ("aliases", "in_flight"))
+        if not isinstance(state["aliases"], dict) or not isinstance(state["in_flight"], dict):
+            raise InferenceProtocolError(
+                f"{where}: 'aliases' and 'in_flight' must be objects: {state!r:.300}"
+            )
+        return state
+
+    async def reload_weights(self, path: str, *, timeout_s: float | None = None) -> Any:
+        """Load the weights under `path` into the running model (the server should be paused).
+
+        `timeout_s` bounds this call (default: the client's control timeout); never retried. Returns
+        the per-worker results, or None when vLLM answers with an empty body (it does when
+        `collective_rpc` returns None).
+
+        On its own connection: vLLM answers a failed reload with a 500 and drops the connection, which
+        a pooled connection would only reveal on the next call (a reset, not retried for a reload)."""
+        return await self.collective_rpc("reload_weights", {"weights_path": str(path)}, timeout_s)
+
+    async def merge_lora(self, adapter_path: str, *, timeout_s: float | None = None) -> Any:
+        """Serve the base model with the PEFT adapter at `adapter_path` merged into its weights (the
+        server's `grpoflow_merge` worker extension; paused around it, as for `reload_weights`)."""
+        return await self.collective_rpc(MERGE_LORA_RPC, {"adapter_path": str(adapter_path)}, timeout_s)
+
+    async def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
+        """Call `method` on every worker (`reload_weights`' doc: timeout, no retry, own connection)."""
+        body = {"method": method, "kwargs": kwargs}
+        timeout = (
+            aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
+            if timeout_s is not None
+            else None
+        )
+        text = await self._request(
+            "POST",
+            "/collective_rpc",
+            json_body=body,
+            retries=0,
+            timeout=timeout,
+            headers={"Connection": "close"},
+        )
+        if not text.strip():
+            return None
+        return json_object(text, f"POST {self.base_url}/collective_rpc")
