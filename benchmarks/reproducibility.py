@@ -44,7 +44,7 @@ RUNS = ("repro-a", "repro-b")
 
 def base_weights(url: str, model_dir: Path, inference) -> None:
     """Put the base model's weights back into the server (version 0), as the integration tests do."""
-    from grpoflow.tasks.config.sections import SyncConfig
+    from grpoflow.tasks.config.inference import SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
     with tempfile.TemporaryDirectory(prefix="grpoflow-restore-") as tmp:

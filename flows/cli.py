@@ -235,7 +235,7 @@ def cmd_retrain(args) -> int:
 
 
 def _server_inference(args):
-    from grpoflow.tasks.config.sections import InferenceConfig
+    from grpoflow.tasks.config.inference import InferenceConfig
 
     return InferenceConfig(api_key=args.api_key) if args.api_key else InferenceConfig()
 

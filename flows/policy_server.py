@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger
 
 from grpoflow.flows.serve import ServerHandle, ServerStartError, _tail, server_command
 from grpoflow.storage.processes import stop_stale
-from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.config.learner import LoraConfig
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:

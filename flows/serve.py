@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.storage.processes import forget_process, record_process, stop_stale
-from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.learner import LoraConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"  # importable by the server: stdlib + psutil

@@ -18,7 +18,7 @@ from typing import Any
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord, row_id_of
 from grpoflow.tasks.config.imports import import_object
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.inference import (
     Choice,
     InferenceHTTPError,

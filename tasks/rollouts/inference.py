@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from grpoflow.tasks.config.sections import InferenceConfig
+from grpoflow.tasks.config.inference import InferenceConfig
 
 
 class InferenceError(RuntimeError):

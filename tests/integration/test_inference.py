@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpoflow.flows.serve import ServerStartError, start_server
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.push.weights import save_weights
 from grpoflow.tasks.rollouts.inference import InferenceHTTPError, InferenceUnavailableError, VLLMClient

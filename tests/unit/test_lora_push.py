@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 import grpoflow.tasks.rollouts.generate as gen
-from grpoflow.tasks.config.sections import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.push.push import (
     CheckpointPush,
     LoraPush,

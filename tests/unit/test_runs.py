@@ -10,7 +10,7 @@ from grpoflow.flows.config import ConfigError, load_config
 from grpoflow.flows.data import load_rows, rows_for_step
 from grpoflow.flows.runs import open_run, prepare_model
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
 from grpoflow.tasks.steps import assign_advantages
 
 pytestmark = pytest.mark.unit

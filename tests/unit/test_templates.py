@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import grpoflow.tasks.rollouts.generate as gen
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from tests.unit.scripted import ScriptedBackend, one_server
 
 pytestmark = pytest.mark.unit
