@@ -55,7 +55,7 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
                 window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
     """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
     the second one SIGKILLed that many times and resumed."""
-    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
     from grpoflow.flows.prefect_api import owned_prefect_api
     from grpoflow.flows.runs import prepare_model

@@ -327,3 +327,12 @@ def test_evaluation_finds_a_lora_checkpoints_adapter_and_its_base(tmp_path):
     base, lora = adapter_base(cfg, str(ckpt / "adapter"))
     assert base == "/models/base" and lora.served_rank() == 16
     assert adapter_base(cfg, str(tmp_path)) is None  # a model dir: served as it is
+
+
+def test_every_sync_backend_the_config_accepts_has_a_push():
+    from typing import get_args
+
+    from grpoflow.tasks.config.choices import SyncBackend
+    from grpoflow.tasks.push.push import BACKENDS
+
+    assert set(BACKENDS) == set(get_args(SyncBackend))
