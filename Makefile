@@ -84,7 +84,7 @@ clean:  ## remove virtual environments and the local store
 	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)
 
 # What the learner's GPU run (benchmarks/gpu_learner.py) needs on a GPU machine that has torch,
-# transformers, peft, pyarrow and pytest but no network: pydantic's wheels (grpoflow.tasks.config.sections), for CPython 3.12.
+# transformers, peft, pyarrow and pytest but no network: pydantic's wheels (grpoflow.tasks.config), for CPython 3.12.
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 gpu-wheels:  ## gather into .whl/ the wheels the GPU learner run needs beyond the GPU image (see benchmarks/gpu_learner.py)
 	rm -rf .whl && mkdir -p .whl

@@ -29,7 +29,8 @@ import time
 from grpoflow.flows.cluster import ray_cluster
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.tasks.config.imports import add_search_dir, import_object
-from grpoflow.tasks.config.sections import RewardConfig, ScaleConfig
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.run import ScaleConfig
 from grpoflow.tasks.rewards.score import score_groups
 
 HEAVY = '''

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from grpoflow.flows.serve import start_server
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet

@@ -180,7 +180,8 @@ def make_configs(
     algorithm = ALGORITHM_VALUES | {"num_iterations": num_iterations}
     if prefer_pydantic:
         try:
-            from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig
+            from grpoflow.tasks.config.algorithm import AlgorithmConfig
+            from grpoflow.tasks.config.learner import LearnerConfig
         except ImportError:
             pass
         else:
@@ -196,7 +197,7 @@ def make_configs(
 def model_config(dtype: str, source: str):
     """The model section the learner reads its dtype from, of the same kind `make_configs` gave."""
     if source == "pydantic":
-        from grpoflow.tasks.config.sections import ModelConfig
+        from grpoflow.tasks.config.model import ModelConfig
 
         return ModelConfig(dtype=dtype)
     return types.SimpleNamespace(dtype=dtype)
@@ -499,7 +500,7 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     import ray
 
     from grpoflow.flows.cluster import ray_cluster
-    from grpoflow.tasks.config.sections import ScaleConfig
+    from grpoflow.tasks.config.run import ScaleConfig
     from grpoflow.tasks.learner.distributed import DistributedLearner
     from grpoflow.tasks.learner.learner_api import LearnerRun
 

@@ -171,7 +171,7 @@ def run_leg(
 ) -> dict:
     """Train one leg in `store` and return it."""
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
     from grpoflow.flows.prefect_api import owned_prefect_api
     from grpoflow.flows.runs import new_run_id, prepare_model

@@ -31,7 +31,8 @@ import statistics
 import tempfile
 
 from grpoflow.flows.serve import start_server
-from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 

@@ -89,7 +89,7 @@ def main() -> None:
         help="task runs' INFO lines on the terminal, as `grpoflow train --verbose`",
     )
     args = ap.parse_args()
-    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
 
     quiet_prefect_task_logs(not args.verbose)
 

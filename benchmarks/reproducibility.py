@@ -44,7 +44,7 @@ RUNS = ("repro-a", "repro-b")
 
 def base_weights(url: str, model_dir: Path, inference) -> None:
     """Put the base model's weights back into the server (version 0), as the integration tests do."""
-    from grpoflow.tasks.config.sections import SyncConfig
+    from grpoflow.tasks.config.inference import SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
     with tempfile.TemporaryDirectory(prefix="grpoflow-restore-") as tmp:
@@ -55,7 +55,7 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
                 window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
     """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
     the second one SIGKILLed that many times and resumed."""
-    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
     from grpoflow.flows.prefect_api import owned_prefect_api
     from grpoflow.flows.runs import prepare_model

@@ -18,7 +18,7 @@ import json
 import time
 
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.score import score_groups
 
 DELAY = 0.2

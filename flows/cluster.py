@@ -30,7 +30,7 @@ from typing import Any
 
 from grpoflow.flows.launch import ServerHandle, free_port, guarded_command
 from grpoflow.storage.processes import session_pids
-from grpoflow.tasks.config.sections import ScaleConfig
+from grpoflow.tasks.config.run import ScaleConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "storage", "examples")  # what workers import: the call wrapper and its imports

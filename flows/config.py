@@ -1,7 +1,8 @@
 """The config tree of a grpoflow run: one validated pydantic model, every field documented.
 
-Only flows see the whole tree; each unit below takes its own section (`tasks/config/sections.py`). Validation
-fails early (before any model is loaded) with the dotted path of the offending field.
+Only flows see the whole tree; each unit below takes its own section (`tasks/config/`, a module per
+subsystem). Validation fails early (before any model is loaded) with the dotted path of the offending
+field.
 """
 
 from __future__ import annotations
@@ -12,27 +13,17 @@ from typing import Any
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from grpoflow.tasks.config.algorithm import AlgorithmConfig, WarmupConfig
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
+from grpoflow.tasks.config.data import DataConfig, DatasetConfig
 from grpoflow.tasks.config.imports import add_search_dir, import_object
-from grpoflow.tasks.config.sections import (
-    AlgorithmConfig,
-    DataConfig,
-    DatasetConfig,
-    GenerationConfig,
-    InferenceConfig,
-    LearnerConfig,
-    LoraConfig,
-    ModelConfig,
-    RewardConfig,
-    RunConfig,
-    ScaleConfig,
-    Section,
-    StorageConfig,
-    SyncConfig,
-    ToolsConfig,
-    TrackingConfig,
-    WarmupConfig,
-)
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.learner import LearnerConfig, LoraConfig
+from grpoflow.tasks.config.model import ModelConfig
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.run import RunConfig, ScaleConfig, StorageConfig, TrackingConfig
+from grpoflow.tasks.config.section import Section
 
 __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from them
     "AlgorithmConfig",

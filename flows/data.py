@@ -14,7 +14,7 @@ from typing import Any
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
 from grpoflow.storage.ids import held_out, row_id_of
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
-from grpoflow.tasks.config.sections import DatasetConfig
+from grpoflow.tasks.config.data import DatasetConfig
 
 
 def _read_rows(path: str, field: str, cfg: GRPOConfig) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from grpoflow.flows.runs import confine, prepare_model, rollout_job
 from grpoflow.flows.serve import inference_server
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id
-from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
 from grpoflow.tasks.push.lora_push import adapter_rank
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet

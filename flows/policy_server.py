@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 from grpoflow.flows.launch import ServerHandle, ServerStartError, _tail
 from grpoflow.flows.serve import server_command
 from grpoflow.storage.processes import stop_stale
-from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.config.learner import LoraConfig
 
 
 async def _release_abandoned_pause(url: str, api_key: str | None) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any
 from grpoflow.storage.checkpoints import CheckpointNotFoundError, CheckpointStore
 from grpoflow.storage.promotions import PromotionError, PromotionLog, pin, unpin, version
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.learner.learner_api import checkpoint_weights
 
 

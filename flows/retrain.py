@@ -17,7 +17,7 @@ is also recorded in `runs/<run>.json` under `retrains`.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
 
@@ -30,9 +30,8 @@ from grpoflow.flows.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
+from grpoflow.tasks.config.choices import GateMetric
 from grpoflow.tasks.push.lora_push import adapter_rank
-
-GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
 
 
 def gate(candidate: float | None, incumbent: float | None, metric: str, margin: float) -> tuple[bool, str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from grpoflow.flows.launch import PLUGINS, ServerHandle, free_port, guarded_command, is_loopback
 from grpoflow.storage.processes import stop_stale
-from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.learner import LoraConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ from grpoflow.flows.tracking import Tracking
 from grpoflow.storage.compact import BackgroundCompactor
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardError
-from grpoflow.tasks.steps import StepRecord
+from grpoflow.tasks.step_record import StepRecord
 
 
 def due(step: int, every: int, steps: int) -> bool:

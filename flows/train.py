@@ -36,7 +36,8 @@ from grpoflow.storage.compact import BackgroundCompactor
 from grpoflow.storage.processes import identity
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.advantages import assign_advantages
-from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import weight_push
 from grpoflow.tasks.rollouts.reproducible import environment, load_kept
 

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-demo.yaml"), help="the demo's config")
     args = ap.parse_args()
 
-    from grpoflow.flows.cli import quiet_prefect_task_logs
+    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
     from grpoflow.flows.evaluate import grpo_evaluate
     from grpoflow.flows.prefect_api import owned_prefect_api

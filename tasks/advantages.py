@@ -6,7 +6,7 @@ with the reason.
 from __future__ import annotations
 
 from grpoflow.storage.records import RolloutGroup
-from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
 from grpoflow.tasks.learner.grpo import group_advantages
 
 

@@ -27,12 +27,9 @@ from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.config.sections import (
-    GenerationConfig,
-    InferenceConfig,
-    RewardConfig,
-    ToolsConfig,
-)
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.push.push import PushStats, WeightPush, push_version
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, broken_rewards
 from grpoflow.tasks.rewards.reward_kwargs import TrainerState

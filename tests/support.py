@@ -229,11 +229,9 @@ def make_learner(model_dir, *, total_steps: int, seed: int = 0, tokenizer_path=N
     (off-policy correction off unless given: these samples' behaviour logprobs are made up), on
     LEARNER_DEVICE unless `device` is among them, computing in `dtype` (float32: the tests' exact
     comparisons hold on a GPU too; the precision recipe's tests ask for bfloat16)."""
-    from grpoflow.tasks.config.sections import (  # torch: for the tests that train
-        AlgorithmConfig,
-        LearnerConfig,
-        ModelConfig,
-    )
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig  # torch: for the tests that train
+    from grpoflow.tasks.config.learner import LearnerConfig
+    from grpoflow.tasks.config.model import ModelConfig
     from grpoflow.tasks.learner.learn import Learner
     from grpoflow.tasks.learner.learner_api import LearnerRun
 

@@ -34,7 +34,10 @@ from grpoflow.tasks.learner.learner_api import TrainSample
 from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.config.sections import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig
+    from grpoflow.tasks.config.learner import LearnerConfig
+    from grpoflow.tasks.config.model import ModelConfig
+    from grpoflow.tasks.config.rollouts import GenerationConfig
     from grpoflow.tasks.learner.learner_api import LearnerRun
 
 # What the ranks are doing in each call `DistributedLearner` makes on them, for the error naming a

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.config.choices import Baseline, LossType, Scale
 
-Scale = Literal["group", "batch", "none"]
-Baseline = Literal["group_mean", "leave_one_out"]
-LossType = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
-Correction = Literal["none", "tis", "icepop", "seq_mask", "seq_tis"]
+if TYPE_CHECKING:
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig
+
 # One reward function's share of a completion's reward: (weight, its own valid value or None when the
 # cell is invalid, whether imputed or not).
 Part = tuple[float, float | None]

@@ -32,7 +32,10 @@ from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, fol
 from grpoflow.tasks.push.weights import save_weights
 
 if TYPE_CHECKING:  # the learner runs with torch and transformers alone (a bare GPU worker)
-    from grpoflow.tasks.config.sections import AlgorithmConfig, GenerationConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig
+    from grpoflow.tasks.config.learner import LearnerConfig
+    from grpoflow.tasks.config.model import ModelConfig
+    from grpoflow.tasks.config.rollouts import GenerationConfig
     from grpoflow.tasks.learner.learner_api import LearnerRun
 
 

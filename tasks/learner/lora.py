@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from grpoflow.tasks.config.sections import LoraConfig
+    from grpoflow.tasks.config.learner import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.storage.rollouts import atomic_publish_dir
-from grpoflow.tasks.config.sections import ToolsConfig, WarmupConfig
+from grpoflow.tasks.config.algorithm import WarmupConfig
+from grpoflow.tasks.config.rollouts import ToolsConfig
 from grpoflow.tasks.rollouts.templates import (
     TemplateError,
     prompt_messages,

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
-from grpoflow.tasks.config.sections import VLLM_LORA_RANKS, InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.learner import VLLM_LORA_RANKS
 from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
 from grpoflow.tasks.rollouts.inference import VLLMClient, client_for

@@ -46,7 +46,8 @@ from pathlib import Path
 
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.choices import SyncBackend
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from grpoflow.tasks.push.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
@@ -154,7 +155,7 @@ class MergedLoraPush(CheckpointPush):
         await super().load(url, path, version, on_loaded)
 
 
-BACKENDS: dict[str, type[CheckpointPush] | type[LoraPush]] = {
+BACKENDS: dict[SyncBackend, type[CheckpointPush] | type[LoraPush]] = {
     "checkpoint": CheckpointPush, "lora": LoraPush, "lora_merged": MergedLoraPush,
 }  # fmt: skip
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpoflow.storage.records import RolloutGroup
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.reward_kwargs import is_conversational
 
 

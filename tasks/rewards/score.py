@@ -27,7 +27,7 @@ from typing import Any
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
 from grpoflow.tasks.config.imports import import_object
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.remote import call_on_ray
 from grpoflow.tasks.rewards.process_pool import in_process_pool
 from grpoflow.tasks.rewards.reward_kwargs import (

@@ -13,7 +13,7 @@ from typing import Any
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.ids import row_id_of
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.multi_turn import multi_turn_rollout
 from grpoflow.tasks.rollouts.replicas import Servers

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from grpoflow.tasks.config.sections import InferenceConfig
+from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.rollouts.inference_api import (
     RETRY_STATUS,
     Choice,

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
 from grpoflow.tasks.rollouts.replicas import Servers

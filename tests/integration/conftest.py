@@ -75,7 +75,7 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
-    from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+    from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
     pusher = weight_push(tmp_path_factory.mktemp("restore"), "restore", SyncConfig(), InferenceConfig())

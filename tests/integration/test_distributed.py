@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
+from grpoflow.tasks.config.learner import LearnerConfig
 from grpoflow.tasks.learner.learn import Learner
 from grpoflow.tasks.learner.learner_api import LearnerRun, TrainSample
 from grpoflow.tasks.tiny_model import build_tiny_model
@@ -37,7 +38,7 @@ def cluster():
     """A local Ray for this module's ranks (2 CPUs: one per rank)."""
     pytest.importorskip("ray")
     from grpoflow.flows.cluster import ray_cluster
-    from grpoflow.tasks.config.sections import ScaleConfig
+    from grpoflow.tasks.config.run import ScaleConfig
 
     with ray_cluster(ScaleConfig(ray_address="local", num_cpus=2)) as c:
         yield c

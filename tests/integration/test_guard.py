@@ -63,7 +63,7 @@ def test_a_reward_worker_stuck_in_a_hung_reward_dies_with_its_run(tmp_path):
     pid_file = tmp_path / "worker"
     code = f"""
 import asyncio, os
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.process_pool import process_pool
 from grpoflow.tasks.rewards.score import score_groups
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup

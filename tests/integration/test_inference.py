@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpoflow.flows.launch import ServerStartError
 from grpoflow.flows.serve import start_server
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.push.weights import save_weights
 from grpoflow.tasks.rollouts.inference import VLLMClient

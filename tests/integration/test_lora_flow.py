@@ -82,7 +82,8 @@ def smollm2_lora_server(tmp_path_factory):
 def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_path, smollm2_lora_server):
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig, SyncConfig
+    from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+    from grpoflow.tasks.config.learner import LoraConfig
     from grpoflow.tasks.learner.learner_api import TrainSample
     from grpoflow.tasks.learner.lora import merge
     from grpoflow.tasks.push.push import CheckpointPush, LoraPush, MergedLoraPush, load_version, push_version

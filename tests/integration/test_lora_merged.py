@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import (
     MergedLoraPush,
     WeightPushError,

@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from grpoflow.tasks.config.sections import LORA_TARGETS, InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.learner import LORA_TARGETS
 from grpoflow.tasks.push.push import LoraPush, push_version
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError

@@ -58,7 +58,7 @@ def test_promote_reject_rollback_on_a_live_server(
 
     from grpoflow.flows import cli
     from grpoflow.flows.retrain import grpo_retrain
-    from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+    from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -21,7 +21,7 @@ import pytest
 from grpoflow.flows.config import load_config
 from grpoflow.storage.processes import alive, processes, session_pids
 from grpoflow.tasks.config.imports import import_object
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.score import score_groups_async
 from grpoflow.tasks.rollouts.tools import ParsedCall, ToolBox
 from tests.support import REPO, make_groups, wait_for
@@ -199,7 +199,7 @@ CHILD = """
 import sys, time
 import ray
 from grpoflow.flows.cluster import ray_cluster
-from grpoflow.tasks.config.sections import ScaleConfig
+from grpoflow.tasks.config.run import ScaleConfig
 
 with ray_cluster(ScaleConfig(ray_address="local", num_cpus=1, object_store_mb=100)) as c:
     @ray.remote

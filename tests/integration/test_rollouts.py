@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 from grpoflow.examples.tools import calculator
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
-from grpoflow.tasks.config.sections import GenerationConfig, RewardConfig, ToolsConfig
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rewards.score import score_groups_async
 from grpoflow.tasks.rollouts.generate import generate_groups
 from grpoflow.tasks.rollouts.inference import VLLMClient

@@ -12,7 +12,7 @@ import functools
 import pytest
 from transformers import AutoModelForCausalLM
 
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
 from grpoflow.tasks.push.weights import save_weights
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 import grpoflow.flows.cli as cli
+import grpoflow.flows.cli_store as cli_store
 from grpoflow.flows.config import GRPOConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def test_ctrl_c_returns_130_with_one_line(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_runs", interrupted)
+    monkeypatch.setattr(cli_store, "cmd_runs", interrupted)
     assert cli.main(["runs"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 
@@ -165,7 +166,7 @@ def test_other_errors_keep_their_traceback(monkeypatch):
     def bug(args):
         raise ValueError("a bug, not bad input")
 
-    monkeypatch.setattr(cli, "cmd_runs", bug)
+    monkeypatch.setattr(cli_store, "cmd_runs", bug)
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["runs"])
 
@@ -213,6 +214,7 @@ PROBE = textwrap.dedent(
     from prefect.runtime import flow_run
 
     import grpoflow.flows.cli as cli
+    import grpoflow.flows.cli_flows as cli_flows
     from grpoflow.flows.prefect_api import owned_prefect_api
 
     runs = {}
@@ -251,7 +253,7 @@ PROBE = textwrap.dedent(
             logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
         return [log.message for log in logs if log.task_run_id is not None]
 
-    cli.cmd_report = fake_report
+    cli_flows.cmd_report = fake_report
     with owned_prefect_api():  # one API server for all three commands
         for argv in (["report", "quiet"], ["report", "loud", "--verbose"], ["report", "ctrl-c"]):
             print(f"=== {argv[1]}", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpoflow.flows.cli import main
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.learner.learner_api import TrainSample
 from grpoflow.tasks.learner.logprobs import token_logprobs
 from tests.support import make_learner

@@ -97,7 +97,7 @@ def test_hung_sync_reward_and_tool_are_abandoned_and_the_process_exits():
         """
         import asyncio, threading
         from grpoflow.storage.records import RolloutCompletion, RolloutGroup
-        from grpoflow.tasks.config.sections import RewardConfig
+        from grpoflow.tasks.config.rewards import RewardConfig
         from grpoflow.tasks.rewards.score import score_groups
         from grpoflow.tasks.rollouts.tools import ParsedCall, ToolBox
 

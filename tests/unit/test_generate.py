@@ -14,7 +14,7 @@ import pytest
 
 import grpoflow.tasks.rollouts.generate as gen
 from grpoflow.examples.envs import CounterEnv
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.multi_turn import snapshot
 from grpoflow.tasks.rollouts.tools import HermesToolParser, tool_schema
 from grpoflow.tasks.tiny_model import build_tokenizer
@@ -315,7 +315,7 @@ def test_each_completion_is_trained_and_scored_on_its_own_prompt(tok):
     """An environment whose reset note differs per sample: the learner's input, the rollouts row and
     the `prompts` a reward function receives are each completion's own prompt."""
     from grpoflow.storage.tables import rollout_rows
-    from grpoflow.tasks.config.sections import RewardConfig
+    from grpoflow.tasks.config.rewards import RewardConfig
     from grpoflow.tasks.learner.learner_api import samples_from_groups
     from grpoflow.tasks.rewards.score import score_groups
     from tests.unit.envs import TargetEnv

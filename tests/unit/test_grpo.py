@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
 from grpoflow.tasks.learner.grpo import compute_loss, group_advantages
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference import VLLMClient

@@ -107,7 +107,9 @@ def _config_reads(path: Path, names: tuple[str, ...] = ("learner", "c", "algorit
 
 def test_namespace_configs_carry_every_field_the_learner_reads_with_the_pydantic_values():
     pytest.importorskip("pydantic")
-    from grpoflow.tasks.config.sections import AlgorithmConfig, LearnerConfig, ModelConfig
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig
+    from grpoflow.tasks.config.learner import LearnerConfig
+    from grpoflow.tasks.config.model import ModelConfig
 
     bench = _load()
     kw = {"micro_batch_size": 16, "share_prompt": False, "gradient_checkpointing": True, "mini_batches": 2}

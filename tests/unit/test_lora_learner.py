@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpoflow.tasks.config.sections import LoraConfig
+from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.learner.learner_api import TrainSample
 from grpoflow.tasks.learner.logprobs import token_logprobs
 from grpoflow.tasks.learner.lora import LoraTargetError, check_targets, merge

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 import grpoflow.tasks.rollouts.generate as gen
-from grpoflow.tasks.config.sections import GenerationConfig, InferenceConfig, SyncConfig, ToolsConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.push.push import (
     CheckpointPush,
     LoraPush,
@@ -328,3 +329,12 @@ def test_evaluation_finds_a_lora_checkpoints_adapter_and_its_base(tmp_path):
     base, lora = adapter_base(cfg, str(ckpt / "adapter"))
     assert base == "/models/base" and lora.served_rank() == 16
     assert adapter_base(cfg, str(tmp_path)) is None  # a model dir: served as it is
+
+
+def test_every_sync_backend_the_config_accepts_has_a_push():
+    from typing import get_args
+
+    from grpoflow.tasks.config.choices import SyncBackend
+    from grpoflow.tasks.push.push import BACKENDS
+
+    assert set(BACKENDS) == set(get_args(SyncBackend))

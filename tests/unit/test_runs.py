@@ -11,7 +11,7 @@ from grpoflow.flows.data import load_rows, rows_for_step
 from grpoflow.flows.runs import open_run, prepare_model
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.tasks.advantages import assign_advantages
-from grpoflow.tasks.config.sections import AlgorithmConfig
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
 
 pytestmark = pytest.mark.unit
 

@@ -12,13 +12,10 @@ import pytest
 from grpoflow.examples.rewards import soft_overlong_penalty
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.tasks.advantages import assign_advantages
-from grpoflow.tasks.config.sections import (
-    AlgorithmConfig,
-    GenerationConfig,
-    InferenceConfig,
-    RewardConfig,
-    ToolsConfig,
-)
+from grpoflow.tasks.config.algorithm import AlgorithmConfig
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.rollouts.sampling import EXTRA_BASE, NO_SIGNAL, STEP_FULL, DynamicSampling, select
 from grpoflow.tasks.steps import RolloutJob

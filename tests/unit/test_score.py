@@ -13,7 +13,7 @@ from grpoflow.storage.processes import alive
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query, run_canned
 from grpoflow.storage.tables import reward_rows
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.score import RewardImportError, resolve_reward, score_groups, score_groups_async
 from tests.support import make_groups, wait_for
 
@@ -304,7 +304,7 @@ def test_leave_one_out_advantages_leave_imputed_values_out_of_other_baselines():
     # Totals 2, 0.5, 1. Leave-one-out per function (hand numbers in test_grpo): 1.5, -1.0, -0.5; on the
     # totals B's imputed 0.5 would enter A's and C's baselines: 1.25, -1.0, -0.25.
     from grpoflow.tasks.advantages import assign_advantages
-    from grpoflow.tasks.config.sections import AlgorithmConfig
+    from grpoflow.tasks.config.algorithm import AlgorithmConfig
 
     groups = make_groups(1, 3)
     specs = [

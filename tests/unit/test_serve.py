@@ -37,7 +37,8 @@ def test_cpu_server_attention_is_unsplit_so_a_requests_numbers_are_its_own(monke
 
 
 def test_a_lora_server_loads_adapters_of_the_runs_rank_at_runtime(monkeypatch):
-    from grpoflow.tasks.config.sections import InferenceConfig, LoraConfig
+    from grpoflow.tasks.config.inference import InferenceConfig
+    from grpoflow.tasks.config.learner import LoraConfig
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     cmd, env, _ = server_command("m", python="py", port=9, lora_rank=LoraConfig(rank=12).served_rank(),

@@ -13,7 +13,7 @@ import grpoflow.flows.runner  # noqa: F401  (binds the package; its attribute is
 from grpoflow import flows
 from grpoflow.flows.runner import StepRunner, StepUnits
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.config.sections import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import weight_push
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import grpoflow.tasks.rollouts.generate as gen
-from grpoflow.tasks.config.sections import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.templates import TemplateError, with_system_text
 from grpoflow.tasks.rollouts.tools import HermesToolParser, tool_schema
 from tests.unit.scripted import ScriptedBackend, one_server

@@ -9,7 +9,7 @@ import pytest
 from grpoflow.storage.records import RewardCell, TaggedMessage, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query
-from grpoflow.tasks.config.sections import RewardConfig
+from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.rewards.broken_rewards import broken_rewards
 from grpoflow.tasks.rewards.reward_kwargs import TrainerState, completion_messages
 from grpoflow.tasks.rewards.score import score_groups

@@ -1,0 +1,22 @@
+"""The `model` section: which model the run trains, and the learner's compute dtype."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpoflow.tasks.config.section import Section
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "tiny",
+        description="Local model directory (config, safetensors, tokenizer). 'tiny' builds a random "
+        "tiny Llama + byte-level tokenizer under <root>/models/tiny (tests and demo).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Learner compute dtype: auto = float32 on CPU, bfloat16 on GPU. bfloat16 computes under "
+        "autocast over float32 master weights and optimizer state; pushes are written in it.",
+    )

@@ -1,0 +1,69 @@
+"""The sections generation reads: `generation` (sampling and its budgets) and `tools` (tool functions,
+environments, how the model is told about them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from grpoflow.tasks.config.section import Section, check_import_path_syntax
+
+
+class GenerationConfig(Section):
+    group_size: int = Field(
+        8, ge=1, description="Completions per prompt (G); training needs at least 2 (evaluation may use 1)."
+    )
+    max_tokens: int = Field(16, ge=1, description="Max new tokens per generation turn.")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature (the learner uses it too); 0 = greedy, for evaluation only.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_turns: int = Field(1, ge=1, description="Max model turns per rollout (tool calls in between).")
+    max_rollout_tokens: int | None = Field(
+        None, ge=1, description="Token budget over all turns of one rollout (None: max_tokens*max_turns)."
+    )
+    max_in_flight: int = Field(64, ge=1, description="Bound on concurrent generation requests.")
+
+
+class ToolsConfig(Section):
+    tools: list[str | SkipJsonSchema[Callable[..., Any]]] = Field(
+        default_factory=list,
+        description="Tool functions, 'module:function' (from Python also the functions themselves).",
+    )
+    environment: str | SkipJsonSchema[Callable[..., Any]] | None = Field(
+        None,
+        description="Environment factory 'module:Class' (from Python also the class); its public methods "
+        "become tools. Each finished "
+        "rollout's environment reaches the reward functions as an isolated snapshot: the environment's "
+        "own snapshot() when it defines one, else a deep copy.",
+    )
+    env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
+    executor: Literal["thread", "ray"] = Field(
+        "thread",
+        description="Where sync tool functions run: a thread, or a Ray task on the cluster of "
+        "scale.ray_address. Environment methods and async tools always run locally.",
+    )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs one tool call reserves on Ray (executor: ray).")
+    describe_tools: Literal["auto", "system", "template"] = Field(
+        "auto",
+        description="Where the model is told its tools and the call format: 'template' = the chat "
+        "template's own rendering of `tools=`; 'system' = grpoflow writes them (and the format the tool "
+        "call parser reads) into the system turn; 'auto' = 'system' when the chat template ignores "
+        "`tools=` (SmolLM2's does), else 'template'.",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _paths(cls, v: list[Any]) -> list[Any]:
+        return [check_import_path_syntax(p) if isinstance(p, str) else p for p in v]
+
+    @field_validator("environment")
+    @classmethod
+    def _env_path(cls, v: Any) -> Any:
+        return check_import_path_syntax(v) if isinstance(v, str) else v
