@@ -203,7 +203,7 @@ def test_timeouts_on_every_completion_are_a_broken_reward_too():
 
 def _watched(limit: int):
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.train import RewardWatch
+    from grpoflow.flows.step_close import RewardWatch
 
     specs = [RewardConfig(name="ok", fn=lambda completions, **_: [1.0] * len(completions)),
              RewardConfig(name="docs", fn=docs_style)]  # fmt: skip
