@@ -51,28 +51,30 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
 ):
     """max_staleness 2: each push waits for the two batches generated ahead, and the checkpoint after
     step 3 keeps batches 4 and 5. Run b is SIGKILLed as step 4 starts training (its 5th train step),
-    then resumed: steps 4 and 5 train on the kept batches, generated under versions 3 and 4 as in run
-    a, and nothing differs. Run a trains in this process and run b in `grpoflow train` processes, so
-    both set the learner's threads (learner.torch_threads): another thread count is another run, and
-    this process's count is whatever the tests before left."""
+    then resumed: steps 4 and 5 train on the kept batches, generated under versions 2 and 3 as in run
+    a, and nothing differs. Both runs train in `grpoflow train` processes of their own, as a user
+    reruns a config: what the tests before left in this process (its threads, its imports, its
+    background threads) is no part of either run, and both set the learner's threads
+    (learner.torch_threads): another thread count is another run."""
     from prefect.settings import PREFECT_API_URL
-
-    from grpoflow.flows.train import grpo_train
 
     config = CONFIGS / "tiny-counter-env.yaml"
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=6", "run.checkpoint_every=2",
                  "algorithm.max_staleness=2", "run.reproducible=true", "learner.torch_threads=1")  # fmt: skip
-    grpo_train(config=load_config(config, [*sets, "run.run_id=a"]))
-
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
     cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train"]
-    killed = subprocess.run([*cmd, "--run-id", "b", *args], cwd=REPO, capture_output=True, text=True,
-                            env={**env, "GRPOFLOW_FAULTS": "train@5:kill"}, timeout=600)  # fmt: skip
+
+    def train(*more: str, faults: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*cmd, *more, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**env, "GRPOFLOW_FAULTS": faults} if faults else env)  # fmt: skip
+
+    done = train("--run-id", "a")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    killed = train("--run-id", "b", faults="train@5:kill")
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
     assert (tmp_path / "checkpoints" / "b" / "step-000003" / "ahead.pkl").is_file()  # batches 4 and 5
-    resumed = subprocess.run([*cmd, "--resume", "b", *args], cwd=REPO, capture_output=True, text=True,
-                             env=env, timeout=600)  # fmt: skip
+    resumed = train("--resume", "b")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
 
     summary = _same(tmp_path, "a", "b")
