@@ -33,6 +33,12 @@ class CounterEnv:
         return float(self.count)
 
 
+def user(text: str) -> list[dict]:
+    """A conversational prompt (TRL's format): these rows are for chat models, so they go through the
+    chat template; a plain-text prompt would be sent as it is."""
+    return [{"role": "user", "content": text}]
+
+
 _WORDS = ["apple", "river", "stone", "cloud", "garden", "window", "forest", "candle", "silver", "harbor"]
 
 
@@ -40,7 +46,8 @@ def letters_rows(n: int = 64, seed: int = 0) -> list[dict]:
     """Prompts for the tiny-letters demo (the reward looks only at the completion)."""
     rng = random.Random(seed)
     return [
-        {"prompt": f"Write a word like {rng.choice(_WORDS)} with many letters a.", "id": i} for i in range(n)
+        {"prompt": user(f"Write a word like {rng.choice(_WORDS)} with many letters a."), "id": i}
+        for i in range(n)
     ]
 
 
@@ -59,7 +66,7 @@ def arith_rows(n: int = 256, seed: int = 0, hi: int = 40) -> list[dict]:
             q, ans = f"A box holds {c} rows of {a} eggs. How many eggs are in the box?", a * c
         else:
             q, ans = f"Ann had {a + b} stickers and gave away {b}. How many are left?", a
-        rows.append({"prompt": f"{q} Answer with the number only.", "answer": ans, "id": i})
+        rows.append({"prompt": user(f"{q} Answer with the number only."), "answer": ans, "id": i})
     return rows
 
 
@@ -82,7 +89,9 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
         # eval rows' ids differ from training rows' ids: an eval split drawn from `part: eval` leaves out
         # of training exactly the rows with its ids (flows/data.py: split_rows)
         rid = i if part == "train" else f"eval-{i}"
-        rows.append({"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": a + b, "id": rid})
+        rows.append(
+            {"prompt": user(f"What is {a} + {b}? Reply with only the number."), "answer": a + b, "id": rid}
+        )
     return rows
 
 
@@ -101,7 +110,13 @@ def product_rows(n: int = 512, seed: int = 0, part: str = "train") -> list[dict]
         prompt = f"What is {a} * {b}? Use the calculator, then reply with only the number."
         i = len(rows)
         rows.append(
-            {"prompt": prompt, "answer": a * b, "a": a, "b": b, "id": i if part == "train" else f"eval-{i}"}
+            {
+                "prompt": user(prompt),
+                "answer": a * b,
+                "a": a,
+                "b": b,
+                "id": i if part == "train" else f"eval-{i}",
+            }
         )
     return rows
 

@@ -24,6 +24,7 @@ from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.config.run import RunConfig, ScaleConfig, StorageConfig, TrackingConfig
 from grpoflow.tasks.config.section import Section
+from grpoflow.tasks.models import is_template_text
 
 __all__ = [  # the sections, re-exported: user code builds a GRPOConfig from them
     "AlgorithmConfig",
@@ -268,6 +269,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             _dataset_beside_config(cfg.data.dataset, here)
         if cfg.model.path != "tiny":
             cfg.model.path = _beside_config(cfg.model.path, here)
+        if cfg.model.chat_template is not None and not is_template_text(cfg.model.chat_template):
+            cfg.model.chat_template = _beside_config(cfg.model.chat_template, here)
         for r in cfg.rewards:
             r.model = _beside_config(r.model, here)
     return cfg

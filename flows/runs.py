@@ -27,6 +27,7 @@ from grpoflow.tasks.config.allowlist import (
     enforced,
 )
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR
+from grpoflow.tasks.models import is_template_text
 
 if TYPE_CHECKING:
     from grpoflow.tasks.learner.learner_api import PolicyLearner
@@ -67,6 +68,13 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
             f"run.eval_every: the eval split holds no rows ({_eval_source(cfg)}); nothing to score"
         )
     check_lora_installed(cfg)
+    if cfg.model.chat_template is not None:
+        from grpoflow.tasks.models import template_text
+
+        try:
+            template_text(cfg.model.chat_template)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
     if cfg.model.path != "tiny":
         if not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path: not found: {where_searched(cfg, cfg.model.path)}")
@@ -150,6 +158,8 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
             confine_dataset(cfg.data.dataset)
         if cfg.model.path != "tiny":
             check_path(cfg.model.path, "model.path")
+        if cfg.model.chat_template is not None and not is_template_text(cfg.model.chat_template):
+            check_path(cfg.model.chat_template, "model.chat_template")
         for i, r in enumerate(cfg.rewards):
             if r.model is not None:
                 check_path(r.model, f"rewards[{i}].model")
@@ -192,6 +202,10 @@ def prepare_model(cfg: GRPOConfig) -> Path:
     else:
         base = check_model_dir(Path(cfg.model.path))
     check_lora_targets(cfg, base)  # before any server starts or warm-up runs
+    if cfg.model.chat_template is not None:  # the run's model dir carries the template everywhere
+        from grpoflow.tasks.models import with_chat_template
+
+        base = with_chat_template(base, cfg.model.chat_template, cfg.storage.root)
     return warmed_model(cfg, base) if cfg.warmup.steps else base
 
 

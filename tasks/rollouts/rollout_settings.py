@@ -100,7 +100,13 @@ class RolloutSettings:
         return not self.tools and self.env_pool is None and self.gen.max_turns == 1
 
     def sample_kwargs(self) -> dict[str, Any]:
-        return {"temperature": self.gen.temperature, "top_p": self.gen.top_p}
+        g = self.gen
+        return {
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "stop": g.stop,
+            "stop_token_ids": g.stop_token_ids,
+        }
 
     def decode(self, ids: list[int]) -> str:
         """The model's raw text, special tokens kept (tool-call parsing, EOS detection)."""

@@ -11,6 +11,9 @@ from typing import Any
 
 
 def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """The row's prompt as chat messages: a conversational prompt as it is; a plain-text one as one user
+    message, which only a multi-turn rollout (tools, an environment: a conversation) and the warm-up's
+    examples render so. A single-turn rollout sends a plain-text prompt as it is (`plain_text_ids`)."""
     if "prompt" not in row:
         raise ValueError(f"row {index} has no 'prompt' field")
     p = row["prompt"]
@@ -19,6 +22,17 @@ def prompt_messages(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
     if isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p):
         return [dict(m) for m in p]
     raise ValueError(f"row {index}: 'prompt' must be a string or a list of chat messages")
+
+
+def plain_text_ids(tokenizer, text: str) -> list[int]:
+    """TRL's rule for a plain-text prompt (a base model's "Question: ... Answer:"): its text as it is,
+    no chat template, with the special tokens the tokenizer adds (its BOS, for Llama, Gemma and the
+    like), and never a second BOS when the text already starts with one."""
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:2] == [bos, bos]:
+        ids = ids[1:]
+    return ids
 
 
 def with_system_text(messages: list[dict], text: str) -> list[dict]:

@@ -12,12 +12,13 @@ pytestmark = pytest.mark.unit
 
 
 def test_eval_prompts_are_never_training_prompts_whatever_the_seeds():
-    train = {r["prompt"] for seed in range(5) for r in sum_rows(512, seed=seed)}
-    held_out = {r["prompt"] for seed in range(5) for r in sum_rows(512, seed=seed, part="eval")}
+    train = {r["prompt"][0]["content"] for seed in range(5) for r in sum_rows(512, seed=seed)}
+    held_out = {r["prompt"][0]["content"] for seed in range(5) for r in sum_rows(512, seed=seed, part="eval")}
     assert train and held_out and not train & held_out
     assert len(held_out) == 80 and len(train) <= 320  # a fixed fifth of the 400 pairs is held out
     row = sum_rows(1, seed=3)[0]
-    a, b = (int(x) for x in row["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
+    assert [m["role"] for m in row["prompt"]] == ["user"]  # for chat models: through the chat template
+    a, b = (int(x) for x in row["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" + "))
     assert row["answer"] == a + b
     with pytest.raises(ValueError, match="part"):
         sum_rows(4, part="test")

@@ -7,6 +7,7 @@ The fake stands in for the vLLM server only where the test needs to control what
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 
@@ -37,6 +38,47 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _plain(tok, prompt: str):
+    async def script(text, k, seed):
+        return "a"
+
+    groups = run(gen.generate_groups([{"prompt": prompt}], [0], servers=one_server(ScriptedBackend(tok, script)),
+                                     tokenizer=tok, generation=GenerationConfig(group_size=2), seed=1))  # fmt: skip
+    return groups[0]
+
+
+def _with_bos(tok):
+    """The tiny tokenizer made to add a BOS as Llama's and Gemma's do (written here: neither ships)."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos = copy.deepcopy(tok)
+    bos.add_special_tokens({"bos_token": "<s>"})
+    bos._tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos.bos_token_id)]
+    )
+    return bos
+
+
+def test_a_plain_text_prompt_is_sent_as_it_is_with_the_tokenizers_special_tokens_bos_once(
+    tok, smollm2_tokenizer_dir
+):
+    from transformers import AutoTokenizer
+
+    question = "Question: What is 2 + 3?\nAnswer:"
+    for t in (tok, AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)):  # neither adds a BOS
+        g = _plain(t, question)
+        assert (
+            g.prompt_ids
+            == t.encode(question, add_special_tokens=True)
+            == t.encode(question, add_special_tokens=False)
+        )
+        assert g.prompt == question and t.decode(g.prompt_ids) == question  # no chat template around it
+    bos = _with_bos(tok)
+    g = _plain(bos, question)
+    assert g.prompt_ids == [bos.bos_token_id, *tok.encode(question, add_special_tokens=False)]
+    assert _plain(bos, "<s>" + question).prompt_ids == g.prompt_ids  # a BOS written in the text: once
+
+
 def test_single_turn_group_and_masks(tok):
     async def script(text, k, seed):
         return "a" * (k + 1)
@@ -44,7 +86,7 @@ def test_single_turn_group_and_masks(tok):
     backend = ScriptedBackend(tok, script)
     groups = run(
         gen.generate_groups(
-            [{"prompt": "hi"}],
+            [{"prompt": [{"role": "user", "content": "hi"}]}],  # conversational: the chat template
             [7],
             servers=one_server(backend, version=4),
             tokenizer=tok,
