@@ -85,7 +85,7 @@ def test_a_generators_eval_part_is_the_eval_split_and_never_trained_on():
     cfg = load_config(REPO / "configs" / "smollm2-demo.yaml")
     train, held = split_rows(cfg, load_rows(cfg))
     assert len(train) == 512 and len(held) == 64
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in held}
     assert eval_rows(cfg, 8) == (held[:8], "eval")
     with pytest.raises(
         ValueError, match="data.eval_generator_kwargs: set it or data.eval_fraction, not both"
