@@ -53,7 +53,7 @@ def _with_bos(tok):
 
     bos = copy.deepcopy(tok)
     bos.add_special_tokens({"bos_token": "<s>"})
-    bos._tokenizer.post_processor = TemplateProcessing(
+    bos.backend_tokenizer.post_processor = TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", bos.bos_token_id)]
     )
     return bos
