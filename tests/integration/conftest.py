@@ -93,3 +93,22 @@ def _no_server_outlives_its_run():
     for pid, parent in guarded():
         if not alive(parent):
             kill_tree([pid])
+
+
+@pytest.fixture(scope="session")
+def gemma3_server(tiny_gemma3_dir, tmp_path_factory):
+    """The second model family's server: the random Gemma 3 (Gemma's own tokenizer, sliding-window and
+    full layers, tied embeddings), started as a LoRA run's servers are (adapters up to rank 64), so one
+    server takes full-weight, adapter and merged-adapter pushes alike; started only when a test of it runs.
+    Its tests restore the base weights themselves (`_base_weights_after_each_test` restores the shared
+    server's)."""
+    from grpoflow.flows.serve import start_server
+
+    log = tmp_path_factory.mktemp("logs") / "vllm-gemma3.log"
+    handle = start_server(tiny_gemma3_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
+                          startup_timeout_s=600, lora_rank=64, max_loras=4)  # fmt: skip
+    handle.model_dir = tiny_gemma3_dir
+    try:
+        yield handle
+    finally:
+        handle.stop()
