@@ -122,7 +122,9 @@ def build_tiny_gemma3(
     family is kept: the 262k vocabulary, tied embeddings, a sliding-window layer beside a full one,
     grouped-query attention (two query heads share one KV head), Gemma's norms and embedding scale, a
     BOS-adding tokenizer and no chat template (Gemma 3 270M is a base model). head_dim is 64 for vLLM's
-    CPU attention; the window is short so that prompts of the tests outgrow it."""
+    CPU attention; the window is short so that prompts of the tests outgrow it. Weights are drawn wider
+    than Gemma's 0.02 so that logits spread over the 262k tokens (at 0.02 every token scores about the
+    same, and greedy choices would be near-ties that any rounding flips)."""
     import torch
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -142,6 +144,7 @@ def build_tiny_gemma3(
         layer_types=layer_types,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
+        initializer_range=0.3,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,7 +1,15 @@
-"""vLLM worker extension: merge a PEFT LoRA adapter into the served weights (`sync.backend: lora_merged`).
+"""vLLM worker extension: weight reloads that keep a tied LM head current, and a PEFT LoRA adapter merged
+into the served weights (`sync.backend: lora_merged`).
 
-Every server grpoflow starts runs with `--worker-extension-cls grpoflow_merge.LoraMerge`, which adds one
-method to vLLM's workers, called over `/collective_rpc` like `reload_weights`:
+Every server grpoflow starts runs with `--worker-extension-cls grpoflow_merge.LoraMerge`, which adds two
+methods to vLLM's workers, called over `/collective_rpc`:
+
+`grpoflow_reload_weights(weights_path)` is vLLM's `reload_weights`, then the tied LM heads re-packed: on
+CPU, vLLM packs an LM head's weight for oneDNN when the layer is processed. A model with tied embeddings
+(Gemma 3, SmolLM2, Qwen2.5's small ones) has no LM head weight in its checkpoint: a reload copies the new
+embedding into the head's (shared) weight but processes only the layers it loaded, so the head would go on
+multiplying by the old embedding's pack, and the server would sample from a mix of two policies.
+
 `grpoflow_merge_lora(adapter_path)` reads the adapter (safetensors + `adapter_config.json`, as PEFT
 writes it), reads the weights of the modules it adapts from its base model's safetensors (the
 adapter's `base_model_name_or_path`, else the model the server started with), and reloads those
@@ -67,8 +75,34 @@ def _base_files(base: str) -> list[str]:
     return [single]
 
 
+def refresh_tied_heads(model) -> list[str]:
+    """Re-pack, on CPU, the LM heads that share their weight with an embedding (the module doc); their
+    names. Off CPU the head multiplies by the weight itself: nothing to do."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    modules = dict(model.named_modules())
+    embeddings = {id(m.weight) for m in modules.values()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}  # fmt: skip
+    tied = [
+        name for name, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings
+    ]
+    for name in tied:
+        dispatch_cpu_unquantized_gemm(modules[name], remove_weight=False)
+    return tied
+
+
 class LoraMerge:
     """Mixed into vLLM's worker class (`--worker-extension-cls`)."""
+
+    def grpoflow_reload_weights(self, weights_path: str) -> list[str]:
+        """vLLM's `reload_weights` from `weights_path`, then the tied LM heads re-packed (the module doc);
+        the heads re-packed."""
+        self.reload_weights(weights_path=weights_path)
+        return refresh_tied_heads(self.model_runner.get_model())
 
     def grpoflow_merge_lora(self, adapter_path: str) -> list[str]:
         """Serve base + the adapter at `adapter_path`, merged (the module doc); the modules merged."""
@@ -102,4 +136,5 @@ class LoraMerge:
         if missing:
             raise ValueError(f"{adapter_path}: modules not in the base model {base}: {missing[:3]}")
         self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        refresh_tied_heads(model)  # adapters never touch the embedding; kept current all the same
         return sorted(merged)

@@ -54,8 +54,8 @@ from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
 from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
 from grpoflow.tasks.rollouts.inference_api import (
     InferenceError,
-    InferenceHTTPError,
     InferenceUnavailableError,
+    no_such_method,
 )
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
@@ -312,12 +312,6 @@ class _Reload:
         except Exception as e:
             return e
         return None
-
-
-def no_such_method(e: InferenceError, method: str) -> bool:
-    """vLLM's answer to a `/collective_rpc` call of a method its workers do not have."""
-    body = e.body if isinstance(e, InferenceHTTPError) else str(e)  # a 500 is retried, then quoted
-    return method in body and ("has no attribute" in body or "is not implemented" in body)
 
 
 def _cannot_merge(url: str, e: InferenceError) -> str:

@@ -104,3 +104,9 @@ def parse_usage(u: Any) -> Usage:
         _int_or_none(u.get("completion_tokens")),
         _int_or_none(cached),
     )
+
+
+def no_such_method(e: InferenceError, method: str) -> bool:
+    """vLLM's answer to a `/collective_rpc` call of a method its workers do not have."""
+    body = e.body if isinstance(e, InferenceHTTPError) else str(e)  # a 500 is retried, then quoted
+    return method in body and ("has no attribute" in body or "is not implemented" in body)

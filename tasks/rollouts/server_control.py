@@ -14,10 +14,17 @@ from typing import Any
 
 import aiohttp
 
-from grpoflow.tasks.rollouts.inference_api import RETRY_STATUS, InferenceProtocolError, json_object
+from grpoflow.tasks.rollouts.inference_api import (
+    RETRY_STATUS,
+    InferenceError,
+    InferenceProtocolError,
+    json_object,
+    no_such_method,
+)
 
-# The method grpoflow's worker extension adds to vLLM's workers (flows/vllm_plugins/grpoflow_merge.py).
+# The methods grpoflow's worker extension adds to vLLM's workers (flows/vllm_plugins/grpoflow_merge.py).
 MERGE_LORA_RPC = "grpoflow_merge_lora"
+RELOAD_RPC = "grpoflow_reload_weights"
 
 
 class ServerControl:
@@ -127,7 +134,15 @@ class ServerControl:
         `collective_rpc` returns None).
 
         On its own connection: vLLM answers a failed reload with a 500 and drops the connection, which
-        a pooled connection would only reveal on the next call (a reset, not retried for a reload)."""
+        a pooled connection would only reveal on the next call (a reset, not retried for a reload).
+
+        Through grpoflow's worker extension, which keeps a tied LM head current on CPU
+        (flows/vllm_plugins/grpoflow_merge.py); a server started without it gets vLLM's own reload."""
+        try:
+            return await self.collective_rpc(RELOAD_RPC, {"weights_path": str(path)}, timeout_s)
+        except InferenceError as e:
+            if not no_such_method(e, RELOAD_RPC):
+                raise
         return await self.collective_rpc("reload_weights", {"weights_path": str(path)}, timeout_s)
 
     async def merge_lora(self, adapter_path: str, *, timeout_s: float | None = None) -> Any:
