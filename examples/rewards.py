@@ -12,6 +12,7 @@ import re
 import time
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_TAGGED = re.compile(r"<answer>\s*(-?\d+(?:\.\d+)?)\s*</answer>")
 
 
 def letter_fraction(completions: list[str], target_letter: str = "a", **_) -> list[float | None]:
@@ -50,6 +51,29 @@ def number_only(
         words = len(text.split())
         brevity = 0.0 if words == 0 else max(0.0, 1.0 - (words - 1) / max_words)  # empty: no answer
         out.append(None if correct is None else 0.5 * brevity + 0.5 * correct)
+    return out
+
+
+def answer_format(completions: list[str], **_) -> list[float]:
+    """R1-Zero's format reward: 1.0 when the completion gives one number in <answer> </answer> tags
+    and ends there (configs/gemma3-r1zero.yaml stops generation at "</answer>"), else 0.0."""
+    return [
+        1.0 if len(_TAGGED.findall(c)) == 1 and c.rstrip().endswith("</answer>") else 0.0 for c in completions
+    ]
+
+
+def answer_correct(completions: list[str], answer: list | None = None, **_) -> list[float | None]:
+    """R1-Zero's accuracy reward: 1.0 when the number in the completion's first <answer> tags equals the
+    row's `answer`, else 0.0 (no tags: 0.0). None when the row has no answer."""
+    answers = answer or [None] * len(completions)
+    out: list[float | None] = []
+    for text, ans in zip(completions, answers, strict=True):
+        found = _TAGGED.search(text)
+        out.append(
+            None
+            if ans is None
+            else float(found is not None and abs(float(found.group(1)) - float(ans)) < 1e-6)
+        )
     return out
 
 

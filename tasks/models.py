@@ -122,6 +122,19 @@ def save_gguf_tokenizer(gguf: str | Path, out_dir: str | Path) -> Path:
     return atomic_publish_dir(out, tokenizer.save_pretrained)
 
 
+def convert_gemma3(out_dir: str | Path) -> Path:
+    """Gemma 3 270M (base) as a float32 safetensors model dir (`convert_gguf`), its GGUF assembled in a
+    temporary folder beside `out_dir` and removed."""
+    import tempfile
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        return convert_gguf(out, gemma3_gguf_path(tmp))
+
+
 def save_gemma3_tokenizer(out_dir: str | Path) -> Path:
     """Gemma 3's own tokenizer (262k vocabulary, BOS added, no chat template: the base model has none)
     as a tokenizer dir, from the registry package's GGUF, assembled in a temporary folder and removed."""
