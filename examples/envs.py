@@ -95,15 +95,18 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
     return rows
 
 
+# One worked example shows the format; the rewards (examples/rewards.py: answer_format, answer_correct)
+# score it. A 270M base model given the instruction alone rambles and almost never writes the tags.
 R1_ZERO = (
-    "A question and its answer. The answer ends with the final number in <answer> </answer> tags, "
-    "as in <answer>7</answer>.\nQuestion: What is {a} + {b}?\nAnswer:"
+    "Each answer ends with the final number in <answer> </answer> tags.\n"
+    "Question: What is 3 + 4?\nAnswer: 3 + 4 = 7. <answer>7</answer>\n"
+    "Question: What is {a} + {b}?\nAnswer:"
 )
 
 
-def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 99, part: str = "train") -> list[dict]:
-    """Plain-text prompts for a base model, R1-Zero style (configs/gemma3-r1zero.yaml): a one-line
-    instruction naming the answer's format, then "Question: What is a + b?\nAnswer:" with
+def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 50, part: str = "train") -> list[dict]:
+    """Plain-text prompts for a base model, R1-Zero style (configs/gemma3-r1zero.yaml): a line naming the
+    answer's format and one worked example, then "Question: What is a + b?\nAnswer:" with
     1 <= a, b <= `hi`. Sent as they are (no chat template). `part` splits pairs as `sum_rows` does."""
     if part not in ("train", "eval"):
         raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
