@@ -1,6 +1,7 @@
 """`model.chat_template`: the run's model dir carries the template a config names (tasks/models.py:
-with_chat_template), on the tiny model and on SmolLM2-135M-Instruct's real tokenizer, whose own template
-it replaces; the user's model dir is never written; bad values fail in preflight naming the field."""
+with_chat_template), on the tiny model, on SmolLM2-135M-Instruct's real tokenizer, whose own template
+it replaces, and on the tiny Gemma 3, whose tokenizer keeps adding its BOS; the user's model dir is
+never written; bad values fail in preflight naming the field."""
 
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ def test_a_template_file_replaces_smollm2s_own_template(smollm2_tokenizer_dir, t
     out = with_chat_template(smollm2_tokenizer_dir, str(path), tmp_path / "store")
     assert _render(out) == "Question: What is 2 + 3?\nAnswer:"
     assert _render(smollm2_tokenizer_dir) == own
+
+
+def test_gemma3_keeps_its_bos_for_plain_text_under_a_chat_template(tiny_gemma3_dir, tmp_path):
+    """Gemma 3 (no chat template of its own, a BOS-adding tokenizer): the templated dir renders with the
+    template and its tokenizer still adds BOS to plain text, as the base model expects."""
+    before = _files(tiny_gemma3_dir)
+    out = with_chat_template(tiny_gemma3_dir, QA, tmp_path)
+    tok = AutoTokenizer.from_pretrained(out)  # one load: 262k tokens take seconds
+    assert tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False) == (
+        "Question: What is 2 + 3?\nAnswer:"
+    )
+    ids = tok("Question").input_ids
+    assert tok.bos_token_id == 2 and ids == [2, *tok("Question", add_special_tokens=False).input_ids]
+    weights = sorted(out.glob("*.safetensors"))
+    assert weights and all(
+        w.is_symlink() and w.resolve().parent == tiny_gemma3_dir.resolve() for w in weights
+    )
+    assert _files(tiny_gemma3_dir) == before  # the base model is never written
+    assert "chat_template.jinja" not in before and b"chat_template" not in before["tokenizer_config.json"]
 
 
 def test_a_run_starts_from_the_templated_dir_and_a_file_is_found_beside_its_config(tmp_path):

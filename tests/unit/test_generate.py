@@ -59,24 +59,42 @@ def _with_bos(tok):
     return bos
 
 
-def test_a_plain_text_prompt_is_sent_as_it_is_with_the_tokenizers_special_tokens_bos_once(
-    tok, smollm2_tokenizer_dir
-):
+def _tokenizer(name: str, tok, request):
+    """The tokenizer a plain-text test runs with: the tiny one, the tiny one made to add a BOS, or the
+    real SmolLM2 and Gemma 3 ones (Gemma's adds its BOS itself, as its GGUF states)."""
+    if name == "tiny":
+        return tok
+    if name == "tiny-with-bos":
+        return _with_bos(tok)
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(request.getfixturevalue(f"{name}_tokenizer_dir"))
+
+
+@pytest.mark.parametrize(
+    "name, adds_bos",
+    [("tiny", False), ("smollm2", False), ("tiny-with-bos", True), ("gemma3", True)],
+)
+def test_a_plain_text_prompt_is_sent_as_it_is_with_the_tokenizers_special_tokens_bos_once(
+    tok, request, name, adds_bos
+):
+    t = _tokenizer(name, tok, request)
     question = "Question: What is 2 + 3?\nAnswer:"
-    for t in (tok, AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)):  # neither adds a BOS
-        g = _plain(t, question)
-        assert (
-            g.prompt_ids
-            == t.encode(question, add_special_tokens=True)
-            == t.encode(question, add_special_tokens=False)
-        )
-        assert g.prompt == question and t.decode(g.prompt_ids) == question  # no chat template around it
-    bos = _with_bos(tok)
-    g = _plain(bos, question)
-    assert g.prompt_ids == [bos.bos_token_id, *tok.encode(question, add_special_tokens=False)]
-    assert _plain(bos, "<s>" + question).prompt_ids == g.prompt_ids  # a BOS written in the text: once
+    g = _plain(t, question)
+    text_ids = t.encode(question, add_special_tokens=False)
+    assert g.prompt_ids == t.encode(question, add_special_tokens=True)
+    assert g.prompt == question  # no chat template around it
+    if not adds_bos:  # neither the tiny tokenizer nor SmolLM2's adds a BOS
+        assert g.prompt_ids == text_ids and t.decode(g.prompt_ids) == question
+        return
+    bos = t.bos_token_id
+    assert bos is not None and bos not in text_ids
+    assert g.prompt_ids == [bos, *text_ids]  # exactly one BOS, first
+    written = t.bos_token + question  # a BOS written in the text ("<s>", Gemma's "<bos>"): once
+    assert t.encode(written, add_special_tokens=True)[:2] == [bos, bos]  # what the tokenizer alone gives
+    assert _plain(t, written).prompt_ids == g.prompt_ids
+    if name == "gemma3":  # Gemma 3's own ids: BOS 2, spelt "<bos>"
+        assert bos == 2 and t.bos_token == "<bos>" and len(t) == 262144
 
 
 def test_single_turn_group_and_masks(tok):

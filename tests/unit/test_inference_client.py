@@ -185,10 +185,12 @@ async def fake_server():
     "slow" (ok after 0.6 s), "500", "empty", "html" (text/html), "badjson" (application/json that is not JSON), or a dict
     (answered as JSON). Every call is recorded in `app["calls"]` as (method, path), and the weights
     path of every reload in `app["reloads"]`; a reload of a path in `app["good"]` (the served model's
-    root "/base" and every path loaded before) always succeeds, as a rollback should."""
+    root "/base" and every path loaded before) always succeeds, as a rollback should. Every
+    `/collective_rpc` call is recorded in `app["rpcs"]` as (method, kwargs); a method named in
+    `app["lacks"]` is answered with its (status, body) there, as a server whose workers lack it answers."""
     app = web.Application()
     app["calls"], app["mode"], app["release"] = [], {}, asyncio.Event()
-    app["reloads"], app["good"] = [], {"/base"}
+    app["reloads"], app["good"], app["rpcs"], app["lacks"] = [], {"/base"}, [], {}
     ok = {
         "/v1/completions": {"choices": [{"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-1.0]},
                                          "finish_reason": "stop", "text": "x"}],
@@ -206,7 +208,12 @@ async def fake_server():
         app["calls"].append((request.method, request.path))
         mode = app["mode"].get(request.path, "ok")
         if request.path == "/collective_rpc":
-            weights = (await request.json())["kwargs"]["weights_path"]
+            rpc = await request.json()
+            app["rpcs"].append((rpc["method"], rpc["kwargs"]))
+            if rpc["method"] in app["lacks"]:
+                status, text = app["lacks"][rpc["method"]]
+                return web.Response(status=status, text=text, content_type="application/json")
+            weights = rpc["kwargs"]["weights_path"]
             app["reloads"].append(weights)
             mode = "ok" if weights in app["good"] else mode
         if mode == "hang":
@@ -294,6 +301,80 @@ async def test_reload_accepts_the_empty_200_vllm_sends_for_no_results(fake_serve
     app["mode"]["/collective_rpc"] = "empty"
     async with VLLMClient(url) as c:
         assert await c.reload_weights("/w") is None
+
+
+# What a server whose workers lack a method answers to a `/collective_rpc` call of it (what
+# `no_such_method` reads): the worker's AttributeError in a 500 (a reload is never retried: the client
+# quotes the body as its last error), or vLLM's own NotImplementedError from `run_method` in a 501.
+LACKS = {
+    "500-has-no-attribute": (500, '{"error": "\'CPUWorker\' object has no attribute \'{method}\'"}'),
+    "501-not-implemented": (501, '{"error": {"message": "Method \'{method}\' is not implemented.", '
+                                 '"type": "NotImplementedError", "param": null, "code": 501}}'),
+}  # fmt: skip
+
+
+def lacking(kind: str, method: str) -> tuple[int, str]:
+    status, text = LACKS[kind]
+    return status, text.replace("{method}", method)
+
+
+async def test_reload_goes_through_grpoflows_worker_extension(fake_server):
+    """FAKE server: a reload is one `/collective_rpc` of `grpoflow_reload_weights` (which re-packs tied LM
+    heads on CPU), never vLLM's own `reload_weights` when the extension answers."""
+    app, url = fake_server
+    async with VLLMClient(url) as c:
+        assert await c.reload_weights("/w") == {"results": [None]}
+    assert app["rpcs"] == [("grpoflow_reload_weights", {"weights_path": "/w"})]
+
+
+@pytest.mark.parametrize("kind", LACKS)
+async def test_reload_falls_back_to_vllms_own_on_a_server_without_the_extension(fake_server, kind):
+    """FAKE server whose workers lack `grpoflow_reload_weights` (a server started without grpoflow's
+    worker extension): the reload is retried once as vLLM's `reload_weights`, same weights path."""
+    app, url = fake_server
+    app["lacks"]["grpoflow_reload_weights"] = lacking(kind, "grpoflow_reload_weights")
+    async with VLLMClient(url, retries=3, backoff_s=0.01) as c:
+        assert await c.reload_weights("/w") == {"results": [None]}
+    assert app["rpcs"] == [
+        ("grpoflow_reload_weights", {"weights_path": "/w"}),
+        ("reload_weights", {"weights_path": "/w"}),
+    ]
+    assert app["reloads"] == ["/w"]  # loaded once, by the fallback
+
+
+@pytest.mark.parametrize(
+    "status, body",
+    [
+        (500, '{"error": "boom"}'),
+        (400, '{"error": "weights_path: no such directory"}'),
+        # an AttributeError inside the extension's reload, not a missing method
+        (500, "{\"error\": \"'NoneType' object has no attribute 'weight'\"}"),
+        # another method missing: vLLM's own would fail the same way
+        lacking("501-not-implemented", "reload_weights"),
+    ],
+    ids=["500", "400", "attribute-error-inside", "another-method-missing"],
+)
+async def test_any_other_reload_error_is_raised_without_a_fallback(fake_server, status, body):
+    """FAKE server failing `grpoflow_reload_weights` for any reason but its absence: the error is raised
+    as it is, and vLLM's `reload_weights` is never called."""
+    app, url = fake_server
+    app["lacks"]["grpoflow_reload_weights"] = (status, body)
+    async with VLLMClient(url, retries=3, backoff_s=0.01) as c:
+        with pytest.raises(InferenceError) as e:
+            await c.reload_weights("/w")
+    assert body[:40] in str(e.value) or body[:40] in getattr(e.value, "body", "")
+    assert app["rpcs"] == [("grpoflow_reload_weights", {"weights_path": "/w"})]
+
+
+async def test_a_failed_fallback_is_raised(fake_server):
+    """FAKE server lacking both methods: the fallback's own error is raised, after exactly two calls."""
+    app, url = fake_server
+    for method in ("grpoflow_reload_weights", "reload_weights"):
+        app["lacks"][method] = lacking("500-has-no-attribute", method)
+    async with VLLMClient(url) as c:
+        with pytest.raises(InferenceError, match=r"has no attribute 'reload_weights'"):
+            await c.reload_weights("/w")
+    assert [m for m, _ in app["rpcs"]] == ["grpoflow_reload_weights", "reload_weights"]
 
 
 def placeholder_weights(directory):

@@ -82,6 +82,61 @@ def test_conversational_uses_the_reward_tokenizers_chat_template(tmp_path):
     assert model.score(prompts, as_messages, batch_size=2) == pytest.approx(got, abs=1e-6)
 
 
+# Gemma's turn format (its instruction-tuned models'), BOS first: what a Gemma 3 reward model renders with.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def save_gemma3_reward_model(out: Path, tokenizer_dir: Path) -> Path:
+    """A random tiny Gemma 3 sequence classifier (one label; a sliding-window layer beside a full one,
+    two query heads on one KV head) with Gemma's real tokenizer and `GEMMA_TEMPLATE`. Weights drawn wide
+    (0.3), as `build_tiny_gemma3` does, so that its scores differ from text to text."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=512, initializer_range=0.3, num_labels=1,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    Gemma3TextForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_gemma3_reward_model_scores_plain_and_conversational_text(tmp_path, gemma3_tokenizer_dir):
+    """The second model family as a reward model: Gemma 3's 262k-token tokenizer (pad id 0, BOS 2) and
+    its sequence-classification head score each text as the model run by hand on it does."""
+    import math
+
+    path = save_gemma3_reward_model(tmp_path / "rm", gemma3_tokenizer_dir)
+    model = reward_model(path, device="cpu")
+    assert type(model.model).__name__ == "Gemma3TextForSequenceClassification"
+    got = model.score(PROMPTS, COMPLETIONS, batch_size=3)  # padded, right, with Gemma's pad id
+    prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Name a colour."}],
+               [{"role": "user", "content": "Hello"}]]  # fmt: skip
+    answers = ["4", "Blue, or perhaps a deep shade of green.", "Hi!"]
+    chat = model.score(prompts, answers, batch_size=2)  # through the reward tokenizer's (Gemma's) template
+    assert len(got) == len(COMPLETIONS) and len(chat) == len(answers)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in got + chat)
+    assert len(set(round(v, 6) for v in got)) == len(got)  # not a constant head
+
+    # Plain text is scored as it is, without the special tokens the tokenizer adds (its BOS), as TRL does;
+    # a conversation as its template renders it, with the template's BOS, once.
+    plain = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    texts = [f"<bos><start_of_turn>user\n{p[0]['content']}<end_of_turn>\n<start_of_turn>model\n{a}<end_of_turn>\n"
+             for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
+    assert all(model.tokenizer(t, add_special_tokens=False).input_ids.count(2) == 1 for t in texts)
+    assert got + chat == pytest.approx(by_hand(path, plain + texts), abs=1e-5)  # one load of the model
+
+
 def test_loaded_once_per_path_and_device_even_from_threads(tmp_path, monkeypatch):
     from transformers import AutoModelForSequenceClassification
 
