@@ -17,7 +17,7 @@ else
 TORCH_SPEC := torch==2.13.0
 endif
 
-.PHONY: gpu-wheels help install demo demo-smollm2 test test-unit test-integration lint format deploy bench clean
+.PHONY: gpu-wheels help install demo demo-smollm2 demo-gemma3 test test-unit test-integration lint format deploy bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -51,7 +51,10 @@ demo: install  ## install, train the tiny demo through vLLM + Prefect, print the
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
 
 demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
-	$(BIN)/python scripts/demo_smollm2.py --seed $(or $(SEED),0) --root $(ROOT)
+	$(BIN)/python scripts/demo.py --seed $(or $(SEED),0) --root $(ROOT)
+
+demo-gemma3: install models/gemma3-270m  ## R1-Zero style: Gemma 3 270M, a base model, learns a plain-text answer format (~25 min on 2 cores)
+	$(BIN)/python scripts/demo.py --config configs/gemma3-r1zero.yaml --seed $(or $(SEED),0) --root $(ROOT)
 
 test: install models/smollm2-135m  ## the whole test suite (unit + integration with the real vLLM server and Prefect API; SmolLM2 converted once)
 	$(BIN)/pytest tests $(PYTEST_ARGS)

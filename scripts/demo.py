@@ -1,12 +1,16 @@
-"""`make demo-smollm2`: SmolLM2-135M-Instruct learns to reply to "What is a + b?" with only the number.
+"""`make demo-smollm2` / `make demo-gemma3`: a real model learns on this machine's CPUs.
 
-Scores a held-out set greedily with the base model, trains configs/smollm2-demo.yaml, prints the mean
-reward of the first and last 5 steps, then scores the same held-out set greedily with the trained
-checkpoint. Held-out rows are the config's eval split (`data.eval_generator_kwargs`: the generator's
-`part: eval` pairs), which training never draws. All three share one embedded vLLM server (training pushes its weights into it; the last evaluation pushes the
-final checkpoint), so the model loads once.
+By default SmolLM2-135M-Instruct learns to reply to "What is a + b?" with only the number
+(configs/smollm2-demo.yaml); `--config configs/gemma3-r1zero.yaml` trains Gemma 3 270M, a base model, on
+plain-text prompts with a format and an accuracy reward (R1-Zero style).
 
-    .venv/bin/python scripts/demo_smollm2.py [--seed N] [--root DIR] [--config YAML] [--set KEY=VALUE ...]
+Scores a held-out set greedily with the base model, trains, prints the mean reward of the first and last
+5 steps, then scores the same held-out set greedily with the trained checkpoint. Held-out rows are the
+config's eval split (`data.eval_generator_kwargs`: the generator's `part: eval` pairs), which training
+never draws. All three share one embedded vLLM server (training pushes its weights into it; the last
+evaluation pushes the final checkpoint), so the model loads once.
+
+    .venv/bin/python scripts/demo.py [--seed N] [--root DIR] [--config YAML] [--set KEY=VALUE ...]
 
 `--config configs/smollm2-demo-lora.yaml`: the same demo training a LoRA adapter (the server starts
 with adapters enabled).
@@ -43,7 +47,7 @@ def main() -> int:
     from grpoflow.flows.train import grpo_train
     from grpoflow.storage.sql import query
 
-    run_id = f"smollm2-demo-s{args.seed}-{new_run_id()[5:]}"
+    run_id = f"{Path(args.config).stem}-s{args.seed}-{new_run_id()[5:]}"
     sets = [f"storage.root={args.root}", f"run.seed={args.seed}", f"run.run_id={run_id}", *args.set]
     config = Path(args.config)
     base = load_config(config, sets)
