@@ -104,7 +104,7 @@ R1_ZERO = (
 )
 
 
-def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 50, part: str = "train") -> list[dict]:
+def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> list[dict]:
     """Plain-text prompts for a base model, R1-Zero style (configs/gemma3-r1zero.yaml): a line naming the
     answer's format and one worked example, then "Question: What is a + b?\nAnswer:" with
     1 <= a, b <= `hi`. Sent as they are (no chat template). `part` splits pairs as `sum_rows` does."""
