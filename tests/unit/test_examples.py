@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpoflow.examples.envs import sum_rows
-from grpoflow.examples.rewards import number_only
+from grpoflow.examples.envs import sum_rows, sum_text_rows
+from grpoflow.examples.rewards import answer_correct, answer_format, number_only
 
 pytestmark = pytest.mark.unit
 
@@ -39,3 +39,29 @@ def test_eval_prompts_are_never_training_prompts_whatever_the_seeds():
 def test_number_only_pays_half_for_brevity_and_half_for_the_right_number(text, reward):
     assert number_only([text], answer=[12]) == [pytest.approx(reward)]
     assert number_only([text], answer=[None]) == [None]  # nothing to compare against: masked
+
+
+def test_r1_zero_rows_are_plain_text_and_hold_out_the_same_pairs():
+    row = sum_text_rows(1, seed=3)[0]
+    assert isinstance(row["prompt"], str) and row["prompt"].endswith("\nAnswer:")  # for a base model, as is
+    a, b = (int(x) for x in row["prompt"].rsplit("What is ", 1)[1].split("?")[0].split(" + "))
+    assert row["answer"] == a + b and 1 <= a <= 20 and 1 <= b <= 20
+    train = {r["prompt"] for seed in range(5) for r in sum_text_rows(512, seed=seed)}
+    held_out = {r["prompt"] for seed in range(5) for r in sum_text_rows(512, seed=seed, part="eval")}
+    assert train and held_out and not train & held_out
+
+
+@pytest.mark.parametrize(
+    "text, fmt, correct",
+    [
+        (" 3 + 4 = 7. <answer>7</answer>", 1.0, 1.0),
+        (" 3 + 4 = 8 <answer> 8 </answer>", 1.0, 0.0),  # the format without the right number
+        (" 7", 0.0, 0.0),  # the right number without the tags
+        ("<answer>7</answer> or <answer>8</answer>", 0.0, 1.0),  # two answers: no format; the first counts
+        ("<answer>7</answer> and then more", 0.0, 1.0),  # not ending at the answer
+    ],
+)
+def test_r1_zero_rewards_score_the_format_and_the_tagged_number_apart(text, fmt, correct):
+    assert answer_format([text]) == [fmt]
+    assert answer_correct([text], answer=[7]) == [correct]
+    assert answer_correct([text]) == [None]  # no answer to compare with: masked, not 0
