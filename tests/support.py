@@ -41,6 +41,46 @@ def need_browser(*programs: str) -> None:
         pytest.skip(why)
 
 
+def need_netns() -> None:
+    """Skip a test of tests/hosts.py's Hosts where they cannot run (not root, no `ip` or `unshare`, no
+    namespaces allowed); fail it in CI (`CI` set) instead, so that those tests cannot go unrun unseen."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    why = None
+    if os.geteuid() != 0:
+        why = "needs root (network namespaces, a bridge)"
+    elif missing := [p for p in ("ip", "unshare", "sh") if shutil.which(p) is None]:
+        why = f"{' and '.join(missing)} not installed"
+    elif subprocess.run(["unshare", "--net", "--mount", "true"], capture_output=True).returncode:
+        why = "cannot make network and mount namespaces here (a container without CAP_SYS_ADMIN?)"
+    elif subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+        why = "`ip netns` does not work here"
+    if why:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{why}; CI runs the hosts tests")
+        pytest.skip(why)
+
+
+def hosts_fixture(n: int, *, prefix: str = "gf", scope: str = "function"):
+    """A pytest fixture of `n` started tests.hosts.Hosts (need_netns first), torn down after it:
+    `two_hosts = hosts_fixture(2)` in a test module."""
+    import pytest
+
+    from tests.hosts import Hosts
+
+    @pytest.fixture(scope=scope)
+    def fixture():
+        need_netns()
+        with Hosts(n, prefix=prefix) as hosts:
+            yield hosts
+
+    return fixture
+
+
 def wait_for(
     condition: Callable[[], T],
     timeout_s: float,
