@@ -75,17 +75,8 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
 
     `part`: 'train' draws only pairs outside the held-out fifth, 'eval' only pairs inside it (a fixed
     split by the pair itself, so no eval prompt is ever a training prompt, whatever the seeds)."""
-    if hi < 1:
-        raise ValueError(f"hi must be at least 1, got {hi}")
-    if part not in ("train", "eval"):
-        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
-    pairs = [
-        (a, b) for a in range(1, hi + 1) for b in range(1, hi + 1) if _held_out(a, b) == (part == "eval")
-    ]
-    rng = random.Random(seed)
     rows = []
-    for i in range(n):
-        a, b = rng.choice(pairs)
+    for i, (a, b) in enumerate(_sum_pairs(n, seed, hi, part)):
         # eval rows' ids differ from training rows' ids: an eval split drawn from `part: eval` leaves out
         # of training exactly the rows with its ids (flows/data.py: split_rows)
         rid = i if part == "train" else f"eval-{i}"
@@ -108,19 +99,23 @@ def sum_text_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train"
     """Plain-text prompts for a base model, R1-Zero style (configs/gemma3-r1zero.yaml): a line naming the
     answer's format and one worked example, then "Question: What is a + b?\nAnswer:" with
     1 <= a, b <= `hi`. Sent as they are (no chat template). `part` splits pairs as `sum_rows` does."""
+    return [
+        {"prompt": R1_ZERO.format(a=a, b=b), "answer": a + b, "id": i if part == "train" else f"eval-{i}"}
+        for i, (a, b) in enumerate(_sum_pairs(n, seed, hi, part))
+    ]
+
+
+def _sum_pairs(n: int, seed: int, hi: int, part: str) -> list[tuple[int, int]]:
+    """`n` pairs 1 <= a, b <= `hi` drawn with `seed`, from the training pairs or the held-out fifth."""
+    if hi < 1:
+        raise ValueError(f"hi must be at least 1, got {hi}")
     if part not in ("train", "eval"):
         raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
     pairs = [
         (a, b) for a in range(1, hi + 1) for b in range(1, hi + 1) if _held_out(a, b) == (part == "eval")
     ]
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, b = rng.choice(pairs)
-        rows.append(
-            {"prompt": R1_ZERO.format(a=a, b=b), "answer": a + b, "id": i if part == "train" else f"eval-{i}"}
-        )
-    return rows
+    return [rng.choice(pairs) for _ in range(n)]
 
 
 def product_rows(n: int = 512, seed: int = 0, part: str = "train") -> list[dict]:

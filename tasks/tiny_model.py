@@ -62,6 +62,16 @@ def build_tokenizer():
     return fast
 
 
+def _publish(out: Path, model, tokenizer) -> Path:
+    """Save `model` (safetensors) and `tokenizer` as the model dir `out`, published whole."""
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d, safe_serialization=True)
+        tokenizer.save_pretrained(d)
+
+    return atomic_publish_dir(out, write)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -100,12 +110,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = config.eos_token_id
-
-    def write(d: Path) -> None:
-        model.save_pretrained(d, safe_serialization=True)
-        tokenizer.save_pretrained(d)
-
-    return atomic_publish_dir(out, write)
+    return _publish(out, model, tokenizer)
 
 
 def build_tiny_gemma3(
@@ -153,9 +158,4 @@ def build_tiny_gemma3(
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(config)
     model.generation_config.eos_token_id = config.eos_token_id
-
-    def write(d: Path) -> None:
-        model.save_pretrained(d, safe_serialization=True)
-        tokenizer.save_pretrained(d)
-
-    return atomic_publish_dir(out, write)
+    return _publish(out, model, tokenizer)

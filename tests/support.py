@@ -351,12 +351,7 @@ def toolbox(*fns, timeout_s: float = 10.0):
 def save_smollm2_tokenizer(out_dir: str | Path) -> Path:
     """SmolLM2-135M-Instruct's own tokenizer and chat template, from the GGUF, as a tokenizer dir
     (seconds, no weights): what tests of templates and tool-call formats load."""
-    from transformers import AutoTokenizer
-
-    from grpoflow.tasks.models import smollm2_gguf_path
+    from grpoflow.tasks.models import save_gguf_tokenizer, smollm2_gguf_path
 
     out = Path(out_dir)
-    if not (out / "tokenizer_config.json").is_file():
-        gguf = smollm2_gguf_path()
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return out
+    return out if (out / "tokenizer_config.json").is_file() else save_gguf_tokenizer(smollm2_gguf_path(), out)

@@ -29,16 +29,7 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     and base-model generation measured 1.1-1.6x slower (noisy; tasks/push/push.py's tests need none of it),
     so the checkpoint tests keep a server started as checkpoint runs start theirs. Tests name their
     adapters by their own run ids, so none sees another's."""
-    from grpoflow.flows.serve import start_server
-
-    log = tmp_path_factory.mktemp("logs") / "vllm-lora.log"
-    handle = start_server(tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
-                          startup_timeout_s=600, lora_rank=64, max_loras=4)  # fmt: skip
-    handle.model_dir = tiny_model_dir
-    try:
-        yield handle
-    finally:
-        handle.stop()
+    yield from _lora_server(tiny_model_dir, tmp_path_factory, "vllm-lora.log")
 
 
 CHAOS_STEPS = 6
@@ -102,12 +93,17 @@ def gemma3_server(tiny_gemma3_dir, tmp_path_factory):
     server takes full-weight, adapter and merged-adapter pushes alike; started only when a test of it runs.
     Its tests restore the base weights themselves (`_base_weights_after_each_test` restores the shared
     server's)."""
+    yield from _lora_server(tiny_gemma3_dir, tmp_path_factory, "vllm-gemma3.log")
+
+
+def _lora_server(model_dir, tmp_path_factory, log_name: str):
+    """A real server of `model_dir` started as a LoRA run's are (adapters up to rank 64), stopped after."""
     from grpoflow.flows.serve import start_server
 
-    log = tmp_path_factory.mktemp("logs") / "vllm-gemma3.log"
-    handle = start_server(tiny_gemma3_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
+    log = tmp_path_factory.mktemp("logs") / log_name
+    handle = start_server(model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,
                           startup_timeout_s=600, lora_rank=64, max_loras=4)  # fmt: skip
-    handle.model_dir = tiny_gemma3_dir
+    handle.model_dir = model_dir
     try:
         yield handle
     finally:
