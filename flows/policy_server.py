@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from grpoflow.flows.launch import ServerHandle, ServerStartError, _tail
-from grpoflow.flows.serve import server_command
+from grpoflow.flows.serve import server_command, upload_dir_of
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.learner import LoraConfig
 
@@ -112,11 +112,12 @@ def policy_server(
     check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
     for adapter in adapters.values():
         check_path(adapter, "adapter")
+    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first;
+    # versions uploaded to it (from a learner on another host) go to <root>/uploads/serve-<port>/
+    pid_file = (Path(root), f"serve-{port}")
     cmd, env, url = server_command(model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len,
                                    lora_rank=lora_rank and LoraConfig(rank=lora_rank).served_rank(),
-                                   max_loras=max_loras)  # fmt: skip
-    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first
-    pid_file = (Path(root), f"serve-{port}")
+                                   max_loras=max_loras, upload_dir=upload_dir_of(*pid_file))  # fmt: skip
     stop_stale(*pid_file)
     handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
     on_up = (lambda: _serve_lineages(handle.url, api_key, adapters)) if adapters else None

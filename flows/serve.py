@@ -45,11 +45,15 @@ def server_command(
     cores: frozenset[int] | None = None,
     lora_rank: int | None = None,
     max_loras: int = 4,
+    upload_dir: str | Path | None = None,
 ) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
     cores its engine binds to on a CPU-only machine (default: all this process may use).
     `lora_rank`: the server loads LoRA adapters at runtime (`/v1/load_lora_adapter`) up to this rank
-    (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch."""
+    (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch.
+    `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow_upload), a
+    folder of its own (its sweep removes staging dirs it does not know); None: `GRPOFLOW_UPLOAD_DIR`
+    from this environment, if set, else uploads are off."""
     if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
@@ -69,13 +73,17 @@ def server_command(
     # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
     # (tasks/push/lora_serve.py); without any alias it passes every request through unbuffered.
     cmd += ["--middleware", "grpoflow_alias.ModelAlias"]
+    # Weight versions received as bytes (a server whose host cannot read the learner's disk).
+    cmd += ["--middleware", "grpoflow_upload.WeightUpload"]
     if api_key:
         # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
         # leaves the control endpoints open, so a middleware guards every path but /health. Added
-        # last, it is the outermost: the lease and alias endpoints are guarded too.
+        # last, it is the outermost: the lease, alias and upload endpoints are guarded too.
         cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     env = _server_env(api_key, kv_cache_gb, cores)
+    if upload_dir is not None:
+        env["GRPOFLOW_UPLOAD_DIR"] = str(Path(upload_dir).resolve())
     if lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the load/unload routes exist only with it
     return cmd, env, f"http://{connect_host}:{port}"
@@ -174,6 +182,12 @@ def _cpu_only() -> bool:
     return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def upload_dir_of(root: str | Path, name: str) -> Path:
+    """Where the server recorded as `<root>/pids/<name>.json` keeps the versions uploaded to it: one
+    folder per server name, which only one live server holds at a time (a stale one is stopped first)."""
+    return Path(root) / "uploads" / name
+
+
 def start_server(
     model_dir: str | Path,
     *,
@@ -185,7 +199,10 @@ def start_server(
     """Start a server and wait for /health; raises ServerStartError with the log tail on failure.
 
     With `pid_file=(root, name)` it is recorded under `<root>/pids/` while it runs (the caller stops a
-    stale one of that name first: `storage.processes.stop_stale`)."""
+    stale one of that name first: `storage.processes.stop_stale`), and versions uploaded to it go to
+    `<root>/uploads/<name>/` (`upload_dir`: the server of that name owns it)."""
+    if pid_file is not None:
+        kwargs.setdefault("upload_dir", upload_dir_of(*pid_file))
     cmd, env, url = server_command(model_dir, **kwargs)
     log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
     return ServerHandle(cmd, env, url, log, startup_timeout_s, pid_file).start()
@@ -244,7 +261,8 @@ def inference_servers(
         cmd, env, url = server_command(model_dir, host=i.host, port=i.port if len(names) == 1 else None,
                                        max_model_len=i.max_model_len, kv_cache_gb=i.kv_cache_gb,
                                        api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores,
-                                       lora_rank=lora and lora.served_rank(), max_loras=i.max_loras)  # fmt: skip
+                                       lora_rank=lora and lora.served_rank(), max_loras=i.max_loras,
+                                       upload_dir=upload_dir_of(root, n))  # fmt: skip
         handle = ServerHandle(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)
         return handle.start()

@@ -99,6 +99,7 @@ class VLLMClient(ServerControl):
         path: str,
         *,
         json_body: Any = None,
+        data: bytes | None = None,
         params: dict[str, str] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
         retries: int | None = None,
@@ -107,7 +108,8 @@ class VLLMClient(ServerControl):
         retry_status: frozenset[int] = RETRY_STATUS,
     ) -> str:
         """The body of a 2xx answer, as text (callers that need JSON parse it with `json_object`).
-        An answer whose status is not in `retry_status` raises InferenceHTTPError with its body."""
+        An answer whose status is not in `retry_status` raises InferenceHTTPError with its body.
+        `json_body` goes as JSON, `data` as raw bytes (sent again as they are on a retry)."""
         session = self._get_session()
         url = f"{self.base_url}{path}"
         attempts = (self.retries if retries is None else retries) + 1
@@ -123,6 +125,7 @@ class VLLMClient(ServerControl):
                         method,
                         url,
                         json=json_body,
+                        data=data,
                         params=params,
                         headers=headers,
                         timeout=timeout or self.control_timeout,

@@ -1,6 +1,7 @@
 """The vLLM server's control endpoints, which weight pushes and supervisors call: pause and resume
-(with grpoflow's pause lease), the prefix cache, LoRA adapters and their aliases, and weight loads
-through `collective_rpc`.
+(with grpoflow's pause lease), the prefix cache, LoRA adapters and their aliases, weight loads
+through `collective_rpc`, and weight versions sent as bytes (grpoflow's upload middleware; the
+whole upload is tasks/push/upload.py).
 
 `ServerControl` is a mixin of `VLLMClient` (tasks/rollouts/inference.py): it sends through the
 client's `_request` (one retry policy, the control timeout) and never through the semaphore that
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -169,3 +171,54 @@ class ServerControl:
         if not text.strip():
             return None
         return json_object(text, f"POST {self.base_url}/collective_rpc")
+
+    # -- weight versions sent as bytes (flows/vllm_plugins/grpoflow_upload.py; a server without the
+    # middleware, or started without an upload dir, answers these with 404) -----------------------
+
+    async def upload_begin(self, name: str, files: list[dict[str, Any]]) -> str:
+        """Start an upload of the version `name` ({"path", "size"} per file) into the server's upload
+        dir; its id. A retried create that had reached the server is superseded by the next one."""
+        text = await self._request(
+            "POST", "/grpoflow/uploads", json_body={"name": name, "files": files}, retry_status=_NOT_500
+        )
+        return json_object(text, f"POST {self.base_url}/grpoflow/uploads", ("upload",))["upload"]
+
+    async def upload_chunk(self, upload_id: str, path: str, offset: int, data: bytes) -> None:
+        """Write `data` at `offset` of the upload's file `path` (idempotent: retried as it is)."""
+        await self._request(
+            "PUT",
+            f"/grpoflow/uploads/{upload_id}/{quote(path)}",
+            data=data,
+            params={"offset": str(offset)},
+            retry_status=_NOT_500,
+        )
+
+    async def upload_commit(self, upload_id: str, sha256: dict[str, str], *, timeout_s: float) -> str:
+        """Check every file against `sha256` ({path: hex}) and publish the version; its path on the
+        server's host. A mismatch is an InferenceHTTPError 422 naming the file (the upload is gone)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
+        where = f"/grpoflow/uploads/{upload_id}/commit"
+        text = await self._request(
+            "POST", where, json_body={"sha256": sha256}, timeout=timeout, retry_status=_NOT_500
+        )
+        return json_object(text, f"POST {self.base_url}{where}", ("path",))["path"]
+
+    async def upload_abort(self, upload_id: str, *, retries: int = 1) -> None:
+        """Drop an upload in progress and what it wrote."""
+        await self._request(
+            "DELETE", f"/grpoflow/uploads/{upload_id}", retries=retries, retry_status=_NOT_500
+        )
+
+    async def uploaded_versions(self) -> list[str]:
+        """The names of the versions committed in the server's upload dir."""
+        text = await self._request("GET", "/grpoflow/versions")
+        return json_object(text, f"GET {self.base_url}/grpoflow/versions", ("versions",))["versions"]
+
+    async def delete_uploaded_version(self, name: str) -> None:
+        """Remove the committed version `name` from the server's upload dir (404 if it has none)."""
+        await self._request("DELETE", f"/grpoflow/versions/{quote(name)}", retry_status=_NOT_500)
+
+
+# A 500 from the upload routes is an error of the server's disk (no space, no permission): final, so
+# the caller hears it at once; connection errors, timeouts and the other retryable statuses are retried.
+_NOT_500 = RETRY_STATUS - {500}

@@ -169,7 +169,7 @@ def test_every_server_grpoflow_starts_carries_it_inside_the_key_check():
     for key in (None, "k"):
         cmd, _, _ = server_command("m", python="py", port=9, api_key=key, lora_rank=None)
         middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
-        assert middleware == ["grpoflow_lease.PauseLease", "grpoflow_alias.ModelAlias",
+        assert middleware == ["grpoflow_lease.PauseLease", "grpoflow_alias.ModelAlias", "grpoflow_upload.WeightUpload",
                               *(["grpoflow_auth.RequireApiKey"] if key else [])]  # fmt: skip
 
 

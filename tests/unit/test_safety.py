@@ -38,6 +38,7 @@ def test_binding_elsewhere_needs_a_key_which_goes_by_environment_not_argv():
     assert middleware == [
         "grpoflow_lease.PauseLease",
         "grpoflow_alias.ModelAlias",
+        "grpoflow_upload.WeightUpload",
         "grpoflow_auth.RequireApiKey",
     ]  # the key check outermost
     assert env["PYTHONPATH"].split(":")[0] == str(PLUGINS)

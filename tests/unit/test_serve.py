@@ -48,3 +48,14 @@ def test_a_lora_server_loads_adapters_of_the_runs_rank_at_runtime(monkeypatch):
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     cmd, env, _ = server_command("m", python="py", port=9)
     assert "--enable-lora" not in cmd and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+
+
+def test_a_server_keeps_uploaded_versions_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRPOFLOW_UPLOAD_DIR", raising=False)
+    assert "GRPOFLOW_UPLOAD_DIR" not in server_command("m", python="py", port=9)[1]  # uploads off
+    monkeypatch.setenv("GRPOFLOW_UPLOAD_DIR", "/srv/uploads")  # the launcher's own setting passes
+    assert server_command("m", python="py", port=9)[1]["GRPOFLOW_UPLOAD_DIR"] == "/srv/uploads"
+    monkeypatch.chdir(tmp_path)
+    upload_dir = serve.upload_dir_of("runs", "serve-8000")  # next to <root>/pids/serve-8000.json
+    _, env, _ = server_command("m", python="py", port=9, upload_dir=upload_dir)
+    assert env["GRPOFLOW_UPLOAD_DIR"] == str(tmp_path / "runs" / "uploads" / "serve-8000")

@@ -1,0 +1,252 @@
+"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow_upload.WeightUpload`): a weight
+version sent as bytes over HTTP, for a server on another host that cannot read the learner's disk.
+
+The server keeps received versions in `GRPOFLOW_UPLOAD_DIR` (a directory on its own host; unset: every
+route below answers 404 "uploads are off on this server"). A committed version is a plain directory
+there, which the usual reload (`collective_rpc grpoflow_reload_weights` / `reload_weights`) then loads
+by its path: the server's workers share its host's disk.
+
+- `POST /grpoflow/uploads` {"name": "<run>/v000003", "files": [{"path": "model.safetensors", "size":
+  N}, ...]} -> {"upload": id}. Names are relative, "/"-separated, at most 8 deep, with no "", ".",
+  "..", backslash, NUL or control character; a version name has no hidden component (".incoming-*"
+  and ".trash-*" under the upload dir are this module's). A total over `GRPOFLOW_UPLOAD_MAX_BYTES`
+  (default 64 GiB), or over the disk's free space, is refused (413, 507); a name that is, or is inside,
+  a folder that is not an uploaded version is 409. The files are created empty in a staging dir
+  `.incoming-<id>`. Stale uploads are swept here, the one rule being "one writer per name": an
+  unfinished upload of the same name (a pusher that died and tries again), one idle for an hour, and
+  any staging dir no upload of this process owns (a restarted server's leftovers) are removed.
+- `PUT /grpoflow/uploads/<id>/<file path>?offset=K`, the raw bytes as the body -> {"written": n}:
+  streamed to the file at offset K as `receive()` yields it (at most WRITE_BATCH bytes held, each
+  write on a thread: this runs on vLLM's API server event loop). A write past the file's declared
+  size is 413, an unknown upload or file 404, a body shorter or longer than its Content-Length 400.
+  A PUT is idempotent, so a client retries a failed chunk as it is.
+- `POST /grpoflow/uploads/<id>/commit` {"sha256": {"<file path>": "<hex>", ...}} (every declared file)
+  -> {"path": the version's absolute path}. Every file's size and sha256 are checked (the digest is
+  kept while in-order chunks arrive; a file written out of order is read again), the files fsynced,
+  a manifest `.grpoflow-upload.json` written, and the staging dir renamed to `<dir>/<name>` (a version
+  already there is renamed aside first, then deleted). A mismatch is 422 naming the file, and the
+  staging dir is deleted: nothing half-written is ever at a committed name. The digests come with the
+  commit rather than the create so that the client reads each file once, hashing as it sends. A
+  commit already running answers 503 (a retry waits for it); one that succeeded answers its path again.
+- `DELETE /grpoflow/uploads/<id>` aborts (removes the staging dir); `GET /grpoflow/versions` ->
+  {"root": dir, "versions": [name, ...]} (the dirs holding a manifest); `DELETE
+  /grpoflow/versions/<name>` removes a committed version (a dir holding a manifest, nothing else).
+
+Authentication: none here. `grpoflow_auth.RequireApiKey` guards every path but the health probes when
+the server has a key. vLLM adds each `--middleware` with Starlette's `add_middleware`, which makes the
+last one given the outermost, so RequireApiKey is given after this one (flows/serve.py) and checks the
+key before any upload route runs.
+
+The disk side is grpoflow_upload_store.py (called on a thread). The table of uploads in progress lives
+in this API server process: one upload in flight when the server restarts is lost, and its staging dir
+swept by the next create. Standard library only: it runs in the server's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import time
+from urllib.parse import parse_qs
+
+import grpoflow_upload_store as store
+from grpoflow_http import reply_json, route
+from grpoflow_upload_store import File, Refused, Upload
+
+UPLOADS, VERSIONS = "/grpoflow/uploads", "/grpoflow/versions"
+DEFAULT_MAX_BYTES = 64 << 30
+MAX_JSON_BYTES = 4 << 20  # a create or commit body
+WRITE_BATCH = 1 << 20  # bytes gathered from receive() before one write on a thread
+IDLE_S = 3600.0  # an upload untouched this long is swept by the next create
+KEEP_COMMITTED = 256  # commits remembered, so that a retried commit gets its answer again
+
+
+class _Gone(Exception):
+    """The client went away mid-request: nobody to answer."""
+
+
+class WeightUpload:
+    def __init__(self, app):
+        self.app = app
+        folder = os.environ.get("GRPOFLOW_UPLOAD_DIR")
+        self.root = os.path.abspath(folder) if folder else None
+        self.max_bytes = int(os.environ.get("GRPOFLOW_UPLOAD_MAX_BYTES") or DEFAULT_MAX_BYTES)
+        self.uploads: dict[str, Upload] = {}
+        self.committed: dict[str, str] = {}  # upload id -> the version's path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = route(scope)
+        if not any(path == p or path.startswith(p + "/") for p in (UPLOADS, VERSIONS)):
+            return await self.app(scope, receive, send)
+        body = _Body(receive)
+        try:
+            if self.root is None:
+                raise Refused(404, "uploads are off on this server: start it with GRPOFLOW_UPLOAD_DIR set")
+            answer = await self._dispatch(path, method, scope, body)
+        except _Gone:
+            return None
+        except Refused as e:
+            status, message = e.status, e.message
+        except OSError as e:  # a full disk, say: the client's error names it
+            status, message = 500, f"{method} {path}: {type(e).__name__}: {e}"
+        else:
+            return await reply_json(send, answer)
+        await body.drain()  # an answer sent before the body is read may never reach the client
+        await reply_json(send, {"error": message}, status)
+
+    async def _dispatch(self, path: str, method: str, scope, body: _Body) -> dict:
+        if path == UPLOADS and method == "POST":
+            return await self._create(await _read_json(body))
+        if path == VERSIONS and method == "GET":
+            return {"root": self.root, "versions": await asyncio.to_thread(store.versions, self.root)}
+        if path.startswith(VERSIONS + "/") and method == "DELETE":
+            name = store.relative_name(path[len(VERSIONS) + 1 :], "name", hidden=False)
+            return {"deleted": name, "path": await asyncio.to_thread(store.remove_version, self.root, name)}
+        upload_id, _, rest = path[len(UPLOADS) + 1 :].partition("/")
+        if method == "PUT" and rest:
+            return await self._put(self._live(upload_id), rest, scope, body)
+        if method == "POST" and rest == "commit":
+            return await self._commit(upload_id, await _read_json(body))
+        if method == "DELETE" and not rest:
+            return await self._abort(self._live(upload_id))
+        raise Refused(404, f"no upload route {method} {path}")
+
+    def _live(self, upload_id: str) -> Upload:
+        up = self.uploads.get(upload_id)
+        if up is None:
+            raise Refused(404, f"no upload {upload_id!r} in progress on this server (aborted or superseded?)")
+        return up
+
+    async def _create(self, req: dict) -> dict:
+        name = store.relative_name(req.get("name"), "name", hidden=False)
+        files = store.declared_files(req.get("files"))
+        total = sum(files.values())
+        if total > self.max_bytes:
+            raise Refused(
+                413, f"{name}: {total} bytes is over this server's upload limit of {self.max_bytes}"
+            )
+        upload_id = secrets.token_hex(12)
+        staging = os.path.join(self.root, store.STAGING + upload_id)
+        up = Upload(upload_id, name, staging, {p: File(n) for p, n in files.items()})
+        now = time.monotonic()
+        for old in list(self.uploads.values()):  # one writer per name; an idle one is abandoned
+            if not old.committing and (old.name == name or now - old.touched > IDLE_S):
+                del self.uploads[old.id]
+        self.uploads[up.id] = up  # before the sweep, so that a create running beside it keeps its dir
+        try:
+            await asyncio.to_thread(store.prepare, self.root, up, set(self.uploads))
+        except BaseException:
+            self.uploads.pop(up.id, None)
+            raise
+        return {"upload": up.id}
+
+    async def _put(self, up: Upload, rel: str, scope, body: _Body) -> dict:
+        f = up.files.get(rel)
+        if f is None:
+            raise Refused(404, f"upload {up.id} ({up.name}) declared no file {rel!r}")
+        offset, length = _offset(scope), _content_length(scope)
+        if offset + (length or 0) > f.size:
+            raise Refused(
+                413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {f.size}"
+            )
+        written, batch, held = 0, [], 0
+        while not body.done:
+            message = await body()
+            if message["type"] != "http.request":
+                raise _Gone
+            batch.append(message.get("body", b""))
+            held += len(batch[-1])
+            if offset + written + held > f.size:
+                raise Refused(413, f"{rel}: the body runs past its declared size {f.size}")
+            if held >= WRITE_BATCH or (body.done and held):
+                await asyncio.to_thread(store.write, up, rel, offset + written, b"".join(batch))
+                written, batch, held = written + held, [], 0
+            up.touched = time.monotonic()
+        if length is not None and written != length:
+            raise Refused(400, f"{rel}: {written} bytes received, Content-Length said {length}")
+        return {"path": rel, "offset": offset, "written": written}
+
+    async def _commit(self, upload_id: str, req: dict) -> dict:
+        if upload_id in self.committed:
+            return {"path": self.committed[upload_id]}
+        up = self._live(upload_id)
+        if up.committing:
+            raise Refused(503, f"upload {upload_id} ({up.name}) is being committed: try again")
+        sha256 = store.digests(req.get("sha256"), up)
+        up.committing = True
+        try:
+            await asyncio.to_thread(store.verify, up, sha256)
+            path = await asyncio.to_thread(store.publish, self.root, up)
+        except BaseException as e:
+            up.committing = False
+            if isinstance(e, Refused):  # the upload is over: nothing of it stays
+                self.uploads.pop(up.id, None)
+                await asyncio.to_thread(shutil.rmtree, up.staging, True)
+            raise
+        self.uploads.pop(up.id, None)
+        self.committed[up.id] = path
+        while len(self.committed) > KEEP_COMMITTED:
+            del self.committed[next(iter(self.committed))]
+        return {"path": path}
+
+    async def _abort(self, up: Upload) -> dict:
+        if up.committing:
+            raise Refused(409, f"upload {up.id} ({up.name}) is being committed: too late to abort")
+        del self.uploads[up.id]
+        await asyncio.to_thread(shutil.rmtree, up.staging, True)
+        return {"aborted": up.id, "name": up.name}
+
+
+class _Body:
+    """The request's `receive`, which knows whether the body has been read to its end."""
+
+    def __init__(self, receive):
+        self.receive, self.done = receive, False
+
+    async def __call__(self) -> dict:
+        message = await self.receive()
+        self.done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    async def drain(self) -> None:
+        """Read (and drop) what is left of the body."""
+        while not self.done:
+            await self()
+
+
+async def _read_json(body: _Body) -> dict:
+    chunks, held = [], 0
+    while not body.done:
+        message = await body()
+        if message["type"] != "http.request":
+            raise _Gone
+        chunks.append(message.get("body", b""))
+        held += len(chunks[-1])
+        if held > MAX_JSON_BYTES:
+            raise Refused(413, f"a JSON body over {MAX_JSON_BYTES} bytes")
+    try:
+        obj = json.loads(b"".join(chunks))
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise Refused(400, "the body must be a JSON object")
+    return obj
+
+
+def _offset(scope) -> int:
+    value = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("offset", ["0"])[0]
+    if not (value.isascii() and value.isdigit()):
+        raise Refused(400, f"offset must be a non-negative integer, not {value!r}")
+    return int(value)
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers") or []:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None

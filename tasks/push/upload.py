@@ -1,0 +1,122 @@
+"""A weight version sent to a vLLM server as bytes, for a server whose host cannot read the learner's
+disk: its files go over HTTP into the server's upload dir (grpoflow's upload middleware,
+flows/vllm_plugins/grpoflow_upload.py, whose doc has the protocol), and the path it answers is what the
+server then reloads, as a push on one host reloads the learner's own path.
+
+Each file goes in chunks of `chunk_bytes`, read on a thread and hashed as they are read, so the whole
+version is read once and never held in memory; a chunk whose PUT fails is sent again (the client's
+retry policy: a PUT at an offset is idempotent). The digests go with the commit, where the server
+checks them. Any failure aborts the upload (the server drops what it got) and raises
+WeightUploadError naming the server, the version and the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceUnavailableError
+
+CHUNK_BYTES = 8 << 20
+COMMIT_TIMEOUT_S = 600.0  # the server may read a file again to check it (one written out of order)
+
+
+class WeightUploadError(WeightPushError):
+    """An upload failed; the message names the server, the version, and the file it was sending."""
+
+
+class WeightUploadUnavailableError(WeightUploadError, WeightPushUnavailableError):
+    """An upload failed because the server could not be reached (its retries ran out)."""
+
+
+async def upload_dir(
+    server: VLLMClient | str,
+    local_dir: str | Path,
+    name: str,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    api_key: str | None = None,
+    commit_timeout_s: float = COMMIT_TIMEOUT_S,
+) -> str:
+    """Send every file under `local_dir` to the server (a client, or its URL and `api_key`) as the
+    version `name` (e.g. "<run>/v000003"); the version's path on the server's host."""
+    if isinstance(server, str):
+        async with VLLMClient(server, api_key=api_key) as client:
+            return await upload_dir(client, local_dir, name, chunk_bytes=chunk_bytes,
+                                    commit_timeout_s=commit_timeout_s)  # fmt: skip
+    local = Path(local_dir)
+    files = await asyncio.to_thread(local_files, local)
+    sending = None  # the file on its way, for the error
+    try:
+        upload_id = await server.upload_begin(name, [{"path": rel, "size": size} for rel, size in files])
+    except InferenceError as e:
+        raise _failed(server, local, name, None, e) from e
+    try:
+        digests = {}
+        for rel, size in files:
+            sending = rel
+            digests[rel] = await _send_file(server, upload_id, local / rel, rel, size, chunk_bytes)
+        sending = None
+        return await server.upload_commit(upload_id, digests, timeout_s=commit_timeout_s)
+    except BaseException as e:  # cancelled too: the server drops what it got
+        await _abort(server, upload_id, e)
+        if isinstance(e, InferenceError | OSError | WeightUploadError):
+            raise _failed(server, local, name, sending, e) from e
+        raise
+
+
+def local_files(local_dir: Path) -> list[tuple[str, int]]:
+    """(path relative to `local_dir`, "/"-separated; size) of every file under it, sorted."""
+    out = []
+    for folder, dirs, names in os.walk(local_dir):
+        dirs.sort()
+        for n in sorted(names):
+            path = Path(folder) / n
+            if path.is_file():
+                out.append((path.relative_to(local_dir).as_posix(), path.stat().st_size))
+    if not out:
+        raise WeightUploadError(f"nothing to upload: {local_dir} holds no files")
+    return out
+
+
+async def _send_file(
+    client: VLLMClient, upload_id: str, path: Path, rel: str, size: int, chunk_bytes: int
+) -> str:
+    """Send `path`'s first `size` bytes in chunks; their sha256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        offset = 0
+        while offset < size:
+            chunk = await asyncio.to_thread(_read_hashed, f, digest, min(chunk_bytes, size - offset))
+            if not chunk:
+                raise WeightUploadError(f"{path} shrank to {offset} bytes while it was being sent ({size})")
+            await client.upload_chunk(upload_id, rel, offset, chunk)
+            offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _read_hashed(f: BinaryIO, digest, n: int) -> bytes:
+    data = f.read(n)
+    digest.update(data)
+    return data
+
+
+async def _abort(client: VLLMClient, upload_id: str, cause: BaseException) -> None:
+    try:
+        await asyncio.wait_for(client.upload_abort(upload_id), timeout=30.0)
+    except (InferenceError, TimeoutError) as e:  # the server sweeps it at the next upload of the name
+        cause.add_note(f"aborting upload {upload_id} failed too: {e}")
+
+
+def _failed(
+    client: VLLMClient, local: Path, name: str, sending: str | None, e: BaseException
+) -> WeightUploadError:
+    where = f" at {sending}" if sending else ""
+    unavailable = isinstance(e, InferenceUnavailableError)
+    cls = WeightUploadUnavailableError if unavailable else WeightUploadError
+    return cls(f"uploading {local} to the vLLM server at {client.base_url} as {name!r} failed{where}: {e}")
