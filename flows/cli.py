@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpoflow.flows.config import ConfigError
     from grpoflow.storage.ids import InvalidRunIdError
     from grpoflow.storage.sql import QueryError
-    from grpoflow.tasks.push.push import LoraUnsupportedError
+    from grpoflow.tasks.push.push import LoraUnsupportedError, TransportError
     from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
 
     try:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_prefect_task_logs(not args.verbose)
         with owned_prefect_api():  # Prefect's temporary API server dies with this process
             return args.fn(args)
-    except (ConfigError, QueryError, InvalidRunIdError, LoraUnsupportedError) as e:
+    except (ConfigError, QueryError, InvalidRunIdError, LoraUnsupportedError, TransportError) as e:
         # Bad input: one clear line, no traceback. Any other error is a bug and keeps its traceback.
         print(f"error: {e}", file=sys.stderr)
         return 2

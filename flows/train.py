@@ -96,7 +96,7 @@ def grpo_train(
     except BaseException as e:
         write_meta(cfg, run, "failed" if isinstance(e, Exception) else "cancelled", error=repr(e)[:500])
         raise
-    write_meta(cfg, run, "completed", last_step=cfg.run.steps - 1)
+    write_meta(cfg, run, "completed", last_step=cfg.run.steps - 1, transports=summary["transports"])
     return summary
 
 
@@ -155,4 +155,5 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 rec.eval = eval_metrics(units.evaluate(step, evals.rows, evals.job, batch.groups))
                 rec.times.eval = time.perf_counter() - t0
             close.step(step, rec, batch.broken)  # row, reward watch, checkpoint, compaction, trackers
-        return close.finish()
+        # server URL -> how its versions travelled ('path' or 'network'), for the run's record
+        return {**close.finish(), "transports": pusher.transport.chosen()}

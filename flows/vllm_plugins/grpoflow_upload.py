@@ -28,6 +28,11 @@ by its path: the server's workers share its host's disk.
   staging dir is deleted: nothing half-written is ever at a committed name. The digests come with the
   commit rather than the create so that the client reads each file once, hashing as it sends. A
   commit already running answers 503 (a retry waits for it); one that succeeded answers its path again.
+- `POST /grpoflow/probe` {"path": "/abs/dir/.grpoflow-probe-<32 hex>"} -> {"sha256": hex or null,
+  "uploads": bool}: whether this server's host can read a file the pusher just wrote beside its
+  weights (the digest of its content, null when it cannot be read) and whether uploads are on. Answered
+  also with uploads off; only a file named so, at most PROBE_MAX_BYTES long, is ever read: the route
+  says nothing of any other file (tasks/push/transport.py chooses a server's transport with it).
 - `DELETE /grpoflow/uploads/<id>` aborts (removes the staging dir); `GET /grpoflow/versions` ->
   {"root": dir, "versions": [name, ...]} (the dirs holding a manifest); `DELETE
   /grpoflow/versions/<name>` removes a committed version (a dir holding a manifest, nothing else).
@@ -45,8 +50,10 @@ swept by the next create. Standard library only: it runs in the server's environ
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -56,7 +63,9 @@ import grpoflow_upload_store as store
 from grpoflow_http import reply_json, route
 from grpoflow_upload_store import File, Refused, Upload
 
-UPLOADS, VERSIONS = "/grpoflow/uploads", "/grpoflow/versions"
+UPLOADS, VERSIONS, PROBE = "/grpoflow/uploads", "/grpoflow/versions", "/grpoflow/probe"
+PROBE_NAME = re.compile(r"\.grpoflow-probe-[0-9a-f]{32}")
+PROBE_MAX_BYTES = 64
 DEFAULT_MAX_BYTES = 64 << 30
 MAX_JSON_BYTES = 4 << 20  # a create or commit body
 WRITE_BATCH = 1 << 20  # bytes gathered from receive() before one write on a thread
@@ -81,10 +90,13 @@ class WeightUpload:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = route(scope)
-        if not any(path == p or path.startswith(p + "/") for p in (UPLOADS, VERSIONS)):
+        if not any(path == p or path.startswith(p + "/") for p in (UPLOADS, VERSIONS, PROBE)):
             return await self.app(scope, receive, send)
         body = _Body(receive)
         try:
+            if path == PROBE and method == "POST":
+                answer = {"sha256": await _probe(await _read_json(body)), "uploads": self.root is not None}
+                return await reply_json(send, answer)
             if self.root is None:
                 raise Refused(404, "uploads are off on this server: start it with GRPOFLOW_UPLOAD_DIR set")
             answer = await self._dispatch(path, method, scope, body)
@@ -236,6 +248,27 @@ async def _read_json(body: _Body) -> dict:
     if not isinstance(obj, dict):
         raise Refused(400, "the body must be a JSON object")
     return obj
+
+
+async def _probe(req: dict) -> str | None:
+    """The sha256 of the probe file `req["path"]` names, None when this host cannot read it."""
+    path = req.get("path")
+    if (
+        not isinstance(path, str)
+        or not os.path.isabs(path)
+        or not PROBE_NAME.fullmatch(os.path.basename(path))
+    ):
+        raise Refused(400, "field 'path': an absolute path to a file named .grpoflow-probe-<32 hex digits>")
+
+    def read() -> str | None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(PROBE_MAX_BYTES + 1)
+        except OSError:
+            return None
+        return hashlib.sha256(data).hexdigest() if len(data) <= PROBE_MAX_BYTES else None
+
+    return await asyncio.to_thread(read)
 
 
 def _offset(scope) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from grpoflow.tasks.config.choices import SyncBackend
+from grpoflow.tasks.config.choices import SyncBackend, SyncTransport
 from grpoflow.tasks.config.section import Section
 
 
@@ -84,4 +84,13 @@ class SyncConfig(Section):
         gt=0,
         description="Seconds one weight reload into vLLM may take before the push fails (the server is "
         "resumed either way). Generous: a large model from a slow disk takes minutes.",
+    )
+    transport: SyncTransport = Field(
+        "auto",
+        description="How a version reaches each server (tasks/push/transport.py): 'path' sends the "
+        "version's path, which the server reads from a disk it shares with the learner (one host, or a "
+        "shared filesystem); 'network' sends its bytes over HTTP into the server's own disk (a server "
+        "grpoflow starts: the run's own, `grpoflow serve`, policy-server); 'auto' asks each server "
+        "whether it can read the learner's files and picks 'path' if so, else 'network'. A server that "
+        "cannot take the transport chosen fails the run before its first step.",
     )

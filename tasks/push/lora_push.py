@@ -31,7 +31,8 @@ from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.config.learner import VLLM_LORA_RANKS
-from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.push.push_api import Sent, WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.push.transport import Transport
 from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
 from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
 from grpoflow.tasks.rollouts.inference_api import (
@@ -67,6 +68,7 @@ class LoraPush:
         self.reset_prefix_cache = reset_prefix_cache
         self.client = client or (lambda url: client_for(url, inference))
         self.weights = weights_store(root)
+        self.transport = Transport(run_id, sync.transport)
         self.grace_s = inference.request_timeout_s if unload_grace_s is None else unload_grace_s
         # Per server URL: the versions this push loaded into it, oldest first (retention keeps the last
         # few loaded), and the versions it holds as far as this process knows (their files stay).
@@ -100,15 +102,17 @@ class LoraPush:
             # prune keeps a newest-first suffix: keep from the oldest protected version on.
             oldest = min((i for i, v in enumerate(done) if v in protected), default=len(done))
             self.weights.prune(self.run_id, max(self.sync.keep_last, len(done) - oldest))
+        self.transport.forget(self.weights.list(self.run_id), self.client)  # servers' copies too
 
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> Sent:
         name, rank = self.model_name(version), require_adapter(path, version)
         async with self.client(url) as client:
+            sent = await self.transport.deliver(client, path, version)
             failpoint("weight_push")
             try:
-                replaced = await _load_adapter(client, name, path)
+                replaced = await _load_adapter(client, name, sent.path)
                 # A name loaded again (maybe from the same path, other weights): vLLM keys cached KV
                 # by the adapter's name and path, so a client that salts nothing could reuse the old
                 # adapter's KV. A new name never can: promotion's reset is needed only then.
@@ -126,6 +130,7 @@ class LoraPush:
             if on_loaded is not None:
                 on_loaded(version)
             await self._unload_old(client, url, version, keep)
+        return sent
 
     async def _unload_old(self, client: VLLMClient, url: str, version: int, keep: set[int]) -> None:
         """Unload this run's adapters the server holds but `keep` (the last `keep_loaded` this push

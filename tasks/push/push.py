@@ -49,7 +49,8 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.choices import SyncBackend
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
-from grpoflow.tasks.push.push_api import WeightPush, WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.push.push_api import Sent, WeightPush, WeightPushError, WeightPushUnavailableError
+from grpoflow.tasks.push.transport import Transport, TransportError
 from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
 from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
 from grpoflow.tasks.rollouts.inference_api import (
@@ -61,8 +62,8 @@ from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 __all__ = [  # the backends' shared names stay importable from here
-    "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "WeightPush",
-    "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "load_version", "push_version",
+    "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "Sent",
+    "TransportError", "WeightPush", "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "load_version", "push_version",
     "release_abandoned_pause", "weight_push",
 ]  # fmt: skip
 
@@ -74,14 +75,17 @@ _loaded: dict[str, tuple[str, str]] = {}
 
 @dataclass
 class PushStats:
-    """One push: where its time went, and how many servers took it."""
+    """One push: where its time went, how many servers took it, and how (tasks/push/transport.py)."""
 
     version: int
     save_seconds: float
-    reload_seconds: float  # the slowest server's load
+    reload_seconds: float  # the slowest server's load, its upload not counted
     total_seconds: float
     servers: int
     failed_servers: int
+    upload_seconds: float = 0.0  # the slowest server's upload (network transport)
+    upload_bytes: int = 0  # bytes sent over the network, all servers together
+    network_servers: int = 0  # servers that received the version over the network
 
     def metrics(self) -> dict[str, float]:
         """The `steps` table's sync/ columns."""
@@ -92,6 +96,9 @@ class PushStats:
             "sync/version": float(self.version),
             "sync/servers": float(self.servers),
             "sync/failed_servers": float(self.failed_servers),
+            "sync/upload_seconds": self.upload_seconds,
+            "sync/upload_bytes": float(self.upload_bytes),
+            "sync/network_servers": float(self.network_servers),
         }
 
 
@@ -115,6 +122,7 @@ class CheckpointPush:
         self.reset_prefix_cache = reset_prefix_cache
         self.client = client or (lambda url: client_for(url, inference))
         self.weights = weights_store(root)
+        self.transport = Transport(run_id, sync.transport)
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
         # keep_last is applied once the servers have loaded it, but a version it will then remove (never
@@ -125,17 +133,20 @@ class CheckpointPush:
 
     def forget(self) -> None:
         self.weights.prune(self.run_id, self.sync.keep_last)
+        self.transport.forget(self.weights.list(self.run_id), self.client)  # servers' copies too
 
     def model_name(self, version: int) -> None:
         return None  # the server's model: a version replaces its weights
 
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> Sent:
         async with self.client(url) as client:
+            sent = await self.transport.deliver(client, path, version)  # before the pause: nothing waits
             await _Reload(client, self.run_id, self.sync.reload_timeout_s, self.how).run(
-                path, version, on_loaded, self.reset_prefix_cache
+                sent.path, version, on_loaded, self.reset_prefix_cache
             )
+        return sent
 
 
 class MergedLoraPush(CheckpointPush):
@@ -150,9 +161,9 @@ class MergedLoraPush(CheckpointPush):
 
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> Sent:
         require_adapter(path, version, "lora_merged")
-        await super().load(url, path, version, on_loaded)
+        return await super().load(url, path, version, on_loaded)
 
 
 BACKENDS: dict[SyncBackend, type[CheckpointPush] | type[LoraPush]] = {
@@ -184,10 +195,10 @@ def push_version(
         path = pusher.save(write, version)
         t1 = time.perf_counter()
 
-        async def one(rep: Replica) -> float:
+        async def one(rep: Replica) -> tuple[float, Sent]:
             t = time.perf_counter()
-            await pusher.load(rep.url, path, version, rep.versions.set)
-            return time.perf_counter() - t
+            sent = await pusher.load(rep.url, path, version, rep.versions.set)
+            return time.perf_counter() - t - sent.seconds, sent
 
         async def all_of() -> list:
             return await asyncio.gather(*(one(r) for r in targets), return_exceptions=True)
@@ -202,8 +213,13 @@ def push_version(
         replicas.end_push(version if done else None, path if done else None)
     for rep, error in failed:
         replicas.down(rep, error)
-    reloads = [x for x in results if not isinstance(x, BaseException)]
-    return PushStats(version, t1 - t0, max(reloads), time.perf_counter() - t0, len(reloads), len(failed))
+    loads = [x for x in results if not isinstance(x, BaseException)]
+    sent = [s for _, s in loads if s.transport == Sent.NETWORK]
+    return PushStats(
+        version, t1 - t0, max(t for t, _ in loads), time.perf_counter() - t0, len(loads), len(failed),
+        upload_seconds=max((s.seconds for s in sent), default=0.0), upload_bytes=sum(s.bytes for s in sent),
+        network_servers=len(sent),
+    )  # fmt: skip
 
 
 def load_version(
@@ -214,7 +230,8 @@ def load_version(
     on_loaded: Callable[[int], None] | None = None,
 ) -> float:
     """Load weights already on disk (a pushed version, a checkpoint's `model/`) into the server at
-    `url`, as a push does without saving a copy first; the seconds it took."""
+    `url`, as a push does without saving a copy first (sent over the network to a server that cannot
+    read them); the seconds it took."""
     t0 = time.perf_counter()
     asyncio.run(pusher.load(url, str(Path(path).resolve()), version, on_loaded))
     return time.perf_counter() - t0

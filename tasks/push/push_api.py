@@ -1,11 +1,13 @@
-"""What every weight-push backend shares: the `WeightPush` protocol and its errors (tasks/push/push.py
-selects a backend and runs the pushes; tasks/push/lora_push.py is the `lora` backend)."""
+"""What every weight-push backend shares: the `WeightPush` protocol, its errors, and `Sent` (how a
+version reached a server). tasks/push/push.py selects a backend and runs the pushes;
+tasks/push/lora_push.py is the `lora` backend, tasks/push/transport.py how versions travel."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 
@@ -20,6 +22,20 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
     retries): also an InferenceUnavailableError, so callers that restart a dead server still do."""
 
 
+@dataclass(frozen=True)
+class Sent:
+    """How one version reached one server (tasks/push/transport.py): `transport` PATH or NETWORK, the
+    version's `path` on the server's host, and for NETWORK the bytes sent and the upload's seconds."""
+
+    PATH: ClassVar[str] = "path"
+    NETWORK: ClassVar[str] = "network"
+
+    transport: str
+    path: str
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class WeightPush(Protocol):
     """How a version of the weights gets into a server (tasks/push/push.py's module doc)."""
 
@@ -29,9 +45,9 @@ class WeightPush(Protocol):
 
     async def load(
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> Sent:
         """Make the server at `url` serve `path` as `version`; `on_loaded(version)` runs once it does,
-        before new requests are admitted."""
+        before new requests are admitted. How the version reached it (tasks/push/transport.py)."""
         ...
 
     def forget(self) -> None:

@@ -214,6 +214,12 @@ class ServerControl:
         text = await self._request("GET", "/grpoflow/versions")
         return json_object(text, f"GET {self.base_url}/grpoflow/versions", ("versions",))["versions"]
 
+    async def probe(self, path: str) -> dict[str, Any]:
+        """Can the server's host read the probe file `path` (a `.grpoflow-probe-<hex>` file)? {"sha256":
+        its content's digest or None, "uploads": whether uploads are on}. 404 without grpoflow's plugin."""
+        text = await self._request("POST", "/grpoflow/probe", json_body={"path": path}, retry_status=_NOT_500)
+        return json_object(text, f"POST {self.base_url}/grpoflow/probe", ("sha256", "uploads"))
+
     async def delete_uploaded_version(self, name: str) -> None:
         """Remove the committed version `name` from the server's upload dir (404 if it has none)."""
         await self._request("DELETE", f"/grpoflow/versions/{quote(name)}", retry_status=_NOT_500)

@@ -50,6 +50,14 @@ class ScriptedBackend:
     async def max_model_len(self) -> int:
         return self.max_len
 
+    async def probe(self, path: str) -> dict:
+        """grpoflow's transport probe, as a server on this host answers it (uploads off)."""
+        import hashlib
+        from pathlib import Path
+
+        data = Path(path).read_bytes() if Path(path).is_file() else None
+        return {"sha256": data and hashlib.sha256(data).hexdigest(), "uploads": False}
+
     async def complete(
         self, prompt_ids, *, max_tokens, temperature=1.0, top_p=1.0, seed=None, n=1, model=None, **_
     ):

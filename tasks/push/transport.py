@@ -1,0 +1,161 @@
+"""How a version's files reach a server (`sync.transport`): by path, or as bytes over the network.
+
+Every backend saves a version in the learner's store and then loads it into each server
+(tasks/push/push.py). A server on the learner's host (or sharing its filesystem) reads the version
+where it lies: the push sends only its path (`path`). A server on another host with no shared
+filesystem cannot: the push first sends the version's files into the server's own disk over HTTP
+(tasks/push/upload.py, grpoflow's upload middleware in the server), then loads the path the server
+answered (`network`). Pause, reload, merge, roll-back, versions and staleness are the same either way:
+an upload happens before the server is paused, and a version that was not whole and checked is never
+loaded (the server publishes it only after its checksums match).
+
+`auto` asks each server, at its first load, whether its host can read the learner's files: the
+pusher writes a small random probe file beside the version and the server answers its digest
+(`POST /grpoflow/probe`); a matching digest means `path`, anything else `network`. A server without
+grpoflow's plugin cannot be asked and gets `path` (as before this existed). A server that cannot take
+the transport chosen (`path` it cannot read, `network` without uploads) raises TransportError at its
+first load, which a run does before its first step: one `error:` line naming the server and the field.
+
+On a server's disk, versions are named `<run>/v<NNNNNN>`; after each push those the learner's store no
+longer keeps are deleted from every server that received them (`forget`), so a server's disk holds
+what `sync.keep_last` (and the `lora` backend's grace) keeps on the learner's.
+
+Neither deltas nor compression: a full-weights version changes every tensor (the optimizer updates
+them all), and bf16/fp32 weights compress by a few percent at a CPU cost far above the bridge's
+transfer time (BENCHMARKS.md, "Weights over the network").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from grpoflow.tasks.config.choices import SyncTransport
+from grpoflow.tasks.push.push_api import Sent, WeightPushError
+from grpoflow.tasks.push.upload import local_files, upload_dir
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError
+
+PATH, NETWORK = Sent.PATH, Sent.NETWORK
+PROBE_PREFIX = ".grpoflow-probe-"
+
+
+class TransportError(WeightPushError):
+    """A server cannot take the transport `sync.transport` chooses: the message names the server, what
+    it answered and what to change."""
+
+
+class Transport:
+    """The transport of each server a run's pusher loads into: chosen at its first load by `mode`
+    (the module doc), then kept."""
+
+    def __init__(self, run_id: str, mode: SyncTransport = "auto"):
+        self.run_id, self.mode = run_id, mode
+        self._lock = threading.Lock()  # a reviver thread may load while the run's push forgets
+        self._chosen: dict[str, str] = {}  # server URL -> PATH or NETWORK
+
+    def chosen(self) -> dict[str, str]:
+        """Server URL -> the transport its versions take, for the servers loaded into so far."""
+        with self._lock:
+            return dict(self._chosen)
+
+    def remote_name(self, version: int) -> str:
+        return f"{self.run_id}/v{version:06d}"
+
+    async def deliver(self, client: VLLMClient, path: str, version: int) -> Sent:
+        """Make the version in `path` (on the learner's disk) readable by the server: its path there."""
+        if await self.choose(client, path) == PATH:
+            return Sent(PATH, path)
+        t0 = time.perf_counter()
+        remote = await upload_dir(client, path, self.remote_name(version))
+        size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))
+        return Sent(NETWORK, remote, size, time.perf_counter() - t0)
+
+    async def choose(self, client: VLLMClient, path: str) -> str:
+        """The server's transport (asked at its first load, the module doc)."""
+        url = client.base_url
+        with self._lock:
+            if url in self._chosen:
+                return self._chosen[url]
+        how = await self._ask(client, Path(path).parent)
+        with self._lock:
+            self._chosen[url] = how
+        return how
+
+    async def _ask(self, client: VLLMClient, folder: Path) -> str:
+        readable, uploads = await _probe(client, folder)
+        url, field = client.base_url, f"sync.transport is {self.mode!r}"
+        if readable is None:  # no grpoflow plugin: it cannot be asked, nor take uploads
+            if self.mode != NETWORK:
+                return PATH
+            raise TransportError(
+                f"{field} but the vLLM server at {url} has no grpoflow upload route (HTTP 404): start it "
+                "with `grpoflow serve` (or the policy-server deployment), or set sync.transport 'path' "
+                "if it reads the learner's store"
+            )
+        if readable and self.mode != NETWORK:
+            return PATH
+        if not readable and self.mode == PATH:
+            raise TransportError(
+                f"{field} but the vLLM server at {url} cannot read the learner's files (a probe written "
+                f"in {folder} was not readable there): set sync.transport 'network' (or 'auto') to send "
+                "versions over HTTP, or give it the learner's store at the same path"
+            )
+        if uploads:
+            return NETWORK
+        why = "" if readable else f" and cannot read the learner's files in {folder}"
+        raise TransportError(
+            f"{field} but the vLLM server at {url} takes no uploads (started without "
+            f"GRPOFLOW_UPLOAD_DIR){why}: start it with `grpoflow serve`, which keeps uploads under its "
+            "store root"
+        )
+
+    def forget(self, keep: Iterable[int], client: Callable[[str], VLLMClient]) -> None:
+        """Delete from every server that received versions over the network this run's versions not in
+        `keep` (best effort: one that fails is deleted at the next push)."""
+        urls = [u for u, how in self.chosen().items() if how == NETWORK]
+        if not urls:
+            return
+        keep_names = {self.remote_name(v) for v in keep}
+        prefix = f"{self.run_id}/"
+
+        async def one(url: str) -> None:
+            with contextlib.suppress(InferenceError):
+                async with client(url) as c:
+                    for name in await c.uploaded_versions():
+                        if name.startswith(prefix) and name not in keep_names:
+                            await c.delete_uploaded_version(name)
+
+        async def every() -> None:
+            await asyncio.gather(*(one(u) for u in urls))
+
+        asyncio.run(every())
+
+
+async def _probe(client: VLLMClient, folder: Path) -> tuple[bool | None, bool]:
+    """(can the server read a file just written in `folder`, does it take uploads); (None, False)
+    without grpoflow's plugin. A folder the learner cannot write to counts as unreadable there."""
+    token = secrets.token_hex(16)
+    probe = folder / f"{PROBE_PREFIX}{secrets.token_hex(16)}"
+    try:
+        await asyncio.to_thread(probe.write_text, token)
+    except OSError:
+        probe = None
+    try:
+        answer = await client.probe(str(probe.resolve()) if probe else f"/{PROBE_PREFIX}{'0' * 32}")
+    except InferenceHTTPError as e:
+        if e.status == 404:
+            return None, False
+        raise
+    finally:
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    readable = probe is not None and answer["sha256"] == hashlib.sha256(token.encode()).hexdigest()
+    return readable, bool(answer["uploads"])
