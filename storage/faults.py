@@ -18,6 +18,8 @@ call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the wor
     train             a train step is about to run
     learner_rank      the last rank of a sharded learner (learner.world_size > 1) starts a train step
                       (the other ranks wait for it in their first collective)
+    upload_chunk      a chunk of a version's file reached a server over the network (sync.transport),
+                      the rest of the version not yet sent (tasks/push/upload.py)
     weight_push       new weights are saved and the server is paused, the reload not yet requested
     checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
     checkpoint_done   a checkpoint is published; the step's other writes came before it
@@ -41,6 +43,7 @@ POINTS = (
     "parquet_write",
     "train",
     "learner_rank",
+    "upload_chunk",
     "weight_push",
     "checkpoint_write",
     "checkpoint_done",

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
+from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceUnavailableError
@@ -96,6 +97,7 @@ async def _send_file(
             if not chunk:
                 raise WeightUploadError(f"{path} shrank to {offset} bytes while it was being sent ({size})")
             await client.upload_chunk(upload_id, rel, offset, chunk)
+            failpoint("upload_chunk")
             offset += len(chunk)
     return digest.hexdigest()
 

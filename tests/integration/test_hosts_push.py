@@ -1,0 +1,193 @@
+"""A vLLM deployment on another host with no shared filesystem (issue 46): the learner and its store on
+this machine's own namespace, a `grpoflow serve` server (the real vLLM CPU server, LoRA on) on a
+second host (tests/hosts.py: a network namespace on a bridge) in a mount namespace where the learner's
+store is an empty read-only tmpfs. Every push of a run reaches it over the network (`sync.transport`
+auto: the server's probe finds the store unreadable), full weights and LoRA adapters alike; a learner
+killed mid-upload leaves it serving the last whole version, and the next push goes through."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpoflow.flows.serve import upload_dir_of
+from grpoflow.storage.sql import query
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from tests.support import REPO, hosts_fixture, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+KEY, PORT, STEPS = "hosts-push-key", 8765, 3
+# Seeded sampling prompts of the tiny byte-level model.
+PROBES = [[3 + (7 * i + 13 * k) % 90 for k in range(6 + 5 * i)] for i in range(3)]
+
+one_host = hosts_fixture(1, scope="module")
+
+
+@pytest.fixture(scope="module")
+def remote(one_host, tiny_model_dir, tmp_path_factory):
+    """(server URL, the learner's store, the server's upload dir): `grpoflow serve` on the second host,
+    the store hidden from it."""
+    store = tmp_path_factory.mktemp("learner-store")
+    server_root = tmp_path_factory.mktemp("server-root")
+    (host,) = one_host
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own Prefect API, on its host
+    env |= {"PREFECT_HOME": str(server_root / "prefect-home"), "GRPOFLOW_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir), "--lora-rank",
+           "8", "--host", host.address, "--port", str(PORT), "--root", str(server_root)]  # fmt: skip
+    log = open(server_root / "serve.log", "wb")  # noqa: SIM115  (the server keeps the descriptor)
+    proc = host.run(cmd, hide=[store], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = host.url(PORT)
+    wait_for(lambda: _healthy(url, proc), 600, "grpoflow serve on the second host",
+             why=lambda: (server_root / "serve.log").read_text(errors="replace")[-3000:])  # fmt: skip
+    # The hiding is real: the server's host sees an empty directory where the store is.
+    assert host.check_output(["ls", "-A", str(store)], hide=[store]) == ""
+    yield url, store, upload_dir_of(server_root, f"serve-{PORT}")
+    log.close()
+
+
+def _healthy(url: str, proc) -> bool:
+    assert proc.poll() is None, f"grpoflow serve exited ({proc.returncode})"
+    try:
+        return asyncio.run(_on(url, lambda c: c.health()))
+    except Exception:
+        return False
+
+
+async def _on(url: str, call):
+    async with VLLMClient(url, api_key=KEY, retries=0) as c:
+        return await call(c)
+
+
+def train(store: Path, run_id: str, url: str, *extra: str, resume: bool = False, env_extra=None):
+    from prefect.settings import PREFECT_API_URL
+
+    sets = [f"storage.root={store}", f"inference.url={url}", f"inference.api_key={KEY}",
+            f"run.steps={STEPS}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpoflow.flows.cli",
+        "train",
+        *(["--resume"] if resume else ["--run-id"]),
+        run_id,
+    ]
+    cmd += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env_extra or {})}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def pushes(store: Path, run_id: str) -> list[tuple]:
+    _, rows = query(store, f"""SELECT "sync/version", "sync/network_servers", "sync/upload_bytes"
+        FROM steps WHERE run_id = '{run_id}' AND "sync/version" IS NOT NULL ORDER BY step""")  # fmt: skip
+    return rows
+
+
+def size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def served(url: str, model: str | None = None) -> list[tuple[list[int], list[int], list[float]]]:
+    async def go(c):
+        runs = [
+            c.complete(p, max_tokens=12, seed=9 + i, ignore_eos=True, model=model)
+            for i, p in enumerate(PROBES)
+        ]
+        return [
+            (p, ch.token_ids, ch.logprobs)
+            for p, (ch,) in zip(PROBES, await asyncio.gather(*runs), strict=True)
+        ]
+
+    return asyncio.run(_on(url, go))
+
+
+def gap(model: torch.nn.Module, answers) -> float:
+    """The largest difference between the served logprobs and `model`'s on the same tokens."""
+    worst = 0.0
+    for prompt, ids, logprobs in answers:
+        with torch.no_grad():
+            lp = torch.log_softmax(model.eval()(torch.tensor([prompt + ids])).logits[0], -1)
+        ours = lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        worst = max(worst, float((ours - torch.tensor(logprobs)).abs().max()))
+    return worst
+
+
+def load(model_dir) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def test_a_lora_run_sends_its_adapters_to_a_server_that_cannot_read_the_store(remote, tiny_model_dir):
+    from peft import PeftModel
+
+    url, store, uploads = remote
+    out = train(store, "far-lora", url, f"model.path={tiny_model_dir}", "learner.lora={rank: 8, alpha: 16}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    meta = json.loads((store / "runs" / "far-lora.json").read_text())
+    assert meta["transports"] == {url: "network"}
+    kept = sorted(p.name for p in (store / "weights" / "far-lora").glob("v*"))
+    # Every push went over the network, the adapter's bytes and nothing more, one server each time.
+    rows = pushes(store, "far-lora")
+    assert [r[0] for r in rows] == list(range(1, STEPS + 1)) and all(r[1] == 1 for r in rows)
+    last = store / "weights" / "far-lora" / kept[-1]
+    assert rows[-1][2] == size(last)
+    # The server's disk holds what the learner keeps (sync.keep_last), and it serves the last adapter
+    # from there: what it generates under it is the base with that adapter merged.
+    assert sorted(p.name for p in (uploads / "far-lora").iterdir()) == kept
+    models = asyncio.run(_on(url, lambda c: c.models()))
+    (card,) = [m for m in models if m["id"] == f"far-lora@v{STEPS}"]
+    assert Path(card["root"]) == uploads / "far-lora" / kept[-1]
+    merged = PeftModel.from_pretrained(load(tiny_model_dir), str(last)).merge_and_unload()
+    assert gap(merged, served(url, f"far-lora@v{STEPS}")) < 1e-3
+
+
+def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remote, tiny_model_dir):
+    url, store, uploads = remote
+    out = train(store, "far-full", url, f"model.path={tiny_model_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = pushes(store, "far-full")
+    kept = sorted(p.name for p in (store / "weights" / "far-full").glob("v*"))
+    last = store / "weights" / "far-full" / kept[-1]
+    assert [r[0] for r in rows] == list(range(1, STEPS + 1)) and all(r[1] == 1 for r in rows)
+    assert rows[-1][2] == size(last) > 0
+    assert sorted(p.name for p in (uploads / "far-full").iterdir()) == kept
+    answers = served(url)
+    assert gap(load(last), answers) < 1e-3  # it serves the run's last weights
+    assert gap(load(tiny_model_dir), answers) > 1e-2  # which are not the base's
+
+
+def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote, tiny_model_dir):
+    from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push.push import load_version, weight_push
+
+    url, store, uploads = remote
+    # The base weights, sent as promotion and revival send a version: over the network (forced: the
+    # model dir is not hidden from the server, so `auto` would send its path).
+    base = weight_push(store, "far-base", SyncConfig(transport="network"), InferenceConfig(api_key=KEY))
+    load_version(base, url, tiny_model_dir, 0)
+    assert (uploads / "far-base" / "v000000" / "config.json").is_file()
+    # SIGKILL the learner after the second chunk of its first push reached the server.
+    out = train(
+        store,
+        "far-kill",
+        url,
+        f"model.path={tiny_model_dir}",
+        env_extra={"GRPOFLOW_FAULTS": "upload_chunk@2:kill"},
+    )
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert list(uploads.glob(".incoming-*")), "the kill did not land mid-upload"
+    assert not (uploads / "far-kill").exists()  # nothing half-sent is published
+    assert asyncio.run(_on(url, lambda c: c.is_paused())) is False  # an upload never pauses it
+    assert gap(load(tiny_model_dir), served(url)) < 1e-3  # the last whole version, as before the kill
+    out = train(store, "far-kill", url, f"model.path={tiny_model_dir}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kept = sorted(p.name for p in (store / "weights" / "far-kill").glob("v*"))
+    assert sorted(p.name for p in (uploads / "far-kill").iterdir()) == kept
+    assert not list(uploads.glob(".incoming-*"))  # the dead upload's staging dir was swept
+    assert gap(load(store / "weights" / "far-kill" / kept[-1]), served(url)) < 1e-3
