@@ -1,0 +1,182 @@
+"""Weight push over the network against by path, into one real vLLM CPU server on another host.
+
+For each model: two hosts' worth of separation on this machine (tests/hosts.py: the server in a
+network namespace on a bridge, in a mount namespace where the "far" store is an empty tmpfs), one vLLM
+server (LoRA on, max rank 16, uploads on, an API key: it binds beyond loopback) and two learner
+stores: the "near" one the server can read (`sync.transport` auto picks `path`), the "far" one it
+cannot (auto picks `network`: the version's files go over HTTP into the server's own disk). The same
+server takes both, so the two transports differ only in how the version reaches it. Per model:
+
+- `--repeats` full pushes (`checkpoint`: safetensors save + [upload] + pause / reload_weights / resume)
+  by path, then over the network;
+- `--repeats` rank-`--rank` adapter pushes (`lora`) by path, then over the network;
+- a cut-off upload: a process sending a version is SIGKILLed after its second chunk (the
+  `upload_chunk` failpoint), then the next network push, which must go through;
+- what compression would save: zlib level 1 on the version's weights file, its ratio and MB/s,
+  against the upload's MB/s.
+
+Prints one JSON line per model with the medians. Root only (namespaces), like the hosts tests.
+
+    .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --random 0.5b 1.5b
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This folder has a storage.py; keep it from shadowing the `storage` package when run as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hosts
+
+import argparse
+import asyncio
+import json
+import os
+import runpy
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import zlib
+
+from grpoflow.flows.serve import server_command
+from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.config.learner import LoraConfig
+from grpoflow.tasks.push.push import push_version, weight_push
+from grpoflow.tasks.rollouts.inference import VLLMClient
+from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+from tests.hosts import Hosts
+
+HERE = Path(__file__).resolve().parent
+KEY, PORT = "bench-network-push", 8000
+
+
+def pushes(url: str, root: Path, run: str, backend: str, write, repeats: int) -> dict:
+    pusher = weight_push(root, run, SyncConfig(backend=backend), InferenceConfig(api_key=KEY))
+    replicas = ReplicaSet([Replica(0, url)])
+    stats = [push_version(pusher, write, v + 1, replicas) for v in range(repeats)]
+    (transport,) = set(pusher.transport.chosen().values())
+    return {
+        "transport": transport,
+        "push_seconds_median": round(statistics.median(s.total_seconds for s in stats), 4),
+        "save_seconds_median": round(statistics.median(s.save_seconds for s in stats), 4),
+        "upload_seconds_median": round(statistics.median(s.upload_seconds for s in stats), 4),
+        "load_seconds_median": round(statistics.median(s.reload_seconds for s in stats), 4),
+        "upload_bytes": stats[-1].upload_bytes,
+    }
+
+
+def compression(version_dir: Path) -> dict:
+    """zlib level 1 on the version's largest file: what compressing the upload would save, and cost."""
+    biggest = max(version_dir.iterdir(), key=lambda p: p.stat().st_size)
+    data = biggest.read_bytes()
+    t0 = time.perf_counter()
+    packed = zlib.compress(data, 1)
+    seconds = time.perf_counter() - t0
+    return {
+        "zlib1_ratio": round(len(packed) / len(data), 4),
+        "zlib1_mb_per_s": round(len(data) / seconds / 1e6, 1),
+    }
+
+
+def cut_off_then_push(url: str, far: Path, write) -> dict:
+    """SIGKILL an uploading process after its second chunk, then push over the network again."""
+    pusher = weight_push(far, "bench-cut", SyncConfig(), InferenceConfig(api_key=KEY))
+    path = pusher.save(write, 1)
+    code = (
+        "import asyncio, sys\nfrom grpoflow.tasks.push.upload import upload_dir\n"
+        f"asyncio.run(upload_dir({url!r}, {path!r}, 'bench-cut/v000001', api_key={KEY!r}, chunk_bytes=1 << 20))"
+    )
+    env = {**os.environ, "GRPOFLOW_FAULTS": "upload_chunk@2:kill"}
+    killed = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, timeout=600
+    ).returncode
+    stats = push_version(pusher, write, 2, ReplicaSet([Replica(0, url)]))
+
+    async def versions() -> list[str]:
+        async with VLLMClient(url, api_key=KEY) as c:
+            return await c.uploaded_versions()
+
+    return {"cut_exit": killed, "next_push_seconds": round(stats.total_seconds, 4),
+            "next_push_recovered": "bench-cut/v000002" in asyncio.run(versions())}  # fmt: skip
+
+
+def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, extra: tuple[str, ...]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.tasks.learner.lora import attach, write_adapter
+    from grpoflow.tasks.push.weights import save_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    row: dict = {"model": label, "params": sum(p.numel() for p in model.parameters()), "rank": rank}
+    near, far, server_root = tmp / "near", tmp / "far", tmp / "server"
+    for d in (near, far, server_root):
+        d.mkdir(parents=True, exist_ok=True)
+    with Hosts(1, prefix="gfb") as (host,):
+        cmd, env, url = server_command(
+            model_dir, host=host.address, port=PORT, max_model_len=512, kv_cache_gb=1, api_key=KEY,
+            lora_rank=LoraConfig(rank=rank).served_rank(), extra_args=extra, upload_dir=server_root / "uploads",
+        )  # fmt: skip
+        log = open(tmp / f"{label.replace(':', '-')}.log", "wb")  # noqa: SIM115
+        host.run(cmd, hide=[far], env=env, stdout=log, stderr=subprocess.STDOUT)
+        host.wait_port(PORT, timeout_s=900)
+
+        async def healthy() -> None:
+            async with VLLMClient(url, api_key=KEY) as c:
+                await c.wait_healthy(900)
+
+        asyncio.run(healthy())
+        full = lambda d: save_weights(model, d)  # noqa: E731
+        row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats)
+        row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats)
+        row |= compression(max((far / "weights" / "full-far").glob("v*")))
+        row["cut_off"] = cut_off_then_push(url, far, full)
+        peft_model = attach(model, LoraConfig(rank=rank, alpha=2 * rank))
+        with torch.no_grad():  # a non-identity adapter, as a trained one is
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.01)
+        adapter = lambda d: write_adapter(peft_model, d)  # noqa: E731
+        row["adapter_path"] = pushes(url, near, "lora-near", "lora", adapter, repeats)
+        row["adapter_network"] = pushes(url, far, "lora-far", "lora", adapter, repeats)
+        log.close()
+    full_mb = row["full_network"]["upload_bytes"] / 1e6
+    row["upload_mb_per_s"] = round(full_mb / max(row["full_network"]["upload_seconds_median"], 1e-9), 1)
+    row["full_network_over_path"] = round(
+        row["full_network"]["push_seconds_median"] / row["full_path"]["push_seconds_median"], 3
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
+    ap.add_argument("--random", nargs="*", default=[], choices=["0.5b", "1.5b"], help="random-model shapes")
+    ap.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    ap.add_argument("--repeats", type=int, default=3, help="pushes of each kind (median)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="grpoflow-network-push-"))
+    try:
+        if args.smollm2:
+            row = measure(
+                "SmolLM2-135M", Path(args.smollm2).resolve(), tmp / "smollm2", args.rank, args.repeats, ()
+            )
+            print(json.dumps(row), flush=True)
+        learner_bench = runpy.run_path(str(HERE / "learner.py"), run_name="learner_bench")
+        for size in args.random:
+            model_dir = tmp / f"random-{size}"
+            learner_bench["save_random_model"](size, model_dir)
+            row = measure(
+                f"random:{size}", model_dir, tmp / size, args.rank, args.repeats, ("--skip-tokenizer-init",)
+            )
+            print(json.dumps(row), flush=True)
+            shutil.rmtree(model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
