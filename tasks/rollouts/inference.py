@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 from typing import Any
 
 import aiohttp
@@ -36,6 +37,27 @@ from grpoflow.tasks.rollouts.inference_api import (
 from grpoflow.tasks.rollouts.server_control import ServerControl
 
 _NO_GATE = contextlib.nullcontext()  # supports `async with`, and is reusable
+
+
+# A server whose machine vanished (powered off, its link down) neither answers nor refuses: a request
+# on an open connection would wait out its whole timeout (minutes: generation may be long). TCP
+# keepalive asks the peer's kernel, which answers while the server is busy or paused, so only a peer
+# that is gone stops answering: after KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, or
+# USER_TIMEOUT_S with data unacknowledged, the connection fails, and the request with it (retried,
+# then the server leaves the rotation: tasks/rollouts/replicas.py).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_S = 5, 2, 3, 30
+
+
+def keepalive_socket(addr_info) -> socket.socket:
+    """A client socket (aiohttp's `socket_factory`) that notices a vanished peer within seconds."""
+    family, kind, proto = addr_info[:3]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000)):  # fmt: skip
+        if hasattr(socket, name):  # Linux has all four; elsewhere keepalive's system defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return sock
 
 
 class VLLMClient(ServerControl):
@@ -75,7 +97,7 @@ class VLLMClient(ServerControl):
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            connector = aiohttp.TCPConnector(limit=self.max_in_flight + 4)
+            connector = aiohttp.TCPConnector(limit=self.max_in_flight + 4, socket_factory=keepalive_socket)
             self._session = aiohttp.ClientSession(headers=headers, connector=connector)
             self._sem = asyncio.Semaphore(self.max_in_flight)
         return self._session

@@ -131,3 +131,28 @@ def test_forget_keeps_on_the_server_what_the_learner_keeps(mod, tmp_path, monkey
         t.forget([2, 3], lambda u: VLLMClient(u))
         left = on(url, lambda c: c.uploaded_versions())
     assert sorted(left) == ["other/v000001", "r/v000002", "r/v000003"]
+
+
+def test_client_connections_notice_a_vanished_peer_within_seconds():
+    """Every connection of the client carries TCP keepalive (and a user timeout): a server whose host
+    vanished fails its requests in seconds instead of their timeout (the death of a whole host is
+    tests/integration/test_hosts_push.py's)."""
+    import socket
+
+    from grpoflow.tasks.rollouts import inference
+
+    async def connector_factory():
+        async with VLLMClient("http://127.0.0.1:9") as c:
+            return c._get_session().connector._socket_factory
+
+    assert asyncio.run(connector_factory()) is inference.keepalive_socket
+    sock = inference.keepalive_socket((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", 9)))
+    with sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        assert (
+            idle + probes * interval <= 15
+            and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) > 0
+        )
