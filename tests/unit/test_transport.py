@@ -19,6 +19,12 @@ from tests.unit.test_upload import KEY, call, inner, mod, served, stacked_as_ser
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture
+def plugin(mod):  # noqa: F811
+    """test_upload.py's `mod`: the upload middleware's module, uploads going to <tmp>/uploads."""
+    return mod
+
+
 async def not_found(scope, receive, send):
     """A vLLM without grpoflow's plugin: 404 for grpoflow's routes."""
     await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"2")]})
@@ -41,8 +47,8 @@ def on(url, coro_fn, **client):
     return asyncio.run(go())
 
 
-def test_the_probe_reads_only_probe_files_and_says_whether_uploads_are_on(mod, tmp_path, monkeypatch):  # noqa: F811
-    app = mod.WeightUpload(inner)
+def test_the_probe_reads_only_probe_files_and_says_whether_uploads_are_on(plugin, tmp_path, monkeypatch):
+    app = plugin.WeightUpload(inner)
     probe = tmp_path / (".grpoflow-probe-" + "a" * 32)
     probe.write_bytes(b"token")
     assert call(app, "POST", "/grpoflow/probe", {"path": str(probe)}) == (
@@ -59,19 +65,21 @@ def test_the_probe_reads_only_probe_files_and_says_whether_uploads_are_on(mod, t
         status, err = call(app, "POST", "/grpoflow/probe", {"path": bad})
         assert status == 400 and "field 'path'" in err["error"], bad
     monkeypatch.delenv("GRPOFLOW_UPLOAD_DIR")  # uploads off: the probe still answers
-    assert call(mod.WeightUpload(inner), "POST", "/grpoflow/probe", {"path": str(missing)}) == (
+    assert call(plugin.WeightUpload(inner), "POST", "/grpoflow/probe", {"path": str(missing)}) == (
         200, {"sha256": None, "uploads": False})  # fmt: skip
     monkeypatch.setenv("VLLM_API_KEY", KEY)
-    guarded = stacked_as_served(mod)  # a server with a key: the probe needs it too
+    guarded = stacked_as_served(plugin)  # a server with a key: the probe needs it too
     assert call(guarded, "POST", "/grpoflow/probe", {"path": str(missing)})[0] == 401
     assert call(guarded, "POST", "/grpoflow/probe", {"path": str(missing)}, auth=f"Bearer {KEY}")[0] == 200
 
 
 def test_auto_sends_the_path_to_a_host_that_reads_it_and_the_bytes_to_one_that_cannot(
-    mod, tmp_path, monkeypatch
-):  # noqa: F811
+    plugin,
+    tmp_path,
+    monkeypatch,
+):
     v1 = version(tmp_path, 1)
-    with served(mod.WeightUpload(inner)) as url:
+    with served(plugin.WeightUpload(inner)) as url:
         sent = on(url, lambda c: Transport("r", "auto").deliver(c, str(v1), 1))
         assert sent.transport == PATH and sent.path == str(v1) and sent.bytes == 0
         assert not [p for p in v1.parent.iterdir() if p.name.startswith(".grpoflow-probe-")]  # removed
@@ -79,7 +87,7 @@ def test_auto_sends_the_path_to_a_host_that_reads_it_and_the_bytes_to_one_that_c
         async def reads_nothing(req):  # FAKE: a server whose host cannot see the learner's disk
             return None
 
-        monkeypatch.setattr(mod, "_probe", reads_nothing)
+        monkeypatch.setattr(plugin, "_probe", reads_nothing)
         t = Transport("r", "auto")
         sent = on(url, lambda c: t.deliver(c, str(v1), 1))
     assert sent.transport == NETWORK and sent.path == str(tmp_path / "uploads" / "r" / "v000001")
@@ -89,8 +97,10 @@ def test_auto_sends_the_path_to_a_host_that_reads_it_and_the_bytes_to_one_that_c
 
 
 def test_a_transport_a_server_cannot_take_is_refused_naming_the_field_and_the_server(
-    mod, tmp_path, monkeypatch
-):  # noqa: F811
+    plugin,
+    tmp_path,
+    monkeypatch,
+):
     v1 = version(tmp_path, 1)
 
     def choose(url, mode):
@@ -102,17 +112,17 @@ def test_a_transport_a_server_cannot_take_is_refused_naming_the_field_and_the_se
             TransportError, match="sync.transport is 'network' but .* has no grpoflow upload route"
         ):
             choose(url, "network")
-    with served(mod.WeightUpload(inner)) as url:
+    with served(plugin.WeightUpload(inner)) as url:
         assert choose(url, "network") == NETWORK  # it could read the path, but was told otherwise
         monkeypatch.delenv("GRPOFLOW_UPLOAD_DIR")
-        with served(mod.WeightUpload(inner)) as off:
+        with served(plugin.WeightUpload(inner)) as off:
             with pytest.raises(TransportError, match=f"{off} takes no uploads"):
                 choose(off, "network")
 
             async def reads_nothing(req):  # FAKE: a server whose host cannot see the learner's disk
                 return None
 
-            monkeypatch.setattr(mod, "_probe", reads_nothing)
+            monkeypatch.setattr(plugin, "_probe", reads_nothing)
             with pytest.raises(TransportError, match=f"'path' but the vLLM server at {off} cannot read"):
                 choose(off, "path")
             with pytest.raises(
@@ -121,9 +131,9 @@ def test_a_transport_a_server_cannot_take_is_refused_naming_the_field_and_the_se
                 choose(off, "auto")
 
 
-def test_forget_keeps_on_the_server_what_the_learner_keeps(mod, tmp_path, monkeypatch):  # noqa: F811
+def test_forget_keeps_on_the_server_what_the_learner_keeps(plugin, tmp_path, monkeypatch):
     t = Transport("r", "network")
-    with served(mod.WeightUpload(inner)) as url:
+    with served(plugin.WeightUpload(inner)) as url:
         for v in (1, 2, 3):
             on(url, lambda c, v=v: t.deliver(c, str(version(tmp_path, v, 1000)), v))
         other = Transport("other", "network")  # another run's version on the same server
