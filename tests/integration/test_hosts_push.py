@@ -3,7 +3,9 @@ this machine's own namespace, a `grpoflow serve` server (the real vLLM CPU serve
 second host (tests/hosts.py: a network namespace on a bridge) in a mount namespace where the learner's
 store is an empty read-only tmpfs. Every push of a run reaches it over the network (`sync.transport`
 auto: the server's probe finds the store unreadable), full weights and LoRA adapters alike; a learner
-killed mid-upload leaves it serving the last whole version, and the next push goes through."""
+killed mid-upload leaves it serving the last whole version, and the next push goes through. Last, the
+whole second host dies mid-run (a run on it and on the session's local server): the run goes on on the
+local one, and when the host is back the server rejoins at the served version, sent over the network."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from grpoflow.flows.serve import upload_dir_of
 from grpoflow.storage.sql import query
 from grpoflow.tasks.rollouts.inference import VLLMClient
+from tests.hosts import Host
 from tests.support import REPO, hosts_fixture, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,26 +36,40 @@ PROBES = [[3 + (7 * i + 13 * k) % 90 for k in range(6 + 5 * i)] for i in range(3
 one_host = hosts_fixture(1, scope="module")
 
 
+@dataclass
+class Remote:
+    """`grpoflow serve` on the second host, the learner's store hidden from it."""
+
+    host: Host
+    url: str
+    store: Path  # the learner's
+    uploads: Path  # the server's upload dir, on its own disk
+    root: Path  # the server's store root
+
+    def start(self, tiny_model_dir: Path) -> None:
+        """Start `grpoflow serve` there (as a machine's service manager would at boot); wait for it."""
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own Prefect API
+        env |= {"PREFECT_HOME": str(self.root / "prefect-home"), "GRPOFLOW_API_KEY": KEY}
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir),
+               "--lora-rank", "8", "--host", self.host.address, "--port", str(PORT), "--root", str(self.root)]  # fmt: skip
+        with open(self.root / "serve.log", "ab") as log:  # the server keeps its own descriptor
+            proc = self.host.run(
+                cmd, hide=[self.store], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_for(lambda: _healthy(self.url, proc), 600, "grpoflow serve on the second host",
+                 why=lambda: (self.root / "serve.log").read_text(errors="replace")[-3000:])  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def remote(one_host, tiny_model_dir, tmp_path_factory):
-    """(server URL, the learner's store, the server's upload dir): `grpoflow serve` on the second host,
-    the store hidden from it."""
-    store = tmp_path_factory.mktemp("learner-store")
-    server_root = tmp_path_factory.mktemp("server-root")
+def remote(one_host, tiny_model_dir, tmp_path_factory) -> Remote:
     (host,) = one_host
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own Prefect API, on its host
-    env |= {"PREFECT_HOME": str(server_root / "prefect-home"), "GRPOFLOW_API_KEY": KEY}
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir), "--lora-rank",
-           "8", "--host", host.address, "--port", str(PORT), "--root", str(server_root)]  # fmt: skip
-    log = open(server_root / "serve.log", "wb")  # noqa: SIM115  (the server keeps the descriptor)
-    proc = host.run(cmd, hide=[store], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = host.url(PORT)
-    wait_for(lambda: _healthy(url, proc), 600, "grpoflow serve on the second host",
-             why=lambda: (server_root / "serve.log").read_text(errors="replace")[-3000:])  # fmt: skip
+    root = tmp_path_factory.mktemp("server-root")
+    out = Remote(host, host.url(PORT), tmp_path_factory.mktemp("learner-store"),
+                 upload_dir_of(root, f"serve-{PORT}"), root)  # fmt: skip
+    out.start(tiny_model_dir)
     # The hiding is real: the server's host sees an empty directory where the store is.
-    assert host.check_output(["ls", "-A", str(store)], hide=[store]) == ""
-    yield url, store, upload_dir_of(server_root, f"serve-{PORT}")
-    log.close()
+    assert host.check_output(["ls", "-A", str(out.store)], hide=[out.store]) == ""
+    return out
 
 
 def _healthy(url: str, proc) -> bool:
@@ -126,7 +145,7 @@ def load(model_dir) -> torch.nn.Module:
 def test_a_lora_run_sends_its_adapters_to_a_server_that_cannot_read_the_store(remote, tiny_model_dir):
     from peft import PeftModel
 
-    url, store, uploads = remote
+    url, store, uploads = remote.url, remote.store, remote.uploads
     out = train(store, "far-lora", url, f"model.path={tiny_model_dir}", "learner.lora={rank: 8, alpha: 16}")
     assert out.returncode == 0, out.stderr[-3000:]
     meta = json.loads((store / "runs" / "far-lora.json").read_text())
@@ -148,7 +167,7 @@ def test_a_lora_run_sends_its_adapters_to_a_server_that_cannot_read_the_store(re
 
 
 def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remote, tiny_model_dir):
-    url, store, uploads = remote
+    url, store, uploads = remote.url, remote.store, remote.uploads
     out = train(store, "far-full", url, f"model.path={tiny_model_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = pushes(store, "far-full")
@@ -166,7 +185,7 @@ def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote
     from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
-    url, store, uploads = remote
+    url, store, uploads = remote.url, remote.store, remote.uploads
     # The base weights, sent as promotion and revival send a version: over the network (forced: the
     # model dir is not hidden from the server, so `auto` would send its path).
     base = weight_push(store, "far-base", SyncConfig(transport="network"), InferenceConfig(api_key=KEY))
@@ -191,3 +210,85 @@ def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote
     assert sorted(p.name for p in (uploads / "far-kill").iterdir()) == kept
     assert not list(uploads.glob(".incoming-*"))  # the dead upload's staging dir was swept
     assert gap(load(store / "weights" / "far-kill" / kept[-1]), served(url)) < 1e-3
+
+
+KILL_AFTER_STEP = 1
+host_down, host_back = threading.Event(), threading.Event()
+rejoined: list[tuple[int, int]] = []  # (replica index, version it serves) each time one rejoins
+
+
+def gated_letter(completions, **kw):
+    """letter_fraction, except that while the second host is down the batch being scored waits for it
+    to be back (at most 5 min): the run then has steps left for the revived server to serve."""
+    from grpoflow.examples.rewards import letter_fraction
+
+    if host_down.is_set():
+        host_back.wait(300)
+    return letter_fraction(completions, **kw)
+
+
+def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
+    remote, tiny_model_dir, vllm_server, prefect_api, monkeypatch
+):
+    """Two servers: the session's own on this host (path) and the second host's (network). The second
+    host dies whole (every process, its link down) after step KILL_AFTER_STEP: its groups are generated
+    on the local server and the run goes on; the host comes back, its server starts, and the run's
+    reviver sends it the served version over the network before it rejoins."""
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.tasks.rollouts.replicas import ReplicaSet
+
+    store, steps = remote.store, 6
+    sets = [f"storage.root={store}", f"model.path={tiny_model_dir}", f"run.steps={steps}", "run.run_id=far-death",
+            f"inference.urls=[{vllm_server.url}, {remote.url}]", f"inference.api_key={KEY}", "inference.retries=1",
+            "run.checkpoint_every=100", "rewards=[{name: letter, fn: 'tests.integration.test_hosts_push:gated_letter', "
+            "kwargs: {target_letter: a}, timeout_s: 600}]"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "tiny-letters.yaml", sets)
+    rejoin = ReplicaSet._rejoin
+
+    def noting_rejoin(self, rep):
+        back = rejoin(self, rep)
+        if back:
+            rejoined.append((rep.index, rep.versions.get()))
+        return back
+
+    monkeypatch.setattr(ReplicaSet, "_rejoin", noting_rejoin)
+    errors: list[BaseException] = []
+
+    def kill_then_revive() -> None:
+        try:
+            marker = store / "steps" / "run_id=far-death" / f"step-{KILL_AFTER_STEP:06d}.parquet"
+            wait_for(marker.exists, 600, f"the run to store step {KILL_AFTER_STEP}")
+            remote.host.kill()
+            host_down.set()
+            remote.host.revive()  # the machine boots again: no process of before runs there
+            remote.start(tiny_model_dir)
+            wait_for(lambda: any(i == 1 for i, _ in rejoined), 300, "the revived server to rejoin")
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            host_back.set()
+
+    watcher = threading.Thread(target=kill_then_revive, daemon=True)
+    watcher.start()
+    try:
+        summary = grpo_train(config=cfg)
+    finally:
+        host_back.set()
+        watcher.join(60)
+    assert not errors, errors
+    assert summary["steps_trained"] == steps and summary["transports"] == {
+        vllm_server.url: "path", remote.url: "network"}  # fmt: skip
+    _, counts = query(
+        store, "SELECT step, count(*) FROM rollouts WHERE run_id = 'far-death' GROUP BY step ORDER BY step"
+    )
+    assert counts == [(s, 64) for s in range(steps)]  # every step once, whole
+    _, rows = query(store, """SELECT step, "gen/server1/up", "gen/server1/version", "sync/version",
+        "sync/network_servers" FROM steps WHERE run_id = 'far-death' ORDER BY step""")  # fmt: skip
+    down = [r[0] for r in rows if r[1] == 0.0]
+    assert down and min(down) > KILL_AFTER_STEP - 1  # it left the rotation after the kill
+    back = [r for r in rows if r[0] > max(down)]
+    assert back and all(r[1] == 1.0 for r in back)  # ... and rejoined, serving the run's version
+    assert all(r[2] == r[3] and r[4] == 1 for r in back if r[3] is not None)
+    (index, version) = rejoined[-1]
+    assert index == 1 and (remote.uploads / "far-death" / f"v{version:06d}").is_dir()
