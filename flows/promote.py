@@ -99,7 +99,9 @@ def load_into_server(
     `reload_timeout_s`), dropping the server's whole prefix cache; an adapter dir under the lineage's
     name (the module doc). The seconds it took."""
     if is_adapter(path):
-        return load_lineage_adapter(path, server_url=server_url, lineage=lineage, inference=inference)
+        return load_lineage_adapter(
+            path, server_url=server_url, lineage=lineage, inference=inference, sync=sync
+        )
     from grpoflow.tasks.push.push import load_version, weight_push
 
     sync = (sync or SyncConfig()).model_copy(update={"backend": "checkpoint"})
@@ -108,18 +110,33 @@ def load_into_server(
 
 
 def load_lineage_adapter(
-    path: str, *, server_url: str, lineage: str, inference: InferenceConfig | None
+    path: str,
+    *,
+    server_url: str,
+    lineage: str,
+    inference: InferenceConfig | None,
+    sync: SyncConfig | None = None,
 ) -> float:
-    """Make the lineage's name on the server at `server_url` serve the adapter in `path`."""
+    """Make the lineage's name on the server at `server_url` serve the adapter in `path` (sent over the
+    network first to a server that cannot read it: `sync.transport`)."""
     import asyncio
+    import hashlib
     import time
 
     from grpoflow.tasks.push.lora_serve import serve_lineage
+    from grpoflow.tasks.push.transport import Transport
     from grpoflow.tasks.rollouts.inference import client_for
+
+    transport = Transport(lineage, (sync or SyncConfig()).transport)
+    # One name per adapter dir on the server's disk, so a rollback finds it there unchanged; under
+    # `<lineage>@lineage/`, which no run's versions (`<run>/v<N>`, run ids have no "@") can be.
+    digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:12]
+    remote = f"{lineage}@lineage/adapter-{digest}"
 
     async def load() -> str:
         async with client_for(server_url, inference or InferenceConfig()) as client:
-            return await serve_lineage(server_url, client, lineage, path)
+            sent = await transport.deliver_as(client, path, remote, reuse=True)
+            return await serve_lineage(server_url, client, lineage, sent.path)
 
     t0 = time.perf_counter()
     asyncio.run(load())

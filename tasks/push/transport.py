@@ -70,10 +70,19 @@ class Transport:
 
     async def deliver(self, client: VLLMClient, path: str, version: int) -> Sent:
         """Make the version in `path` (on the learner's disk) readable by the server: its path there."""
+        return await self.deliver_as(client, path, self.remote_name(version))
+
+    async def deliver_as(self, client: VLLMClient, path: str, name: str, *, reuse: bool = False) -> Sent:
+        """`deliver` under the name `name` on the server's disk; with `reuse`, a version the server
+        already holds under that name is not sent again (for dirs that never change once written:
+        a pinned checkpoint's adapter, which the server may be reading)."""
         if await self.choose(client, path) == PATH:
             return Sent(PATH, path)
         t0 = time.perf_counter()
-        remote = await upload_dir(client, path, self.remote_name(version))
+        if reuse and name in await client.uploaded_versions():
+            root = await client.uploaded_root()
+            return Sent(NETWORK, f"{root}/{name}", 0, time.perf_counter() - t0)
+        remote = await upload_dir(client, path, name)
         size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))
         return Sent(NETWORK, remote, size, time.perf_counter() - t0)
 

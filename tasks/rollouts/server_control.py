@@ -211,8 +211,15 @@ class ServerControl:
 
     async def uploaded_versions(self) -> list[str]:
         """The names of the versions committed in the server's upload dir."""
+        return (await self._uploaded())["versions"]
+
+    async def uploaded_root(self) -> str:
+        """The server's upload dir, on its host: a version `name` is `<it>/<name>`."""
+        return (await self._uploaded())["root"]
+
+    async def _uploaded(self) -> dict[str, Any]:
         text = await self._request("GET", "/grpoflow/versions")
-        return json_object(text, f"GET {self.base_url}/grpoflow/versions", ("versions",))["versions"]
+        return json_object(text, f"GET {self.base_url}/grpoflow/versions", ("root", "versions"))
 
     async def probe(self, path: str) -> dict[str, Any]:
         """Can the server's host read the probe file `path` (a `.grpoflow-probe-<hex>` file)? {"sha256":

@@ -164,6 +164,19 @@ def test_a_lora_run_sends_its_adapters_to_a_server_that_cannot_read_the_store(re
     assert Path(card["root"]) == uploads / "far-lora" / kept[-1]
     merged = PeftModel.from_pretrained(load(tiny_model_dir), str(last)).merge_and_unload()
     assert gap(merged, served(url, f"far-lora@v{STEPS}")) < 1e-3
+    # Promotion into the live server, as a LoRA lineage: the checkpoint's adapter goes over the network
+    # too, and the lineage's name serves it.
+    from grpoflow.flows.promote import checkpoint_version, promote
+    from grpoflow.tasks.config.inference import InferenceConfig
+
+    candidate = checkpoint_version(store, "far-lora")
+    promote(store, "far-lora", candidate, incumbent=None, server_url=url, inference=InferenceConfig(api_key=KEY),
+            reason="test")  # fmt: skip
+    (sent,) = (uploads / "far-lora@lineage").iterdir()
+    assert (sent / "adapter_model.safetensors").read_bytes() == (
+        Path(candidate["path"]) / "adapter_model.safetensors"
+    ).read_bytes()
+    assert gap(merged, served(url, "far-lora")) < 1e-3  # the checkpoint holds the last version's adapter
 
 
 def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remote, tiny_model_dir):

@@ -143,6 +143,16 @@ def test_forget_keeps_on_the_server_what_the_learner_keeps(plugin, tmp_path, mon
     assert sorted(left) == ["other/v000001", "r/v000002", "r/v000003"]
 
 
+def test_a_version_delivered_with_reuse_is_sent_once(plugin, tmp_path):
+    v1 = version(tmp_path, 1, 1000)
+    t = Transport("ada", "network")
+    with served(plugin.WeightUpload(inner)) as url:
+        first = on(url, lambda c: t.deliver_as(c, str(v1), "ada@lineage/adapter-1", reuse=True))
+        again = on(url, lambda c: t.deliver_as(c, str(v1), "ada@lineage/adapter-1", reuse=True))
+    assert first.bytes == 1002 and again.bytes == 0 and first.path == again.path
+    assert again.path == str(tmp_path / "uploads" / "ada@lineage" / "adapter-1")
+
+
 def test_client_connections_notice_a_vanished_peer_within_seconds():
     """Every connection of the client carries TCP keepalive (and a user timeout): a server whose host
     vanished fails its requests in seconds instead of their timeout (the death of a whole host is
