@@ -194,6 +194,14 @@ def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remot
     assert gap(load(tiny_model_dir), answers) > 1e-2  # which are not the base's
 
 
+def test_a_transport_the_server_cannot_take_fails_before_the_first_step_in_one_line(remote, tiny_model_dir):
+    out = train(remote.store, "far-wrong", remote.url, f"model.path={tiny_model_dir}", "sync.transport=path")
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert f"sync.transport is 'path' but the vLLM server at {remote.url} cannot read" in line
+    assert not (remote.store / "steps" / "run_id=far-wrong").exists()  # no step ran
+
+
 def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote, tiny_model_dir):
     from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
