@@ -136,6 +136,51 @@ def tiny_cfg(root: Path, model_dir: Path, url: str, **sets: object):
     return load_config(REPO / "configs" / "tiny-letters.yaml", overrides)
 
 
+Samples = list[tuple[list[int], list[int], list[float]]]  # prompt ids, sampled ids, their logprobs
+
+
+def served_samples(
+    url: str,
+    prompts: list[list[int]],
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    max_tokens: int = 16,
+    seed: int = 5,
+) -> Samples:
+    """Seeded samples of `prompts` from the server at `url` (under `model`, or its own weights),
+    `seed + i` for the i-th, sent together."""
+    from grpoflow.tasks.rollouts.inference import VLLMClient
+
+    async def go() -> Samples:
+        async with VLLMClient(url, api_key=api_key) as c:
+            runs = [c.complete(p, max_tokens=max_tokens, seed=seed + i, ignore_eos=True, model=model)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            return [
+                (p, ch.token_ids, ch.logprobs)
+                for p, (ch,) in zip(prompts, await asyncio.gather(*runs), strict=True)
+            ]
+
+    return asyncio.run(go())
+
+
+def logprob_gap(model, samples: Samples) -> float:
+    """The largest difference between the served logprobs of `samples` and transformers' `model` (a
+    model dir or a loaded model) on the same tokens: under 1e-3, the server serves those weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    worst = 0.0
+    for prompt, ids, logprobs in samples:
+        with torch.no_grad():
+            lp = torch.log_softmax(model.eval()(torch.tensor([prompt + ids])).logits[0], -1)
+        ours = lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        worst = max(worst, float((ours - torch.tensor(logprobs)).abs().max()))
+    return worst
+
+
 def unpause(url: str) -> None:
     """Resume the server at `url`: a run killed mid-push leaves it paused, and later tests need it."""
     from grpoflow.tasks.rollouts.inference import VLLMClient

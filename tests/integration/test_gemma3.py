@@ -22,7 +22,7 @@ from grpoflow.tasks.push.push import LoraPush, MergedLoraPush, load_version, pus
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from tests.integration.test_lora_push import peft_model
-from tests.support import tiny_cfg
+from tests.support import Samples, logprob_gap, served_samples, tiny_cfg
 
 pytestmark = pytest.mark.integration
 
@@ -34,34 +34,12 @@ QUESTIONS = [
 PROBES = [[2] + [100 + (7 * i + 13 * k) % 5000 for k in range(12 + 9 * i)] for i in range(3)]
 
 
-Answers = list[tuple[list[int], list[int], list[float]]]  # prompt ids, sampled ids, their logprobs
-
-
-async def served(url: str, model: str | None) -> Answers:
+def served(url: str, model: str | None) -> Samples:
     """Seeded samples of the PROBES from the server (under `model`, or its own weights)."""
-    async with VLLMClient(url) as c:
-        runs = [
-            c.complete(p, max_tokens=16, seed=5 + i, ignore_eos=True, model=model)
-            for i, p in enumerate(PROBES)
-        ]
-        return [
-            (p, ch.token_ids, ch.logprobs)
-            for p, (ch,) in zip(PROBES, await asyncio.gather(*runs), strict=True)
-        ]
+    return served_samples(url, PROBES, model=model)
 
 
-def gap(model, answers: Answers) -> float:
-    """The largest difference between the served logprobs and transformers' `model` (a model dir or a
-    loaded model) on the same tokens."""
-    if not isinstance(model, torch.nn.Module):
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    worst = 0.0
-    for prompt, ids, logprobs in answers:
-        with torch.no_grad():
-            lp = torch.log_softmax(model.eval()(torch.tensor([prompt + ids])).logits[0], -1)
-        ours = lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        worst = max(worst, float((ours - torch.tensor(logprobs)).abs().max()))
-    return worst
+gap = logprob_gap
 
 
 def merged(base_dir, adapter_dir):
@@ -136,7 +114,7 @@ def test_the_server_serves_the_runs_last_weights_and_the_export_is_a_gemma3_mode
     assert tok.encode("Question")[0] == tok.bos_token_id  # the export keeps the tokenizer's BOS rule
     # The run trained the tied embedding too: the server's LM head is the new embedding (not a pack of
     # the old one kept by vLLM's CPU reload: flows/vllm_plugins/grpoflow_merge.py).
-    answers = asyncio.run(served(gemma3_server.url, None))
+    answers = served(gemma3_server.url, None)
     assert gap(exported.out, answers) < 1e-3
     assert gap(gemma3_server.model_dir, answers) > 1e-2  # the run changed the policy
 
@@ -150,7 +128,7 @@ def test_an_adapter_push_serves_what_the_merged_gemma3_generates(gemma3_base, tm
     servers = ReplicaSet([Replica(0, gemma3_server.url)])
     stats = push_version(pusher, lambda d: write_adapter(model, d), 1, servers)
     assert stats.failed_servers == 0
-    answers = asyncio.run(served(gemma3_server.url, pusher.model_name(1)))
+    answers = served(gemma3_server.url, pusher.model_name(1))
     assert gap(merged(gemma3_server.model_dir, servers.weights_path), answers) < 1e-3
     assert gap(gemma3_server.model_dir, answers) > 1e-2  # the adapter changes what is generated
 
@@ -165,7 +143,7 @@ def test_a_merged_adapter_push_serves_the_merged_gemma3(gemma3_base, tmp_path):
     servers = ReplicaSet([Replica(0, gemma3_server.url)])
     stats = push_version(pusher, lambda d: write_adapter(model, d), 1, servers)
     assert stats.failed_servers == 0 and pusher.model_name(1) is None
-    answers = asyncio.run(served(gemma3_server.url, None))
+    answers = served(gemma3_server.url, None)
     assert gap(merged(gemma3_server.model_dir, servers.weights_path), answers) < 1e-3
     assert gap(gemma3_server.model_dir, answers) > 1e-2  # merged into the served weights
 

@@ -26,7 +26,7 @@ from grpoflow.flows.serve import upload_dir_of
 from grpoflow.storage.sql import query
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from tests.hosts import Host
-from tests.support import REPO, hosts_fixture, wait_for
+from tests.support import REPO, Samples, hosts_fixture, logprob_gap, served_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 KEY, PORT, STEPS = "hosts-push-key", 8765, 3
@@ -113,29 +113,11 @@ def size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def served(url: str, model: str | None = None) -> list[tuple[list[int], list[int], list[float]]]:
-    async def go(c):
-        runs = [
-            c.complete(p, max_tokens=12, seed=9 + i, ignore_eos=True, model=model)
-            for i, p in enumerate(PROBES)
-        ]
-        return [
-            (p, ch.token_ids, ch.logprobs)
-            for p, (ch,) in zip(PROBES, await asyncio.gather(*runs), strict=True)
-        ]
-
-    return asyncio.run(_on(url, go))
+def served(url: str, model: str | None = None) -> Samples:
+    return served_samples(url, PROBES, model=model, api_key=KEY, max_tokens=12, seed=9)
 
 
-def gap(model: torch.nn.Module, answers) -> float:
-    """The largest difference between the served logprobs and `model`'s on the same tokens."""
-    worst = 0.0
-    for prompt, ids, logprobs in answers:
-        with torch.no_grad():
-            lp = torch.log_softmax(model.eval()(torch.tensor([prompt + ids])).logits[0], -1)
-        ours = lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        worst = max(worst, float((ours - torch.tensor(logprobs)).abs().max()))
-    return worst
+gap = logprob_gap
 
 
 def load(model_dir) -> torch.nn.Module:
