@@ -23,6 +23,10 @@ for the version (`tasks.inference.renew_cache_salt`) before the version flips: r
 `cache_salt_for(version)` never reuse KV computed under other weights. Promotion and rollback also
 drop the whole prefix cache (`reset_prefix_cache`): the live server's other clients salt nothing.
 
+Whatever the backend, a version reaches each server by `sync.transport` (tasks/push/transport.py): its
+path, for a server that reads the learner's disk, or its bytes over HTTP into the server's own disk
+before the load (uploaded before the pause: no request waits for the transfer).
+
 `lora` (`tasks/push/lora_push.py: LoraPush`, with `learner.lora`): each version is a PEFT adapter, loaded
 under its own name, which generation requests name; no pause (that module's doc).
 
@@ -197,7 +201,8 @@ def push_version(
 
         async def one(rep: Replica) -> tuple[float, Sent]:
             t = time.perf_counter()
-            sent = await pusher.load(rep.url, path, version, rep.versions.set)
+            # A backend of an older protocol returns None: its path went as it was
+            sent = await pusher.load(rep.url, path, version, rep.versions.set) or Sent(Sent.PATH, path)
             return time.perf_counter() - t - sent.seconds, sent
 
         async def all_of() -> list:
