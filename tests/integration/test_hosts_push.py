@@ -61,7 +61,7 @@ class Remote:
 
 
 @pytest.fixture(scope="module")
-def remote(one_host, tiny_model_dir, tmp_path_factory) -> Remote:
+def remote(one_host, tiny_model_dir, tmp_path_factory, prefect_api) -> Remote:
     (host,) = one_host
     root = tmp_path_factory.mktemp("server-root")
     out = Remote(host, host.url(PORT), tmp_path_factory.mktemp("learner-store"),
