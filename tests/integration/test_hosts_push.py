@@ -295,6 +295,9 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     pushes = [(r[2], r[3]) for r in rows]
     assert set(pushes[: KILL_AFTER_STEP + 1]) == {(2.0, 1.0)} and pushes[-1] == (2.0, 1.0), rows
     assert set(pushes) <= {(2.0, 1.0), (1.0, 0.0)}, rows
-    # It rejoined at the version the run served then, which it received over the network.
-    (index, version) = rejoined[-1]
-    assert index == 1 and (remote.uploads / "far-death" / f"v{version:06d}").is_dir()
+    # It rejoined (at the version served then: the reviver's load), holds what the learner keeps, and
+    # serves the run's last weights, all received over the network.
+    assert [i for i, _ in rejoined] == [1]
+    kept = sorted(p.name for p in (store / "weights" / "far-death").glob("v*"))
+    assert sorted(p.name for p in (remote.uploads / "far-death").iterdir()) == kept
+    assert gap(load(store / "weights" / "far-death" / kept[-1]), served(remote.url)) < 1e-3
