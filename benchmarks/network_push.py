@@ -131,6 +131,7 @@ def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, ext
         asyncio.run(healthy())
         full = lambda d: save_weights(model, d)  # noqa: E731
         row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats)
+        shutil.rmtree(near / "weights")  # disk: 1.5B versions are 6 GB each
         row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats)
         row |= compression(max((far / "weights" / "full-far").glob("v*")))
         row["cut_off"] = cut_off_then_push(url, far, full)
@@ -140,6 +141,7 @@ def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, ext
                 if "lora_B" in name:
                     p.normal_(0.0, 0.01)
         adapter = lambda d: write_adapter(peft_model, d)  # noqa: E731
+        shutil.rmtree(far / "weights")
         row["adapter_path"] = pushes(url, near, "lora-near", "lora", adapter, repeats)
         row["adapter_network"] = pushes(url, far, "lora-far", "lora", adapter, repeats)
         log.close()

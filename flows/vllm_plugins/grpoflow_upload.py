@@ -12,7 +12,8 @@ by its path: the server's workers share its host's disk.
   and ".trash-*" under the upload dir are this module's). A total over `GRPOFLOW_UPLOAD_MAX_BYTES`
   (default 64 GiB), or over the disk's free space, is refused (413, 507); a name that is, or is inside,
   a folder that is not an uploaded version is 409. The files are created empty in a staging dir
-  `.incoming-<id>`. Stale uploads are swept here, the one rule being "one writer per name": an
+  `.incoming-<id>`; with "recycle": "<a committed version>" that version's dir becomes the staging dir
+  instead, its files overwritten in place (the pusher names one it is about to drop). Stale uploads are swept here, the one rule being "one writer per name": an
   unfinished upload of the same name (a pusher that died and tries again), one idle for an hour, and
   any staging dir no upload of this process owns (a restarted server's leftovers) are removed.
 - `PUT /grpoflow/uploads/<id>/<file path>?offset=K`, the raw bytes as the body -> {"written": n}:
@@ -144,7 +145,12 @@ class WeightUpload:
             )
         upload_id = secrets.token_hex(12)
         staging = os.path.join(self.root, store.STAGING + upload_id)
-        up = Upload(upload_id, name, staging, {p: File(n) for p, n in files.items()})
+        recycle = req.get("recycle")
+        if recycle is not None:
+            recycle = store.relative_name(recycle, "recycle", hidden=False)
+            if recycle == name:
+                raise Refused(400, "field 'recycle': a version cannot be recycled into itself")
+        up = Upload(upload_id, name, staging, {p: File(n) for p, n in files.items()}, recycle=recycle)
         now = time.monotonic()
         for old in list(self.uploads.values()):  # one writer per name; an idle one is abandoned
             if not old.committing and (old.name == name or now - old.touched > IDLE_S):

@@ -126,7 +126,11 @@ class CheckpointPush:
         self.reset_prefix_cache = reset_prefix_cache
         self.client = client or (lambda url: client_for(url, inference))
         self.weights = weights_store(root)
-        self.transport = Transport(run_id, sync.transport)
+        # On a server's disk as on the learner's, a full-weights version recycles the one retention
+        # drops next (MergedLoraPush, whose adapters are small, makes new ones).
+        self.transport = Transport(
+            run_id, sync.transport, recycle=sync.keep_last if self.how == RELOAD else None
+        )
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
         # keep_last is applied once the servers have loaded it, but a version it will then remove (never
@@ -146,7 +150,10 @@ class CheckpointPush:
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
     ) -> Sent:
         async with self.client(url) as client:
-            sent = await self.transport.deliver(client, path, version)  # before the pause: nothing waits
+            serving = _loaded.get(client.base_url, (None, None))[1]  # never recycled
+            sent = await self.transport.deliver(
+                client, path, version, serving
+            )  # before the pause: nothing waits
             await _Reload(client, self.run_id, self.sync.reload_timeout_s, self.how).run(
                 sent.path, version, on_loaded, self.reset_prefix_cache
             )

@@ -55,8 +55,8 @@ class Transport:
     """The transport of each server a run's pusher loads into: chosen at its first load by `mode`
     (the module doc), then kept."""
 
-    def __init__(self, run_id: str, mode: SyncTransport = "auto"):
-        self.run_id, self.mode = run_id, mode
+    def __init__(self, run_id: str, mode: SyncTransport = "auto", recycle: int | None = None):
+        self.run_id, self.mode, self.recycle = run_id, mode, recycle
         self._lock = threading.Lock()  # a reviver thread may load while the run's push forgets
         self._chosen: dict[str, str] = {}  # server URL -> PATH or NETWORK
 
@@ -68,21 +68,31 @@ class Transport:
     def remote_name(self, version: int) -> str:
         return f"{self.run_id}/v{version:06d}"
 
-    async def deliver(self, client: VLLMClient, path: str, version: int) -> Sent:
-        """Make the version in `path` (on the learner's disk) readable by the server: its path there."""
-        return await self.deliver_as(client, path, self.remote_name(version))
+    async def deliver(self, client: VLLMClient, path: str, version: int, serving: str | None = None) -> Sent:
+        """Make the version in `path` (on the learner's disk) readable by the server: its path there.
+        `serving`: the path the server serves now (never recycled)."""
+        return await self.deliver_as(client, path, self.remote_name(version), serving=serving)
 
-    async def deliver_as(self, client: VLLMClient, path: str, name: str, *, reuse: bool = False) -> Sent:
+    async def deliver_as(
+        self, client: VLLMClient, path: str, name: str, *, reuse: bool = False, serving: str | None = None
+    ) -> Sent:
         """`deliver` under the name `name` on the server's disk; with `reuse`, a version the server
         already holds under that name is not sent again (for dirs that never change once written:
-        a pinned checkpoint's adapter, which the server may be reading)."""
+        a pinned checkpoint's adapter, which the server may be reading). With `recycle` (the
+        checkpoint backend's keep_last), the upload overwrites the oldest of this run's versions on
+        the server once it holds that many, never the one it serves: what the next `forget` drops."""
         if await self.choose(client, path) == PATH:
             return Sent(PATH, path)
         t0 = time.perf_counter()
-        if reuse and name in await client.uploaded_versions():
-            root = await client.uploaded_root()
-            return Sent(NETWORK, f"{root}/{name}", 0, time.perf_counter() - t0)
-        remote = await upload_dir(client, path, name)
+        recycle = None
+        if reuse or self.recycle:
+            root, held = await client.uploaded_root(), await client.uploaded_versions()
+            if reuse and name in held:
+                return Sent(NETWORK, f"{root}/{name}", 0, time.perf_counter() - t0)
+            mine = sorted(v for v in held if v.startswith(f"{self.run_id}/v") and v != name)
+            if self.recycle and len(mine) >= self.recycle and f"{root}/{mine[0]}" != serving:
+                recycle = mine[0]
+        remote = await upload_dir(client, path, name, recycle=recycle)
         size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))
         return Sent(NETWORK, remote, size, time.perf_counter() - t0)
 

@@ -43,18 +43,23 @@ async def upload_dir(
     chunk_bytes: int = CHUNK_BYTES,
     api_key: str | None = None,
     commit_timeout_s: float = COMMIT_TIMEOUT_S,
+    recycle: str | None = None,
 ) -> str:
     """Send every file under `local_dir` to the server (a client, or its URL and `api_key`) as the
-    version `name` (e.g. "<run>/v000003"); the version's path on the server's host."""
+    version `name` (e.g. "<run>/v000003"), written over the files of its version `recycle` if given
+    (one the caller is done with: it is gone once this starts); the version's path on the server's
+    host."""
     if isinstance(server, str):
         async with VLLMClient(server, api_key=api_key) as client:
             return await upload_dir(client, local_dir, name, chunk_bytes=chunk_bytes,
-                                    commit_timeout_s=commit_timeout_s)  # fmt: skip
+                                    commit_timeout_s=commit_timeout_s, recycle=recycle)  # fmt: skip
     local = Path(local_dir)
     files = await asyncio.to_thread(local_files, local)
     sending = None  # the file on its way, for the error
     try:
-        upload_id = await server.upload_begin(name, [{"path": rel, "size": size} for rel, size in files])
+        upload_id = await server.upload_begin(
+            name, [{"path": rel, "size": size} for rel, size in files], recycle
+        )
     except InferenceError as e:
         raise _failed(server, local, name, None, e) from e
     try:

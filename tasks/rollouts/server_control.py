@@ -175,12 +175,12 @@ class ServerControl:
     # -- weight versions sent as bytes (flows/vllm_plugins/grpoflow_upload.py; a server without the
     # middleware, or started without an upload dir, answers these with 404) -----------------------
 
-    async def upload_begin(self, name: str, files: list[dict[str, Any]]) -> str:
+    async def upload_begin(self, name: str, files: list[dict[str, Any]], recycle: str | None = None) -> str:
         """Start an upload of the version `name` ({"path", "size"} per file) into the server's upload
-        dir; its id. A retried create that had reached the server is superseded by the next one."""
-        text = await self._request(
-            "POST", "/grpoflow/uploads", json_body={"name": name, "files": files}, retry_status=_NOT_500
-        )
+        dir (over the files of the committed version `recycle`, which it replaces); its id. A retried
+        create that had reached the server is superseded by the next one."""
+        body = {"name": name, "files": files, **({"recycle": recycle} if recycle else {})}
+        text = await self._request("POST", "/grpoflow/uploads", json_body=body, retry_status=_NOT_500)
         return json_object(text, f"POST {self.base_url}/grpoflow/uploads", ("upload",))["upload"]
 
     async def upload_chunk(self, upload_id: str, path: str, offset: int, data: bytes) -> None:

@@ -143,6 +143,26 @@ def test_forget_keeps_on_the_server_what_the_learner_keeps(plugin, tmp_path, mon
     assert sorted(left) == ["other/v000001", "r/v000002", "r/v000003"]
 
 
+def test_a_full_weights_upload_overwrites_the_version_retention_drops_next_never_the_served_one(
+    plugin, tmp_path
+):
+    t = Transport("r", "network", recycle=2)
+    with served(plugin.WeightUpload(inner)) as url:
+        sent = [
+            on(url, lambda c, v=v: t.deliver(c, str(version(tmp_path, v, 5000 + v)), v)) for v in (1, 2, 3)
+        ]
+        # v1 became v3's staging dir: two versions left, v3's bytes exact (a shorter file: truncated)
+        assert on(url, lambda c: c.uploaded_versions()) == ["r/v000002", "r/v000003"]
+        for f in ("config.json", "model.safetensors"):
+            assert (tmp_path / "uploads/r/v000003" / f).read_bytes() == (
+                tmp_path / "weights/r/v000003" / f
+            ).read_bytes()
+        one = Transport("r", "network", recycle=1)  # keep_last 1: the only other one is served, kept
+        t.forget([3], lambda u: VLLMClient(u))
+        on(url, lambda c: one.deliver(c, str(version(tmp_path, 4, 100)), 4, serving=sent[2].path))
+        assert on(url, lambda c: c.uploaded_versions()) == ["r/v000003", "r/v000004"]
+
+
 def test_a_version_delivered_with_reuse_is_sent_once(plugin, tmp_path):
     v1 = version(tmp_path, 1, 1000)
     t = Transport("ada", "network")
