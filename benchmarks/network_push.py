@@ -68,6 +68,13 @@ def pushes(url: str, root: Path, run: str, backend: str, write, repeats: int) ->
     }
 
 
+async def forget_all(url: str, prefix: str) -> None:
+    async with VLLMClient(url, api_key=KEY) as c:
+        for name in await c.uploaded_versions():
+            if name.startswith(prefix):
+                await c.delete_uploaded_version(name)
+
+
 def compression(version_dir: Path) -> dict:
     """zlib level 1 on the version's largest file: what compressing the upload would save, and cost."""
     biggest = max(version_dir.iterdir(), key=lambda p: p.stat().st_size)
@@ -134,6 +141,8 @@ def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, ext
         shutil.rmtree(near / "weights")  # disk: 1.5B versions are 6 GB each
         row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats)
         row |= compression(max((far / "weights" / "full-far").glob("v*")))
+        shutil.rmtree(far / "weights")  # disk, on both sides
+        asyncio.run(forget_all(url, "full-far/"))
         row["cut_off"] = cut_off_then_push(url, far, full)
         peft_model = attach(model, LoraConfig(rank=rank, alpha=2 * rank))
         with torch.no_grad():  # a non-identity adapter, as a trained one is
