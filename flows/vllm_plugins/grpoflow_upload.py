@@ -173,18 +173,28 @@ class WeightUpload:
                 413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {f.size}"
             )
         written, batch, held = 0, [], 0
-        while not body.done:
-            message = await body()
-            if message["type"] != "http.request":
-                raise _Gone
-            batch.append(message.get("body", b""))
-            held += len(batch[-1])
-            if offset + written + held > f.size:
-                raise Refused(413, f"{rel}: the body runs past its declared size {f.size}")
-            if held >= WRITE_BATCH or (body.done and held):
-                await asyncio.to_thread(store.write, up, rel, offset + written, b"".join(batch))
-                written, batch, held = written + held, [], 0
-            up.touched = time.monotonic()
+        writing = None  # the batch being written on a thread while the next one arrives (in order)
+        try:
+            while not body.done:
+                message = await body()
+                if message["type"] != "http.request":
+                    raise _Gone
+                batch.append(message.get("body", b""))
+                held += len(batch[-1])
+                if offset + written + held > f.size:
+                    raise Refused(413, f"{rel}: the body runs past its declared size {f.size}")
+                if held >= WRITE_BATCH or (body.done and held):
+                    if writing is not None:
+                        await writing
+                    data, at = b"".join(batch), offset + written
+                    writing = asyncio.ensure_future(asyncio.to_thread(store.write, up, rel, at, data))
+                    written, batch, held = written + held, [], 0
+                up.touched = time.monotonic()
+            if writing is not None:
+                await writing
+        finally:
+            if writing is not None and not writing.done():  # failed mid-body: let its write end first
+                await asyncio.wait([writing])
         if length is not None and written != length:
             raise Refused(400, f"{rel}: {written} bytes received, Content-Length said {length}")
         return {"path": rel, "offset": offset, "written": written}

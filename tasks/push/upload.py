@@ -96,14 +96,27 @@ async def _send_file(
     """Send `path`'s first `size` bytes in chunks; their sha256."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        offset = 0
-        while offset < size:
-            chunk = await asyncio.to_thread(_read_hashed, f, digest, min(chunk_bytes, size - offset))
-            if not chunk:
-                raise WeightUploadError(f"{path} shrank to {offset} bytes while it was being sent ({size})")
-            await client.upload_chunk(upload_id, rel, offset, chunk)
-            failpoint("upload_chunk")
-            offset += len(chunk)
+
+        def read(at: int) -> asyncio.Future:  # the next chunk, read and hashed while this one is sent
+            return asyncio.ensure_future(
+                asyncio.to_thread(_read_hashed, f, digest, min(chunk_bytes, size - at))
+            )
+
+        offset, reading = 0, read(0)
+        try:
+            while offset < size:
+                chunk = await reading
+                if not chunk:
+                    raise WeightUploadError(
+                        f"{path} shrank to {offset} bytes while it was being sent ({size})"
+                    )
+                reading = read(offset + len(chunk)) if offset + len(chunk) < size else None
+                await client.upload_chunk(upload_id, rel, offset, chunk)
+                failpoint("upload_chunk")
+                offset += len(chunk)
+        finally:
+            if reading is not None:  # the file closes only once its read has ended
+                await asyncio.wait([reading])
     return digest.hexdigest()
 
 
