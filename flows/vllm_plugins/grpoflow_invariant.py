@@ -9,14 +9,29 @@ answers the rows it was given, so no call of it has one row; the others are left
 costs throughput: BENCHMARKS.md, "Reproducibility"). A layer whose rows differ at other row counts too
 cannot be mended that way: it is logged as a warning, and runs on this server are not reproducible.
 
+vLLM's CPU attention kernel is the other place where a row's bits follow its batch. It tiles each
+request's query tokens by how the call's work divides among threads, and the size of a query tile sets
+the size of the KV tiles its softmax runs over: rows of a prompt prefilled beside other prompts got
+other KV tiles than alone (beyond about 480 tokens on this machine), and a prompt whose prefix was
+cached got other tiles than one prefilled whole. A decode (one query token) is the exception: its bits
+are the same beside anything. So every request of more than `c` query tokens is handed to the kernel
+as pieces of at most `c` tokens, each piece a request of its own over the same blocks, its causal end
+where its last token stands (`_pieces`). Each row is then computed as a decode computes it, whatever
+ran beside it and whatever of its prompt was cached. `c` is the largest of `CHUNKS` whose pieces give
+the same bits as single decodes on a synthetic sequence of `CHECK_TOKENS` tokens, checked once per
+attention shape (`_chunk_size`); 1 is a decode by construction. Non-causal attention is left as it is.
+
 `install()` wraps vLLM's `dispatch_cpu_unquantized_gemm`, which sets each layer's `cpu_linear` when the
 model's weights are processed (at load and after each reload), so it must run before the model loads:
 `grpoflow_merge`, the worker extension every server grpoflow starts imports into its workers, calls it.
+It also wraps the two CPU attention ops of `vllm._custom_ops` (the scheduler that plans a call, and the
+kernel), which vLLM's CPU attention backend looks up at each call.
 Runs inside vLLM's worker process: imports only vLLM and torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
@@ -24,6 +39,9 @@ _INSTALLED = False
 
 
 ROWS = (1, 2, 3, 5, 8, 17, 64)  # row counts checked against the same rows in one call of max(ROWS) + 1
+CHUNKS = (8, 4, 2)  # query tokens per piece, tried in turn; 1 (a decode) when none passes
+CHECK_TOKENS = 2048  # the synthetic sequence each attention shape is checked on
+_chunk_sizes: dict[tuple, int] = {}
 
 
 def _one_more_row(cpu_linear):
@@ -45,6 +63,112 @@ def _variant_rows(cpu_linear, weight, bias, in_features: int, dtype) -> list[int
     with torch.no_grad():
         full = cpu_linear(x, weight, bias)
         return [m for m in ROWS if not torch.equal(cpu_linear(x[:m].contiguous(), weight, bias), full[:m])]
+
+
+def _pieces(q_lens: list[int], seq_lens: list[int], c: int) -> tuple[list[int], list[int], list[int]]:
+    """Each request as pieces of at most `c` query tokens: for every piece, the request it comes from,
+    its query token count and its sequence length (the position after its last token)."""
+    rows, lens, seqs = [], [], []
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for t in range(0, max(q, 1), c):
+            n = min(c, q - t)
+            rows.append(i)
+            lens.append(n)
+            seqs.append(s - q + t + n)
+    return rows, lens, seqs
+
+
+def _as_kwargs(op, args, kw) -> dict:
+    import inspect
+
+    bound = inspect.signature(op).bind(*args, **kw)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+class _Attention:
+    """vLLM's two CPU attention ops, wrapped: `schedule` keeps its arguments on the plan it returns (a
+    tensor), and `attend` runs a causal call whose requests have more than `c` query tokens as pieces
+    (planned once per schedule: every layer of a step shares it)."""
+
+    def __init__(self, schedule_op, attend_op):
+        self.schedule_op, self.attend_op = schedule_op, attend_op
+
+    def schedule(self, *args, **kw):
+        kw = _as_kwargs(self.schedule_op, args, kw)
+        kw["enable_kv_split"] = False  # a KV split follows the batch too (VLLM_CPU_ATTN_SPLIT_KV)
+        plan = self.schedule_op(**kw)
+        plan.grpoflow_schedule = kw
+        return plan
+
+    def attend(self, *args, **kw):
+        kw = _as_kwargs(self.attend_op, args, kw)
+        plan = kw["scheduler_metadata"]
+        pieces = getattr(plan, "grpoflow_pieces", None)
+        if pieces is None:
+            pieces = plan.grpoflow_pieces = self._plan(getattr(plan, "grpoflow_schedule", None), kw)
+        return self.attend_op(**{**kw, **pieces})
+
+    def _plan(self, sched: dict | None, kw: dict) -> dict:
+        """The call's arguments that change when its requests are cut into pieces ({} when none is)."""
+        import torch
+
+        if sched is None or not kw["causal"] or kw.get("dynamic_causal") is not None:
+            return {}
+        n = sched["num_reqs"]
+        starts = kw["query_start_loc"][: n + 1].tolist()
+        q_lens = [b - a for a, b in itertools.pairwise(starts)]
+        c = self._chunk_size(sched, kw)
+        if max(q_lens, default=0) <= c:
+            return {}
+        rows, lens, seqs = _pieces(q_lens, kw["seq_lens"][:n].tolist(), c)
+        qsl = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq = torch.tensor(seqs, dtype=torch.int32)
+        plan = self.schedule_op(**{**sched, "num_reqs": len(rows), "seq_lens": seq, "query_start_loc": qsl})
+        table = kw["block_table"].index_select(0, torch.tensor(rows))
+        return {"query_start_loc": qsl, "seq_lens": seq, "block_table": table, "scheduler_metadata": plan}
+
+    def _chunk_size(self, sched: dict, kw: dict) -> int:
+        """The largest of CHUNKS whose pieces compute rows as decodes do, for this call's shape."""
+        block_size = kw["key_cache"].shape[2]
+        key = (*(sched[k] for k in ("num_heads", "num_kv_heads", "head_dim", "dtype", "isa", "kv_cache_dtype")),
+               sched["sliding_window_size"], kw["softcap"], kw["alibi_slopes"] is not None,
+               kw["s_aux"] is not None, block_size)  # fmt: skip
+        if key not in _chunk_sizes:
+            fits = sched["kv_cache_dtype"] == "auto"  # fp8 caches are not checked: one token a piece
+            _chunk_sizes[key] = next((c for c in CHUNKS if fits and self._like_decodes(sched, kw, c)), 1)
+        return _chunk_sizes[key]
+
+    def _like_decodes(self, sched: dict, kw: dict, c: int) -> bool:
+        """On a random sequence of CHECK_TOKENS tokens: do rows computed in pieces of `c`, starting at
+        several points (a prompt whose prefix was cached), have the bits of the rows decoded one by one?"""
+        import torch
+
+        n, dim, block_size = CHECK_TOKENS, sched["head_dim"], kw["key_cache"].shape[2]
+        g = torch.Generator().manual_seed(0)
+        blocks = -(-n // block_size)
+        cache = torch.randn(blocks, sched["num_kv_heads"], 2 * block_size, dim, generator=g)
+        keys, values = cache.to(sched["dtype"]).chunk(2, dim=2)  # as vLLM's CPU backend views its cache
+        query = torch.randn(n, sched["num_heads"], dim, generator=g).to(sched["dtype"])
+
+        def rows(first: int, c: int):  # rows first..n-1 of one request: its first `first` tokens cached
+            _, lens, seqs = _pieces([n - first], [n], c)
+            qsl = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            seq = torch.tensor(seqs, dtype=torch.int32)
+            plan = self.schedule_op(
+                **{**sched, "num_reqs": len(lens), "seq_lens": seq, "query_start_loc": qsl}
+            )
+            out = torch.empty_like(query[first:])
+            table = torch.arange(blocks, dtype=torch.int32).expand(len(lens), -1).contiguous()
+            self.attend_op(**{**kw, "query": query[first:], "key_cache": keys, "value_cache": values,
+                              "output": out, "query_start_loc": qsl, "seq_lens": seq, "block_table": table,
+                              "scheduler_metadata": plan})  # fmt: skip
+            return out
+
+        decoded = rows(0, 1)
+        return all(
+            torch.equal(rows(first, c), decoded[first:]) for first in (0, 1, c - 1, n // 3, n - 2 * c - 1)
+        )
 
 
 def install() -> None:
@@ -82,4 +206,10 @@ def install() -> None:
             )
 
     utils.dispatch_cpu_unquantized_gemm = dispatch_invariant
+    from vllm import _custom_ops as ops
+
+    if hasattr(ops, "cpu_attn_get_scheduler_metadata") and hasattr(ops, "cpu_attention_with_kv_cache"):
+        attention = _Attention(ops.cpu_attn_get_scheduler_metadata, ops.cpu_attention_with_kv_cache)
+        ops.cpu_attn_get_scheduler_metadata = attention.schedule
+        ops.cpu_attention_with_kv_cache = attention.attend
     _INSTALLED = True
