@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 import time
 
 import pytest
@@ -61,6 +62,32 @@ async def test_seed_makes_sampling_reproducible(vllm_server, tok):
         other = await c.complete(ids, max_tokens=16, temperature=1.0, seed=12, n=4)
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in other]
+
+
+async def test_a_long_prompts_logprobs_follow_neither_its_batch_nor_its_cached_prefix(vllm_server):
+    """The bits of a 600-token prompt's completion are the same alone, prefilled in one step with prompts
+    of 200 and 700 tokens, and with its prefix cached. Before grpoflow_invariant cut prefills into
+    pieces, vLLM's CPU attention tiled a prompt's queries by the work of the whole step (its rows 480-491
+    came out otherwise beside these two), and the logprobs differed from the 11th token on."""
+
+    def ids(n: int, k: int) -> list[int]:
+        return [3 + (7 * i + 13 * k) % 90 for i in range(n)]
+
+    async with VLLMClient(vllm_server.url) as c:
+
+        async def bits(prompt: list[int], salt: str) -> tuple[list[int], list[bytes]]:
+            (ch,) = await c.complete(
+                prompt, max_tokens=24, seed=1, ignore_eos=True, cache_salt=salt, temperature=1.0
+            )
+            return ch.token_ids, [struct.pack("<f", x) for x in ch.logprobs]
+
+        alone = await bits(ids(600, 0), "invariant-alone")
+        beside, *_ = await asyncio.gather(
+            *(bits(ids(n, k), f"invariant-beside-{k}") for k, n in enumerate((600, 200, 700)))
+        )
+        cached = await bits(ids(600, 0), "invariant-alone")
+    assert beside == alone
+    assert cached == alone
 
 
 async def test_weight_push_while_a_request_is_in_flight(vllm_server, tiny_model_dir, tok, tmp_path):
