@@ -1,7 +1,8 @@
 """Does a request's answer from the vLLM CPU server follow what runs beside it?
 
-Eight seeded prompts are sent to one server started as grpoflow starts its servers (unsplit attention,
-the checked linear layers) under several concurrency patterns, each with a prefix-cache salt of its own
+Eight seeded prompts of 20-120 tokens, then eight of 500-1200, are sent to one server started as
+grpoflow starts its servers (unsplit attention, prompts attended in pieces, the checked linear layers)
+under several concurrency patterns, each with a prefix-cache salt of its own
 so that no pattern reuses another's KV. Every pattern's token ids and logprobs (as float32 bits) are
 compared with the eight sent together. Prints one JSON line per pattern: how many of the eight had the
 same tokens and the same logprobs, and the first differing token position of each that did not.
@@ -100,6 +101,23 @@ async def patterns(url: str, tokens: int) -> None:
         print(
             json.dumps(compared("turn 2: history prefilled and cached vs prefilled", miss, again)), flush=True
         )
+        # Long prompts (500-1200 tokens): vLLM's CPU attention tiled a prompt's tokens by the whole
+        # step's work, which showed beyond about 480 tokens.
+        lp = [rand(500, 1200) for _ in range(8)]
+        base = await together(c, lp, "long-base", tokens)
+        runs = {
+            "long prompts: together again": together(c, lp, "long-again", tokens),
+            "long prompts: beside 8 long prompts": together(c, lp, "long-long", tokens, long),
+            "long prompts: each alone": one_by_one(c, lp, "long-alone", tokens),
+            "long prompts: each beside 3 others": one_by_one(c, lp, "long-three", tokens, k=3),
+        }
+        for name, run in runs.items():
+            print(json.dumps(compared(name, base, await run)), flush=True)
+        # Their prefix cached: the same prompts with 200 tokens more, under the salt of the first run.
+        ext = [p + [7] * 200 for p in lp]
+        hit = await asyncio.gather(*(ask(c, e, 70 + i, "long-base", tokens) for i, e in enumerate(ext)))
+        miss = await asyncio.gather(*(ask(c, e, 70 + i, "long-fresh", tokens) for i, e in enumerate(ext)))
+        print(json.dumps(compared("long prompts: prefix cached vs prefilled whole", miss, hit)), flush=True)
 
 
 def main() -> None:

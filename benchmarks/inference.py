@@ -1,11 +1,12 @@
 """Inference benchmark on the real vLLM CPU server.
 
-Prints JSON: generation tokens/s at concurrency 1, 8 and 32 for the tiny model (128 new tokens per
-request, ignore nothing: EOS may end requests early, so tokens are counted, not assumed), and
+Prints JSON: generation tokens/s at concurrency 1, 8 and 32 for the tiny model (one 32-token
+prompt, or with --prompt-tokens N a prompt of N tokens for each request; 128 new tokens per request,
+ignore nothing: EOS may end requests early, so tokens are counted, not assumed), and
 weight-push seconds (safetensors save + pause/reload/resume) for the tiny model and, when
 `--smollm2 DIR` is given (see `make models/smollm2-135m`), for SmolLM2-135M.
 
-    .venv/bin/python benchmarks/inference.py [--smollm2 models/smollm2-135m]
+    .venv/bin/python benchmarks/inference.py [--smollm2 models/smollm2-135m] [--prompt-tokens N]
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.tiny_model import build_tiny_model
 
 
-async def throughput(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+def prompt(i: int, tokens: int | None) -> list[int]:
+    """Request i's prompt: one 32-token prompt for all (its prefix cached after the first), or with
+    `tokens` a prompt of that length of its own (every token prefilled)."""
+    return list(range(10, 42)) if tokens is None else [10 + (i + k * 7) % 90 for k in range(tokens)]
+
+
+async def throughput(url: str, concurrency: int, requests: int, max_tokens: int, tokens: int | None) -> dict:
     async with VLLMClient(url, max_in_flight=concurrency) as c:
         await c.complete([1, 2, 3, 4], max_tokens=4)  # warm-up
         t0 = time.perf_counter()
         outs = await asyncio.gather(
-            *(c.complete(list(range(10, 42)), max_tokens=max_tokens, seed=i) for i in range(requests))
+            *(c.complete(prompt(i, tokens), max_tokens=max_tokens, seed=i) for i in range(requests))
         )
         dt = time.perf_counter() - t0
     tokens = sum(len(o[0].token_ids) for o in outs)
@@ -73,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, help="each request a prompt of its own of this length")
     ap.add_argument("--push-only", action="store_true", help="only the weight-push figures")
     ap.add_argument("--repeats", type=int, default=3, help="pushes per model (median)")
     args = ap.parse_args()
@@ -82,7 +90,8 @@ def main() -> None:
     with start_server(tiny, max_model_len=1024, log_path=root / "tiny.log") as server:
         if not args.push_only:
             result["throughput"] = [
-                asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens)) for c in (1, 8, 32)
+                asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens, args.prompt_tokens))
+                for c in (1, 8, 32)
             ]
         result["weight_push_tiny"] = push_seconds(server.url, tiny, root, args.repeats)
     print(json.dumps(result), flush=True)
@@ -92,7 +101,7 @@ def main() -> None:
         ) as server:
             smol: dict = {"model": "SmolLM2-135M-Instruct"}
             if not args.push_only:
-                smol["throughput"] = [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens))
+                smol["throughput"] = [asyncio.run(throughput(server.url, c, max(4, 2 * c), args.max_tokens, args.prompt_tokens))
                                       for c in (1, 8, 32)]  # fmt: skip
             smol["weight_push"] = push_seconds(server.url, Path(args.smollm2), root, args.repeats)
         print(json.dumps(smol), flush=True)
