@@ -20,7 +20,6 @@ import contextlib
 import functools
 import os
 import re
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,15 +60,19 @@ class LearnerRank:
     def __init__(self) -> None:
         self.learner: Learner | None = None
         self.rank = 0
+        self.store = None  # rank 0's rendezvous store (`address`)
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 listens for the others: this node's address and a free port on it."""
+    def address(self, timeout_s: float) -> tuple[str, int]:
+        """Where rank 0 listens for the others: this node's address and the port of the rendezvous store
+        it opens here (port 0: the system picks one as the store binds it, so no other process can take
+        it between the choice and the bind)."""
         import ray
+        import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)  # fmt: skip
+        return host, self.store.port
 
     def pid(self) -> int:
         return os.getpid()
@@ -84,13 +87,10 @@ class LearnerRank:
         if cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
         host, port = address
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = self.store if rank == 0 else dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)  # fmt: skip
         self.rank = rank
         self.learner = build()
 
@@ -162,7 +162,7 @@ class DistributedLearner:
                                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip
         timeout = learner.collective_timeout_s
         try:
-            address = self._wait([self.ranks[0].address.remote()], "finding rank 0's address")[0]
+            address = self._wait([self.ranks[0].address.remote(timeout)], "opening rank 0's store")[0]
             self._wait(
                 [r.start.remote(i, self.world_size, address, timeout, self.device, build)
                  for i, r in enumerate(self.ranks)],

@@ -219,6 +219,9 @@ def push_version(
         failed = [(r, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
         if len(failed) == len(targets):
             raise failed[0][1]
+        for _, e in failed:  # a server that cannot take sync.transport is a config error, not a fault
+            if isinstance(e, TransportError):
+                raise e
         pusher.forget()
         done = True
     finally:

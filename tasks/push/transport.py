@@ -86,7 +86,7 @@ class Transport:
         t0 = time.perf_counter()
         recycle = None
         if reuse or self.recycle:
-            root, held = await client.uploaded_root(), await client.uploaded_versions()
+            root, held = await client.uploaded()  # one request for both
             if reuse and name in held:
                 return Sent(NETWORK, f"{root}/{name}", 0, time.perf_counter() - t0)
             mine = sorted(v for v in held if v.startswith(f"{self.run_id}/v") and v != name)

@@ -211,15 +211,14 @@ class ServerControl:
 
     async def uploaded_versions(self) -> list[str]:
         """The names of the versions committed in the server's upload dir."""
-        return (await self._uploaded())["versions"]
+        return (await self.uploaded())[1]
 
-    async def uploaded_root(self) -> str:
-        """The server's upload dir, on its host: a version `name` is `<it>/<name>`."""
-        return (await self._uploaded())["root"]
-
-    async def _uploaded(self) -> dict[str, Any]:
+    async def uploaded(self) -> tuple[str, list[str]]:
+        """(the server's upload dir on its host, the names of the versions committed there): a
+        version `name` is `<dir>/<name>`."""
         text = await self._request("GET", "/grpoflow/versions")
-        return json_object(text, f"GET {self.base_url}/grpoflow/versions", ("root", "versions"))
+        out = json_object(text, f"GET {self.base_url}/grpoflow/versions", ("root", "versions"))
+        return out["root"], out["versions"]
 
     async def probe(self, path: str) -> dict[str, Any]:
         """Can the server's host read the probe file `path` (a `.grpoflow-probe-<hex>` file)? {"sha256":

@@ -196,3 +196,31 @@ def test_client_connections_notice_a_vanished_peer_within_seconds():
             idle + probes * interval <= 15
             and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) > 0
         )
+
+
+def test_a_server_that_cannot_take_the_transport_fails_the_push_even_beside_others(tmp_path):
+    """Among several servers, one that cannot take sync.transport stops the push with its error (a
+    config error for the one `error:` line), rather than leaving the rotation to be revived forever."""
+    from grpoflow.tasks.push.push import Sent, push_version
+    from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+
+    class OneRefuses:  # a WeightPush whose second server refuses the transport (FAKE servers)
+        def save(self, write, version):
+            return str(tmp_path)
+
+        async def load(self, url, path, version, on_loaded=None):
+            if url == "http://b":
+                raise TransportError("sync.transport is 'path' but the vLLM server at http://b cannot read")
+            return Sent(Sent.PATH, path)
+
+        def forget(self):
+            pass
+
+        def model_name(self, version):
+            return None
+
+    replicas = ReplicaSet([Replica(0, "http://a"), Replica(1, "http://b")])
+    with pytest.raises(TransportError, match="http://b"):
+        push_version(OneRefuses(), lambda d: None, 1, replicas)
+    assert all(r.healthy for r in replicas.replicas)  # nobody sent to revival
+    replicas.close()
