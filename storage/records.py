@@ -63,6 +63,7 @@ class RewardCell:
     imputed: bool = False
     imputed_value: float | None = None
     extra: dict[str, Any] | None = None  # what the function logged for this completion (log_extra)
+    node: str = ""  # where it was scored: a Ray node's address, or the host's name (tasks/remote.py)
     trace: str | None = None  # the traceback of a failed call; not persisted (the reason is)
 
 

@@ -94,6 +94,7 @@ REWARDS_SCHEMA = pa.schema(
         ("imputed", pa.bool_()),
         ("imputed_value", pa.float64()),
         ("extra", pa.string()),  # JSON object of the function's log_extra columns for this completion
+        ("node", pa.string()),  # where the cell was scored: a Ray node's address, or the host's name
     ]
 )
 
@@ -192,6 +193,7 @@ def reward_rows(groups: list[records.RolloutGroup], *, run_id: str, step: int) -
             "imputed": cell.imputed,
             "imputed_value": cell.imputed_value,
             "extra": None if cell.extra is None else json.dumps(cell.extra, allow_nan=False),
+            "node": cell.node,
         }
         for g in groups
         for c in g.completions
@@ -240,6 +242,7 @@ def _cells_by_completion(rewards: list[dict[str, Any]]) -> dict[tuple[str, int],
                 imputed=bool(r.get("imputed")),
                 imputed_value=r.get("imputed_value"),
                 extra=json.loads(r["extra"]) if r.get("extra") else None,
+                node=r.get("node") or "",  # written before nodes were recorded: none
             )
         )
     return cells

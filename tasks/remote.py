@@ -7,6 +7,8 @@ the functions, so a run that sets no Ray field never imports it.
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -17,14 +19,27 @@ _REMOTE: Any = None  # the Ray remote function, made on first use (ray.remote ne
 _LOCK = threading.Lock()
 
 
-def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+def this_node() -> str:
+    """Where a call made in this process runs: its Ray node's address once the process has joined a
+    cluster (the address Ray's tasks report, so that a run's cells name their nodes alike), else the
+    host's name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostname()
+
+
+def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
     """Worker side. An import path is resolved on the worker, as the process pool does: the module
     comes from the job's runtime environment (flows/cluster.py), and nothing of the user's module
     state has to pickle. A callable given from Python travels by cloudpickle (by reference when its
     module is importable on the worker, by value otherwise, e.g. a closure)."""
+    import ray
+
     fn = import_object(target) if isinstance(target, str) else target
     out = fn(**kwargs)
-    return out.tolist() if hasattr(out, "tolist") else out  # numpy arrays and tensors travel as lists
+    # numpy arrays and tensors travel as lists; the node's address says where it ran
+    return ray.util.get_node_ip_address(), out.tolist() if hasattr(out, "tolist") else out
 
 
 def _remote() -> Any:
@@ -39,8 +54,11 @@ def _remote() -> Any:
         return _REMOTE
 
 
-async def call_on_ray(target: str | Callable[..., Any], kwargs: dict[str, Any], num_cpus: float) -> Any:
-    """`target(**kwargs)` as a Ray task reserving `num_cpus`; the user's exception is raised as itself.
+async def call_on_ray(
+    target: str | Callable[..., Any], kwargs: dict[str, Any], num_cpus: float
+) -> tuple[Any, str]:
+    """`target(**kwargs)` as a Ray task reserving `num_cpus`: its result, and the address of the Ray
+    node that ran it. The user's exception is raised as itself, with that address as `ray_node`.
 
     Cancelling the awaiting coroutine (its caller's timeout) cancels the task with force=True: Ray
     kills the worker running it, so a hung function holds neither a CPU nor a worker, and Ray starts
@@ -54,7 +72,8 @@ async def call_on_ray(target: str | Callable[..., Any], kwargs: dict[str, Any], 
         )
     ref = _remote().options(num_cpus=num_cpus).remote(target, kwargs)
     try:
-        return await asyncio.wrap_future(ref.future())
+        node, out = await asyncio.wrap_future(ref.future())
+        return out, node
     except asyncio.CancelledError:
         ray.cancel(ref, force=True)
         raise
@@ -63,5 +82,6 @@ async def call_on_ray(target: str | Callable[..., Any], kwargs: dict[str, Any], 
         # read `ZeroDivisionError: boom` as with threads, and a TimeoutError the function raised
         # must stay distinguishable from our deadline.
         if isinstance(e.cause, Exception):
+            e.cause.ray_node = e.ip
             raise e.cause from None
         raise

@@ -28,7 +28,7 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.rewards import RewardConfig
-from grpoflow.tasks.remote import call_on_ray
+from grpoflow.tasks.remote import call_on_ray, this_node
 from grpoflow.tasks.rewards.process_pool import in_process_pool
 from grpoflow.tasks.rewards.reward_kwargs import (
     RewardLog,
@@ -87,9 +87,11 @@ def _as_messages(groups: list[RolloutGroup], inputs: dict[str, list[Any]]) -> di
     return {**inputs, "completions": as_messages}
 
 
-def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) -> list[RewardCell]:
+def _cells_from_values(
+    spec: RewardConfig, values: Any, n: int, seconds: float, node: str
+) -> list[RewardCell]:
     def cell(value, status, reason=""):
-        return RewardCell(spec.name, value, status, reason, spec.weight, seconds)
+        return RewardCell(spec.name, value, status, reason, spec.weight, seconds, node=node)
 
     if hasattr(values, "tolist"):  # numpy arrays and torch tensors
         values = values.tolist()
@@ -113,10 +115,16 @@ def _cells_from_values(spec: RewardConfig, values: Any, n: int, seconds: float) 
 
 
 def _error_cells(
-    spec: RewardConfig, status: RewardStatus, reason: str, n: int, t0: float, trace: str | None = None
+    spec: RewardConfig,
+    status: RewardStatus,
+    reason: str,
+    n: int,
+    t0: float,
+    node: str,
+    trace: str | None = None,
 ) -> list[RewardCell]:
     dt = time.perf_counter() - t0
-    return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt, trace=trace)] * n
+    return [RewardCell(spec.name, None, status, reason[:500], spec.weight, dt, node=node, trace=trace)] * n
 
 
 async def _run_one(
@@ -127,26 +135,29 @@ async def _run_one(
     kwargs = {**inputs, "trainer_state": state, **spec.kwargs}
     t0 = time.perf_counter()
     deadline = asyncio.timeout(spec.timeout_s)
+    # Where it runs: this process, or the Ray node its task reports ("" when a task is cut off unheard)
+    node = "" if _on_ray(spec) else this_node()
     try:
         async with deadline:
-            values, log = await _call(spec, kwargs, n)
+            values, log, node = await _call(spec, kwargs, n, node)
     except TimeoutError as e:
         # Only our own deadline is a `timeout`; a TimeoutError the function raised (its HTTP client
         # gave up, say) is the function failing, and its message says why.
         if deadline.expired():
-            return _error_cells(spec, "timeout", f"exceeded {spec.timeout_s}s", n, t0), RewardLog(n)
-        return _failed(spec, e, n, t0), RewardLog(n)
+            return _error_cells(spec, "timeout", f"exceeded {spec.timeout_s}s", n, t0, node), RewardLog(n)
+        return _failed(spec, e, n, t0, node), RewardLog(n)
     except Exception as e:
-        return _failed(spec, e, n, t0), RewardLog(n)
-    cells = _cells_from_values(spec, values, n, time.perf_counter() - t0)
+        return _failed(spec, e, n, t0, node), RewardLog(n)
+    cells = _cells_from_values(spec, values, n, time.perf_counter() - t0, node)
     if log.extra:  # a copy per completion: a failed batch's cells are one object n times
         cells = [dataclasses.replace(c, extra=log.cell_extra(i)) for i, c in enumerate(cells)]
     return cells, log
 
 
-def _failed(spec: RewardConfig, e: Exception, n: int, t0: float) -> list[RewardCell]:
+def _failed(spec: RewardConfig, e: Exception, n: int, t0: float, node: str) -> list[RewardCell]:
     trace = "".join(traceback.format_exception(e))
-    return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0, trace)
+    node = getattr(e, "ray_node", None) or node  # raised in a Ray task: where it ran
+    return _error_cells(spec, "failed", f"{type(e).__name__}: {e}", n, t0, node, trace)
 
 
 async def _awaited(fn: Any, n: int, kwargs: dict[str, Any]) -> tuple[Any, RewardLog]:
@@ -155,11 +166,37 @@ async def _awaited(fn: Any, n: int, kwargs: dict[str, Any]) -> tuple[Any, Reward
     return (out.tolist() if hasattr(out, "tolist") else out), log
 
 
-async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any, RewardLog]:
+async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int, node: str) -> tuple[Any, RewardLog, str]:
+    """The function's values and log, and the node that ran it (`node`: this process's)."""
+    if _on_ray(spec):
+        # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
+        no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
+        (values, log), node = await call_on_ray(
+            functools.partial(call_logged, spec.fn, n), no_env, spec.num_cpus
+        )
+        return values, log, node
+    return (*await _call_here(spec, kwargs, n), node)
+
+
+def _on_ray(spec: RewardConfig) -> bool:
+    """Whether this reward runs as a Ray task (an async function runs on its own loop here)."""
+    if spec.executor != "ray" or spec.model is not None:
+        return False
+    try:
+        return not _is_async(resolve_reward(spec))
+    except Exception:  # a bad import path: the call raises it again, as the cells' reason
+        return False
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def _call_here(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any, RewardLog]:
     if spec.model is not None:
         return await in_daemon_thread(_call_reward_model, spec, n, kwargs)
     fn = resolve_reward(spec)
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+    if _is_async(fn):
         # Its own event loop on a daemon thread: an `async def` that blocks (time.sleep, sync I/O)
         # stalls only itself, not the batch's other rewards, and is abandoned at its timeout.
         return await in_daemon_thread(asyncio.run, _awaited(fn, n, kwargs))
@@ -168,10 +205,6 @@ async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int) -> tuple[Any
             raise TypeError("executor='process' needs an import path 'module:function'")
         no_env = {**kwargs, "environments": [None] * n}  # environments rarely pickle; documented
         return await in_process_pool(functools.partial(call_logged, spec.fn, n, **no_env))
-    if spec.executor == "ray":
-        # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
-        no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
-        return await call_on_ray(functools.partial(call_logged, spec.fn, n), no_env, spec.num_cpus)
     if _is_module(fn):
         return await in_daemon_thread(_call_module, fn, n, kwargs)
     # a daemon thread: a hung function is abandoned at its timeout, never joined

@@ -154,7 +154,7 @@ class ToolBox:
             async with deadline:
                 if remote is not None:
                     # cut off at the timeout with its worker killed: nothing of it runs on
-                    out = await call_on_ray(remote, call.arguments, self.num_cpus)
+                    out, _ = await call_on_ray(remote, call.arguments, self.num_cpus)
                 elif inspect.iscoroutinefunction(fn):
                     out = await fn(**call.arguments)
                 else:

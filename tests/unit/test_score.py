@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import threading
 import time
 
@@ -123,6 +124,8 @@ def test_fault_matrix_every_cell_has_the_right_status(hanging_rewards):
                 assert cells[name].status == status, name
                 assert reason in cells[name].reason, (name, cells[name].reason)
                 assert cells[name].value is None  # never a silent 0
+            # scored in this process, without Ray: every cell, failed or not, names this host
+            assert {cell.node for cell in c.reward_cells} == {socket.gethostname()}
             # only the healthy (required) reward counts; optional failures are left out of the sum
             assert c.reward_valid and c.reward == 2.0 * len(c.completion)
             assert "raises (optional): failed" in c.invalid_reason
@@ -289,6 +292,7 @@ def test_a_failed_optional_reward_counts_as_its_group_mean(tmp_path):
     by_name = {r[cols.index("reward_name")]: r for r in out}
     assert by_name["opt"][cols.index("invalid_rate")] == 0.5
     assert query(tmp_path, "SELECT count(*) FROM rewards WHERE imputed")[1] == [(3,)]
+    assert query(tmp_path, "SELECT node, count(*) FROM rewards GROUP BY node")[1] == [(socket.gethostname(), 24)]
 
 
 def required_by_len(completions, **_):
