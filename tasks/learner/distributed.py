@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import time
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from grpoflow.tasks.config.model import ModelConfig
     from grpoflow.tasks.config.rollouts import GenerationConfig
     from grpoflow.tasks.learner.learner_api import LearnerRun
+
+log = logging.getLogger(__name__)
 
 # What the ranks are doing in each call `DistributedLearner` makes on them, for the error naming a
 # failed rank. Keyed by the Learner's methods themselves, so renaming one cannot leave a stale name.
@@ -76,6 +79,12 @@ class LearnerRank:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The address of the Ray node this rank runs on (its host)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float, device: str,
               build: Callable[[], Learner]) -> None:  # fmt: skip
@@ -154,14 +163,18 @@ class DistributedLearner:
             num_cpus=learner.torch_threads or 1,
             num_gpus=1 if cuda else 0,
             max_restarts=0,
+            scheduling_strategy="SPREAD",  # a rank per node while there are nodes with room
             runtime_env={"env_vars": faults} if faults else None,
         )
         self.ranks = [actor.remote() for _ in range(self.world_size)]
+        self.nodes: list[str] = []  # each rank's node, once they run (errors name it)
         config = learner.model_copy(update={"device": self.device})
         build = functools.partial(Learner, self.model_path, config, algorithm, run, generation, model,
                                   skip_zero_advantage=skip_zero_advantage)  # fmt: skip
         timeout = learner.collective_timeout_s
         try:
+            self.nodes = self._wait([r.node.remote() for r in self.ranks], "starting")
+            log.info("learner ranks on nodes %s", ", ".join(f"{i}: {n}" for i, n in enumerate(self.nodes)))
             address = self._wait([self.ranks[0].address.remote(timeout)], "opening rank 0's store")[0]
             self._wait(
                 [r.start.remote(i, self.world_size, address, timeout, self.device, build)
@@ -229,7 +242,8 @@ class DistributedLearner:
                 errors = [(refs.index(done[0]), first)] + [(refs.index(r), _error(r)) for r in late]
                 errors = [(i, e) for i, e in errors if e is not None]
                 rank, cause = next(((i, e) for i, e in errors if isinstance(e, RayActorError)), errors[0])
-                self.failed = f"rank {rank} failed while {doing}"
+                on = f" (on {self.nodes[rank]})" if rank < len(self.nodes) else ""
+                self.failed = f"rank {rank}{on} failed while {doing}"
                 self.close()
                 raise LearnerRankError(f"learner {self.failed}: {_short(cause)}") from cause
         return ray.get(refs)
