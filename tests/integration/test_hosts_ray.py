@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -28,6 +30,15 @@ KEY, SERVE_PORT, RAY_PORT, STEPS = "hosts-ray-key", 8766, 6379, 2
 RAY = str(Path(sys.executable).with_name("ray"))
 
 three_hosts = hosts_fixture(3, prefix="gr", scope="module")
+_TEMPS: list[Path] = []  # the Ray nodes' temp folders
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_temps():
+    yield
+    for t in _TEMPS:
+        shutil.rmtree(t, ignore_errors=True)
+
 
 CONFIG = """
 model: {path: MODEL}
@@ -41,15 +52,21 @@ run: {steps: STEPS}
 
 
 def _start_ray(host: Host, tmp: Path, *args: str) -> subprocess.Popen:
-    """`ray start --block` on `host`, its sessions and sockets in a temp folder of its own."""
-    temp = tmp / f"ray-{host.name}"
-    temp.mkdir()
+    """`ray start --block` on `host`, its sessions and sockets in a short temp folder of its own (a
+    socket path has at most 107 bytes), removed with the module's hosts."""
+    temp = Path(tempfile.mkdtemp(prefix=f"{host.name}-", dir="/tmp"))
+    _TEMPS.append(temp)
     log = open(tmp / f"ray-{host.name}.log", "ab")  # noqa: SIM115 (the process keeps its own descriptor)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [RAY, "start", "--block", f"--node-ip-address={host.address}", "--include-dashboard=false",
            "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000", *args]  # fmt: skip
     with log:
         return host.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _up(host: Host, port: int, proc: subprocess.Popen, what: str) -> bool:
+    assert proc.poll() is None, f"{what} exited ({proc.returncode})"
+    return host.answers(port)
 
 
 def _healthy(url: str, proc: subprocess.Popen) -> bool:
@@ -76,9 +93,8 @@ def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
     store, root = tmp / "store", tmp / "server-root"
     store.mkdir(), root.mkdir()
     head = _start_ray(learner, tmp, "--head", f"--port={RAY_PORT}", "--num-cpus=0")
-    wait_for(lambda: learner.answers(RAY_PORT), 120, "the Ray head on the learner's host",
+    wait_for(lambda: _up(learner, RAY_PORT, head, "ray start --head"), 120, "the Ray head on the learner's host",
              why=lambda: _log(tmp, f"ray-{learner.name}.log"))  # fmt: skip
-    assert head.poll() is None
     _start_ray(worker, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
     serve = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir), "--host",
              server.address, "--port", str(SERVE_PORT), "--root", str(root)]  # fmt: skip
