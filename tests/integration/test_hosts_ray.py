@@ -58,8 +58,9 @@ def _start_ray(host: Host, tmp: Path, *args: str) -> subprocess.Popen:
     _TEMPS.append(temp)
     log = open(tmp / f"ray-{host.name}.log", "ab")  # noqa: SIM115 (the process keeps its own descriptor)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [RAY, "start", "--block", f"--node-ip-address={host.address}", "--include-dashboard=false",
-           "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000", *args]  # fmt: skip
+    head = ["--include-dashboard=false", "--disable-usage-stats"] if "--head" in args else []
+    cmd = [RAY, "start", "--block", f"--node-ip-address={host.address}", f"--temp-dir={temp}",
+           "--object-store-memory=100000000", *head, *args]  # fmt: skip
     with log:
         return host.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -95,7 +96,7 @@ def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
     head = _start_ray(learner, tmp, "--head", f"--port={RAY_PORT}", "--num-cpus=0")
     wait_for(lambda: _up(learner, RAY_PORT, head, "ray start --head"), 120, "the Ray head on the learner's host",
              why=lambda: _log(tmp, f"ray-{learner.name}.log"))  # fmt: skip
-    _start_ray(worker, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
+    joining = _start_ray(worker, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
     serve = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir), "--host",
              server.address, "--port", str(SERVE_PORT), "--root", str(root)]  # fmt: skip
     with open(tmp / "serve.log", "ab") as log:
@@ -103,7 +104,7 @@ def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
                             env=_env(root / "prefect") | {"GRPOFLOW_API_KEY": KEY})  # fmt: skip
     wait_for(lambda: _healthy(server.url(SERVE_PORT, "/health"), served), 600, "grpoflow serve on the third host",
              why=lambda: _log(tmp, "serve.log"))  # fmt: skip
-    _wait_nodes(learner, 2, tmp, worker)  # the run's rewards need the worker's CPU
+    _wait_nodes(learner, 2, tmp, worker, joining)  # the run's rewards need the worker's CPU
     return tmp, store
 
 
@@ -114,10 +115,17 @@ def _env(prefect_home: Path) -> dict[str, str]:
     return env | {"PREFECT_HOME": str(prefect_home)}
 
 
-def _wait_nodes(learner: Host, n: int, tmp: Path, joining: Host) -> None:
-    nodes = f"import ray; ray.init(address='{learner.address}:{RAY_PORT}'); print(len(ray.nodes()))"
-    wait_for(lambda: learner.check_output([sys.executable, "-c", nodes], timeout_s=60).strip() == str(n), 120,
-             f"{joining.name}'s Ray node to join", why=lambda: _log(tmp, f"ray-{joining.name}.log"))  # fmt: skip
+def _wait_nodes(learner: Host, n: int, tmp: Path, joining: Host, proc: subprocess.Popen) -> None:
+    """Until the cluster has `n` live nodes, the last one `joining`'s (`proc`: its `ray start`)."""
+    nodes = f"import ray; ray.init(address='{learner.address}:{RAY_PORT}'); print(sum(x['Alive'] for x in ray.nodes()))"
+
+    def joined() -> bool:
+        assert proc.poll() is None, f"ray start on {joining.name} exited ({proc.returncode})"
+        return learner.check_output([sys.executable, "-c", nodes], timeout_s=60).strip() == str(n)
+
+    wait_for(
+        joined, 120, f"{joining.name}'s Ray node to join", why=lambda: _log(tmp, f"ray-{joining.name}.log")
+    )
 
 
 def test_a_run_across_three_hosts_records_where_everything_ran(three_hosts, tiny_model_dir, cluster):
@@ -144,8 +152,8 @@ def test_a_run_across_three_hosts_records_where_everything_ran(three_hosts, tiny
 def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hosts, tiny_model_dir, cluster):
     learner, worker, server = three_hosts
     tmp, _ = cluster
-    _start_ray(server, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
-    _wait_nodes(learner, 3, tmp, server)
+    joining = _start_ray(server, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
+    _wait_nodes(learner, 3, tmp, server, joining)
     out = learner.check_output([sys.executable, "-m", "tests.integration.hosts_learner",
                                 f"{learner.address}:{RAY_PORT}", str(tiny_model_dir)],
                                cwd=REPO, env=_env(tmp / "prefect-learner"), timeout_s=600)  # fmt: skip
