@@ -142,8 +142,9 @@ def test_a_run_across_three_hosts_records_where_everything_ran(three_hosts, tiny
     out, _ = train.communicate(timeout=600)
     assert train.returncode == 0, out[-4000:]
 
-    assert query(store, "SELECT node, count(*), count(*) FILTER (WHERE status = 'valid') FROM rewards "
-                        "GROUP BY node")[1] == [(worker.address, STEPS * 16, STEPS * 16)]  # fmt: skip
+    # every cell scored on the worker host, none failed there (an empty completion may be invalid)
+    assert query(store, "SELECT node, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')) "
+                        "FROM rewards GROUP BY node")[1] == [(worker.address, STEPS * 16, 0)]  # fmt: skip
     assert query(store, "SELECT DISTINCT server FROM rollouts")[1] == [(server.url(SERVE_PORT),)]
     pushes = query(store, 'SELECT "sync/network_servers" FROM steps WHERE "sync/version" IS NOT NULL')[1]
     assert pushes and all(n == 1 for (n,) in pushes)
