@@ -155,9 +155,17 @@ def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hos
     tmp, _ = cluster
     joining = _start_ray(server, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
     _wait_nodes(learner, 3, tmp, server, joining)
-    out = learner.check_output([sys.executable, "-m", "tests.integration.hosts_learner",
-                                f"{learner.address}:{RAY_PORT}", str(tiny_model_dir)],
-                               cwd=REPO, env=_env(tmp / "prefect-learner"), timeout_s=600)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.hosts_learner",
+        f"{learner.address}:{RAY_PORT}",
+        str(tiny_model_dir),
+    ]
+    run = learner.run(cmd, cwd=REPO, env=_env(tmp / "prefect-learner"), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, out[-4000:]
     got = json.loads(out.strip().splitlines()[-1])
     assert sorted(got["nodes"]) == sorted([worker.address, server.address])  # a rank on each host
     assert got["worst"] < WEIGHT_ATOL, got
