@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -97,6 +98,12 @@ class LearnerRank:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
         host, port = address
         timeout = timedelta(seconds=timeout_s)
+        # Gloo and NCCL find their own address by this host's name, which on many machines resolves to
+        # a loopback address that other hosts cannot reach: the ranks talk on the Ray node's interface.
+        interface = _interface_of(self.node())
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         store = self.store if rank == 0 else dist.TCPStore(host, port, is_master=False, timeout=timeout)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)  # fmt: skip
@@ -247,6 +254,22 @@ class DistributedLearner:
                 self.close()
                 raise LearnerRankError(f"learner {self.failed}: {_short(cause)}") from cause
         return ray.get(refs)
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 `address` (Linux), None if none does."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
 
 
 def _error(ref) -> BaseException | None:
