@@ -166,7 +166,7 @@ def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hos
                       stderr=subprocess.STDOUT, text=True)  # fmt: skip
     out, _ = run.communicate(timeout=600)
     assert run.returncode == 0, out[-4000:]
-    got = json.loads(out.strip().splitlines()[-1])
+    got = json.loads(next(line for line in out.splitlines() if line.startswith('{"nodes"')))
     assert sorted(got["nodes"]) == sorted([worker.address, server.address])  # a rank on each host
     assert got["worst"] < WEIGHT_ATOL, got
     assert got["loss"][1] == pytest.approx(got["loss"][0], abs=1e-5)
