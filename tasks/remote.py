@@ -25,8 +25,19 @@ def this_node() -> str:
     host's name."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        return ray.util.get_node_ip_address()
+        return node_address()
     return socket.gethostname()
+
+
+def node_address() -> str:
+    """The address of the Ray node this process belongs to, as the node registered it (`ray start
+    --node-ip-address`), which `ray.util.get_node_ip_address()` guesses from the default route instead."""
+    import ray
+
+    try:
+        return ray._private.worker.global_worker.node_ip_address
+    except Exception:  # another Ray's internals: the guess
+        return ray.util.get_node_ip_address()
 
 
 def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -34,12 +45,14 @@ def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str,
     comes from the job's runtime environment (flows/cluster.py), and nothing of the user's module
     state has to pickle. A callable given from Python travels by cloudpickle (by reference when its
     module is importable on the worker, by value otherwise, e.g. a closure)."""
-    import ray
-
     fn = import_object(target) if isinstance(target, str) else target
-    out = fn(**kwargs)
+    try:
+        out = fn(**kwargs)
+    except Exception as e:  # travels back with its attributes: the caller records where it failed
+        e.ray_node = node_address()
+        raise
     # numpy arrays and tensors travel as lists; the node's address says where it ran
-    return ray.util.get_node_ip_address(), out.tolist() if hasattr(out, "tolist") else out
+    return node_address(), out.tolist() if hasattr(out, "tolist") else out
 
 
 def _remote() -> Any:
@@ -58,7 +71,7 @@ async def call_on_ray(
     target: str | Callable[..., Any], kwargs: dict[str, Any], num_cpus: float
 ) -> tuple[Any, str]:
     """`target(**kwargs)` as a Ray task reserving `num_cpus`: its result, and the address of the Ray
-    node that ran it. The user's exception is raised as itself, with that address as `ray_node`.
+    node that ran it. The user's exception is raised as itself, with that address as its `ray_node`.
 
     Cancelling the awaiting coroutine (its caller's timeout) cancels the task with force=True: Ray
     kills the worker running it, so a hung function holds neither a CPU nor a worker, and Ray starts
@@ -82,6 +95,5 @@ async def call_on_ray(
         # read `ZeroDivisionError: boom` as with threads, and a TimeoutError the function raised
         # must stay distinguishable from our deadline.
         if isinstance(e.cause, Exception):
-            e.cause.ray_node = e.ip
             raise e.cause from None
         raise

@@ -33,6 +33,7 @@ from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.learner.learn import Learner
 from grpoflow.tasks.learner.learner_api import TrainSample
 from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, merge_ranks, step_metrics
+from grpoflow.tasks.remote import node_address
 
 if TYPE_CHECKING:
     from grpoflow.tasks.config.algorithm import AlgorithmConfig
@@ -70,10 +71,9 @@ class LearnerRank:
         """Where rank 0 listens for the others: this node's address and the port of the rendezvous store
         it opens here (port 0: the system picks one as the store binds it, so no other process can take
         it between the choice and the bind)."""
-        import ray
         import torch.distributed as dist
 
-        host = ray.util.get_node_ip_address()
+        host = node_address()
         self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)  # fmt: skip
         return host, self.store.port
@@ -83,9 +83,7 @@ class LearnerRank:
 
     def node(self) -> str:
         """The address of the Ray node this rank runs on (its host)."""
-        import ray
-
-        return ray.util.get_node_ip_address()
+        return node_address()
 
     def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float, device: str,
               build: Callable[[], Learner]) -> None:  # fmt: skip

@@ -292,7 +292,9 @@ def test_a_failed_optional_reward_counts_as_its_group_mean(tmp_path):
     by_name = {r[cols.index("reward_name")]: r for r in out}
     assert by_name["opt"][cols.index("invalid_rate")] == 0.5
     assert query(tmp_path, "SELECT count(*) FROM rewards WHERE imputed")[1] == [(3,)]
-    assert query(tmp_path, "SELECT node, count(*) FROM rewards GROUP BY node")[1] == [(socket.gethostname(), 24)]
+    assert query(tmp_path, "SELECT node, count(*) FROM rewards GROUP BY node")[1] == [
+        (socket.gethostname(), 24)
+    ]
 
 
 def required_by_len(completions, **_):
