@@ -17,6 +17,7 @@ from grpoflow.tasks.config.imports import import_object
 
 _REMOTE: Any = None  # the Ray remote function, made on first use (ray.remote needs ray imported)
 _LOCK = threading.Lock()
+_NODES: dict[str, str] = {}  # Ray node id -> its address (node_address)
 
 
 def this_node() -> str:
@@ -31,13 +32,14 @@ def this_node() -> str:
 
 def node_address() -> str:
     """The address of the Ray node this process belongs to, as the node registered it (`ray start
-    --node-ip-address`), which `ray.util.get_node_ip_address()` guesses from the default route instead."""
+    --node-ip-address`; `ray.util.get_node_ip_address()` guesses one from the routes instead). Looked
+    up in the cluster's node table once per node."""
     import ray
 
-    try:
-        return ray._private.worker.global_worker.node_ip_address
-    except Exception:  # another Ray's internals: the guess
-        return ray.util.get_node_ip_address()
+    node = ray.get_runtime_context().get_node_id()
+    if node not in _NODES:
+        _NODES.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
+    return _NODES.get(node) or ray.util.get_node_ip_address()
 
 
 def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
