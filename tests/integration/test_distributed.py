@@ -192,7 +192,7 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
     pids = ray.get([r.pid.remote() for r in d.ranks])
     t0 = time.monotonic()
     with pytest.raises(
-        LearnerRankError, match=rf"rank {rank} \(on 127\.0\.0\.1\) failed while running a train step"
+        LearnerRankError, match=rf"rank {rank} \(on [0-9.]+\) failed while running a train step"
     ) as e:
         d.train_step(batch(1))
     took = time.monotonic() - t0
@@ -213,8 +213,6 @@ def test_sigkill_of_a_rank_from_outside(cluster, model_dir):
     d = sharded(model_dir, collective_timeout_s=5.0)
     pids = ray.get([r.pid.remote() for r in d.ranks])
     os.kill(pids[1], signal.SIGKILL)
-    with pytest.raises(
-        LearnerRankError, match=r"rank 1 \(on 127\.0\.0\.1\) failed while running a train step"
-    ):
+    with pytest.raises(LearnerRankError, match=r"rank 1 \(on [0-9.]+\) failed while running a train step"):
         d.train_step(batch(1))
     _wait_dead(pids)
