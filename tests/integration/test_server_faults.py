@@ -73,7 +73,10 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
 
         async def in_flight_then_kill():
             async with VLLMClient(url, api_key=key, retries=2, backoff_s=0.2) as c:
-                req = asyncio.create_task(c.complete([5] * 16, max_tokens=1000, temperature=1.0, seed=1))
+                # ignore_eos: the request must still run at the kill, whatever it samples (an EOS ended it early)
+                req = asyncio.create_task(
+                    c.complete([5] * 16, max_tokens=1000, temperature=1.0, seed=1, ignore_eos=True)
+                )
                 await asyncio.sleep(0.3)
                 os.killpg(first, signal.SIGKILL)
                 t0 = time.perf_counter()
