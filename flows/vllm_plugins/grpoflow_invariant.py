@@ -78,10 +78,12 @@ def _pieces(q_lens: list[int], seq_lens: list[int], c: int) -> tuple[list[int], 
     return rows, lens, seqs
 
 
-def _as_kwargs(op, args, kw) -> dict:
-    import inspect
-
-    bound = inspect.signature(op).bind(*args, **kw)
+def _as_kwargs(signature, args, kw) -> dict:
+    """A call's arguments by name. vLLM passes them all by keyword: then no binding (this runs for every
+    layer at every step)."""
+    if not args:
+        return kw
+    bound = signature.bind(*args, **kw)
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -92,17 +94,20 @@ class _Attention:
     (planned once per schedule: every layer of a step shares it)."""
 
     def __init__(self, schedule_op, attend_op):
+        import inspect
+
         self.schedule_op, self.attend_op = schedule_op, attend_op
+        self.signatures = inspect.signature(schedule_op), inspect.signature(attend_op)
 
     def schedule(self, *args, **kw):
-        kw = _as_kwargs(self.schedule_op, args, kw)
+        kw = _as_kwargs(self.signatures[0], args, kw)
         kw["enable_kv_split"] = False  # a KV split follows the batch too (VLLM_CPU_ATTN_SPLIT_KV)
         plan = self.schedule_op(**kw)
         plan.grpoflow_schedule = kw
         return plan
 
     def attend(self, *args, **kw):
-        kw = _as_kwargs(self.attend_op, args, kw)
+        kw = _as_kwargs(self.signatures[1], args, kw)
         plan = kw["scheduler_metadata"]
         pieces = getattr(plan, "grpoflow_pieces", None)
         if pieces is None:
@@ -113,7 +118,7 @@ class _Attention:
         """The call's arguments that change when its requests are cut into pieces ({} when none is)."""
         import torch
 
-        if sched is None or not kw["causal"] or kw.get("dynamic_causal") is not None:
+        if sched is None or not kw.get("causal", True) or kw.get("dynamic_causal") is not None:
             return {}
         n = sched["num_reqs"]
         starts = kw["query_start_loc"][: n + 1].tolist()
@@ -131,11 +136,13 @@ class _Attention:
     def _chunk_size(self, sched: dict, kw: dict) -> int:
         """The largest of CHUNKS whose pieces compute rows as decodes do, for this call's shape."""
         block_size = kw["key_cache"].shape[2]
-        key = (*(sched[k] for k in ("num_heads", "num_kv_heads", "head_dim", "dtype", "isa", "kv_cache_dtype")),
-               sched["sliding_window_size"], kw["softcap"], kw["alibi_slopes"] is not None,
-               kw["s_aux"] is not None, block_size)  # fmt: skip
+        key = (*(sched.get(k) for k in ("num_heads", "num_kv_heads", "head_dim", "dtype", "isa", "kv_cache_dtype")),
+               sched.get("sliding_window_size"), kw.get("softcap"), kw.get("alibi_slopes") is not None,
+               kw.get("s_aux") is not None, block_size)  # fmt: skip
         if key not in _chunk_sizes:
-            fits = sched["kv_cache_dtype"] == "auto"  # fp8 caches are not checked: one token a piece
+            fits = (
+                sched.get("kv_cache_dtype", "auto") == "auto"
+            )  # fp8 caches are not checked: one token a piece
             _chunk_sizes[key] = next((c for c in CHUNKS if fits and self._like_decodes(sched, kw, c)), 1)
         return _chunk_sizes[key]
 

@@ -136,10 +136,11 @@ async def _run_one(
     t0 = time.perf_counter()
     deadline = asyncio.timeout(spec.timeout_s)
     # Where it runs: this process, or the Ray node its task reports ("" when a task is cut off unheard)
-    node = "" if _on_ray(spec) else this_node()
+    on_ray = _on_ray(spec)
+    node = "" if on_ray else this_node()
     try:
         async with deadline:
-            values, log, node = await _call(spec, kwargs, n, node)
+            values, log, node = await _call(spec, kwargs, n, node, on_ray)
     except TimeoutError as e:
         # Only our own deadline is a `timeout`; a TimeoutError the function raised (its HTTP client
         # gave up, say) is the function failing, and its message says why.
@@ -166,9 +167,11 @@ async def _awaited(fn: Any, n: int, kwargs: dict[str, Any]) -> tuple[Any, Reward
     return (out.tolist() if hasattr(out, "tolist") else out), log
 
 
-async def _call(spec: RewardConfig, kwargs: dict[str, Any], n: int, node: str) -> tuple[Any, RewardLog, str]:
+async def _call(
+    spec: RewardConfig, kwargs: dict[str, Any], n: int, node: str, on_ray: bool
+) -> tuple[Any, RewardLog, str]:
     """The function's values and log, and the node that ran it (`node`: this process's)."""
-    if _on_ray(spec):
+    if on_ray:
         # a Ray task; at the timeout the cancelled await kills its worker (tasks/remote.py)
         no_env = {**kwargs, "environments": [None] * n}  # environments stay local, as for the pool
         (values, log), node = await call_on_ray(

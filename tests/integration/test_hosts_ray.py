@@ -15,11 +15,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from grpoflow.flows.launch import is_healthy
 from grpoflow.storage.sql import query
 from tests.hosts import Host
 from tests.integration.test_distributed import WEIGHT_ATOL
@@ -72,12 +72,7 @@ def _up(host: Host, port: int, proc: subprocess.Popen, what: str) -> bool:
 
 def _healthy(url: str, proc: subprocess.Popen) -> bool:
     assert proc.poll() is None, f"grpoflow serve exited ({proc.returncode})"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return is_healthy(url)  # /health needs no key
 
 
 def _log(tmp: Path, name: str) -> str:
@@ -102,7 +97,7 @@ def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
     with open(tmp / "serve.log", "ab") as log:
         served = server.run(serve, hide=[store], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=_env(root / "prefect") | {"GRPOFLOW_API_KEY": KEY})  # fmt: skip
-    wait_for(lambda: _healthy(server.url(SERVE_PORT, "/health"), served), 600, "grpoflow serve on the third host",
+    wait_for(lambda: _healthy(server.url(SERVE_PORT), served), 600, "grpoflow serve on the third host",
              why=lambda: _log(tmp, "serve.log"))  # fmt: skip
     _wait_nodes(learner, 2, tmp, worker, joining)  # the run's rewards need the worker's CPU
     return tmp, store
