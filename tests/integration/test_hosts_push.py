@@ -215,19 +215,31 @@ def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote
     assert gap(load(store / "weights" / "far-kill" / kept[-1]), served(url)) < 1e-3
 
 
-KILL_AFTER_STEP = 1
-host_down, host_back = threading.Event(), threading.Event()
+KILL_AFTER_STEP, STEPS = 1, 6
+# The watcher's progress (host_dead: killed, link down; host_back: its server rejoined) and the run's
+# (last_generated: its last batch was generated), each set once.
+host_dead, last_generated, host_back, run_over = (threading.Event() for _ in range(4))
 rejoined: list[tuple[int, int]] = []  # (replica index, version it serves) each time one rejoins
 
 
-def gated_letter(completions, **kw):
-    """letter_fraction, except that while the second host is down the batch being scored waits for it
-    to be back (at most 5 min): the run then has steps left for the revived server to serve."""
+def gated_letter(completions, trainer_state, **kw):
+    """letter_fraction, scored where the test holds the run (the flow's loop submits batch s + 1 before
+    it trains step s; max_staleness 1):
+    - step KILL_AFTER_STEP + 2's batch waits until the second host is dead, so the push after it, and the
+      batches submitted after that push (the last one), come after the kill;
+    - the last batch, once generated (its servers' health taken), lets the host start again and waits
+      until its server has rejoined: the last push then reaches both servers.
+    Nothing here depends on how long a kill, a start or a step takes."""
     from grpoflow.examples.rewards import letter_fraction
 
-    if host_down.is_set():
-        host_back.wait(300)
-    return letter_fraction(completions, **kw)
+    step = trainer_state.global_step
+    if step >= KILL_AFTER_STEP + 2 and not host_dead.wait(300):
+        raise TimeoutError("the second host was not killed within 5 min")
+    if step == STEPS - 1:
+        last_generated.set()
+        if not host_back.wait(300):
+            raise TimeoutError("the second host's server did not rejoin within 5 min")
+    return letter_fraction(completions, trainer_state=trainer_state, **kw)
 
 
 def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
@@ -241,7 +253,7 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     from grpoflow.flows.train import grpo_train
     from grpoflow.tasks.rollouts.replicas import ReplicaSet
 
-    store, steps = remote.store, 6
+    store, steps = remote.store, STEPS
     sets = [f"storage.root={store}", f"model.path={tiny_model_dir}", f"run.steps={steps}", "run.run_id=far-death",
             f"inference.urls=[{vllm_server.url}, {remote.url}]", f"inference.api_key={KEY}", "inference.retries=1",
             "run.checkpoint_every=100", "rewards=[{name: letter, fn: 'tests.integration.test_hosts_push:gated_letter', "
@@ -263,13 +275,17 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
             marker = store / "steps" / "run_id=far-death" / f"step-{KILL_AFTER_STEP:06d}.parquet"
             wait_for(marker.exists, 600, f"the run to store step {KILL_AFTER_STEP}")
             remote.host.kill()
-            host_down.set()
+            host_dead.set()
+            wait_for(last_generated.is_set, 600, "the last batch to be generated without the host")
+            if run_over.is_set():  # it failed before its last batch: nothing waits for the host
+                return
             remote.host.revive()  # the machine boots again: no process of before runs there
             remote.start(tiny_model_dir)
             wait_for(lambda: any(i == 1 for i, _ in rejoined), 300, "the revived server to rejoin")
         except BaseException as e:
             errors.append(e)
-        finally:
+        finally:  # the run waits on none of these once the watcher is gone
+            host_dead.set()
             host_back.set()
 
     watcher = threading.Thread(target=kill_then_revive, daemon=True)
@@ -277,8 +293,9 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     try:
         summary = grpo_train(config=cfg)
     finally:
-        host_back.set()
-        watcher.join(60)
+        run_over.set()
+        last_generated.set()  # a run that failed early: the watcher stops waiting for it
+        watcher.join(600)
     assert not errors, errors
     assert summary["steps_trained"] == steps and summary["transports"] == {
         vllm_server.url: "path", remote.url: "network"}  # fmt: skip
