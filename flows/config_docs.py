@@ -180,6 +180,8 @@ def _python_only(ann: Any) -> bool:
 def default_text(field: FieldInfo) -> str:
     if field.default_factory is None and field.default is PydanticUndefined:
         return "required"
+    if field.exclude:  # a secret: its default comes from the environment, never printed
+        return "from the environment"
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(section)"
@@ -218,6 +220,9 @@ def _mapping_lines(obj: BaseModel, indent: int, width: int) -> list[str]:
         value = getattr(obj, name)
         if indent == 0 and lines:
             lines.append("")  # a blank line between top-level sections
+        if field.exclude:  # a secret (inference.api_key): named in a comment, its value never shown
+            lines += _comment(f"{name} (not shown): {field.description}", indent, width)
+            continue
         lines += _comment(field.description, indent, width)
         if isinstance(value, BaseModel):
             lines.append(f"{pad}{name}:")

@@ -4,6 +4,7 @@ supervised: restarted when it dies, a pause whose trainer died resumed."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,9 +95,16 @@ def policy_server(
     `lora_rank`: a LoRA server shared by LoRA lineages (`lineages`, and `lineage`): started on the base
     model (`model_dir`, else the lineages' adapters' base) with adapters up to this rank loadable at
     runtime, `max_loras` per batch; each lineage's adapter is loaded under its name at start and after
-    every restart, and promotions and rollbacks (`--server`) replace it there."""
+    every restart, and promotions and rollbacks (`--server`) replace it there.
+
+    `api_key` (needed off loopback): default $GRPOFLOW_API_KEY of the worker that runs it, so that the
+    key is no parameter the UI shows. `host`: the address it binds (another host's learner needs this
+    host's address, not the default 127.0.0.1); versions pushed over the network land in
+    <root>/uploads/serve-<port>/."""
     log = get_run_logger()
     from grpoflow.tasks.config.allowlist import check_path
+
+    api_key = api_key or os.environ.get("GRPOFLOW_API_KEY") or None  # the worker's, not a parameter
 
     check_path(root, "root")
     adapters: dict[str, str] = {}

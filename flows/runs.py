@@ -169,6 +169,9 @@ def confine(cfg: GRPOConfig, **servers: str | None) -> None:
             check_server(cfg.inference.url, "inference.url")
         for i, url in enumerate(cfg.inference.urls):
             check_server(url, f"inference.urls[{i}]")
+        ray = cfg.scale.ray_address
+        if ray and ray != "local":  # a cluster of its own: listed as ray://host:port ('host:port' given)
+            check_server(ray if "://" in ray else f"ray://{ray}", "scale.ray_address")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None
 

@@ -11,7 +11,8 @@ parameters), bound them:
     GRPOFLOW_ALLOWED_ROOTS    directories (os.pathsep-separated) every path must resolve inside.
                               Default: the worker's working directory (the project checkout)
     GRPOFLOW_ALLOWED_SERVERS  comma-separated server URLs (scheme://host:port) a run may send
-                              requests to. Default: none (embedded servers only)
+                              requests to; a Ray cluster (`scale.ray_address`) as ray://host:port.
+                              Default: none (embedded servers, a local Ray only)
 
 They apply to runs a worker started (Prefect sets PREFECT__FLOW_RUN_ID in that process) and to any
 process where one of them is set. The CLI on a user's own machine keeps its full freedom otherwise.

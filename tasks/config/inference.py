@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field, model_validator
 
 from grpoflow.tasks.config.choices import SyncBackend, SyncTransport
@@ -23,7 +25,13 @@ class InferenceConfig(Section):
         "of this machine's cores and kv_cache_gb of KV cache, and is restarted and brought to the "
         "current weights if it dies.",
     )
-    api_key: str | None = Field(None, description="Bearer key for the server (required off loopback).")
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("GRPOFLOW_API_KEY") or None,
+        exclude=True,
+        description="Bearer key for the servers (required off loopback); default: $GRPOFLOW_API_KEY of the "
+        "process that runs the flow (a worker's environment). A secret: never written to the store, a "
+        "tracker or a flow run's parameters.",
+    )
     host: str = Field("127.0.0.1", description="Embedded server bind address.")
     port: int | None = Field(None, ge=1, le=65535, description="Embedded server port (None: free port).")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size of the embedded CPU server (GiB).")

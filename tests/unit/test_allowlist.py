@@ -96,6 +96,15 @@ def test_a_worker_run_contacts_only_allowed_servers(worker, monkeypatch):
         preflight(cfg(inference={"url": "http://10.1.2.3:8000"}))
     monkeypatch.setenv("GRPOFLOW_ALLOWED_SERVERS", "http://127.0.0.1:8000")
     preflight(cfg(inference={"url": "http://127.0.0.1:8000/"}))
+    # a Ray cluster is a server too (its GCS address, or Ray Client's ray:// URL); a local one is not
+    for address, listed in (("10.1.2.3:6379", "ray://10.1.2.3:6379"), ("ray://10.1.2.3:10001",) * 2):
+        with pytest.raises(
+            ConfigError, match=f"scale.ray_address: '{listed}' is not in GRPOFLOW_ALLOWED_SERVERS"
+        ):
+            preflight(cfg(scale={"ray_address": address}))
+    monkeypatch.setenv("GRPOFLOW_ALLOWED_SERVERS", "http://127.0.0.1:8000,ray://10.1.2.3:6379")
+    preflight(cfg(scale={"ray_address": "10.1.2.3:6379"}))
+    preflight(cfg(scale={"ray_address": "local"}))
 
 
 @pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--trust-remote-code"],

@@ -166,3 +166,34 @@ def test_a_config_file_may_name_its_reward_or_data_by_set(tmp_path):
     cfg = tmp_path / "mine.yaml"
     cfg.write_text("rewards: [{name: r, fn: 'grpoflow.examples.rewards:letter_fraction'}]\n")
     assert load_config(cfg, ["data.generator=grpoflow.examples.envs:letters_rows"]).rewards[0].name == "r"
+
+
+def test_the_servers_key_comes_from_the_environment_and_is_never_written(tmp_path, monkeypatch):
+    """inference.api_key: $GRPOFLOW_API_KEY unless set; never in the run's record (runs/<run>.json,
+    which the explorer shows), a tracker's params, `grpoflow config show` or a serialized config (what
+    Prefect keeps of a flow run's parameters)."""
+    import json
+
+    from grpoflow.flows.config_docs import render_yaml
+    from grpoflow.flows.runs import RunState, write_meta
+    from grpoflow.flows.tracking.tracker_api import config_params
+
+    tiny = CONFIGS[0].parent / "tiny-letters.yaml"
+    monkeypatch.delenv("GRPOFLOW_API_KEY", raising=False)
+    assert load_config(tiny).inference.api_key is None
+    monkeypatch.setenv("GRPOFLOW_API_KEY", "from-env-s3cret")
+    cfg = load_config(tiny, [f"storage.root={tmp_path}"])
+    assert cfg.inference.api_key == "from-env-s3cret"
+    assert load_config(tiny, ["inference.api_key=given-s3cret"]).inference.api_key == "given-s3cret"
+    given = load_config(tiny, [f"storage.root={tmp_path}", "inference.api_key=given-s3cret"])
+    write_meta(given, RunState("r", 0, 0, "m", "m", None, False), "running")
+    texts = {
+        "run record": (tmp_path / "runs" / "r.json").read_text(),
+        "tracker params": json.dumps(config_params(given)),
+        "config show": render_yaml(given),
+        "serialized": given.model_dump_json(),
+    }
+    assert {k: "s3cret" in t for k, t in texts.items()} == dict.fromkeys(texts, False)
+    assert "inference" in json.loads(texts["run record"])["config"]  # the rest of the section is there
+    # the serialized config loads back, its key from the environment of whoever loads it
+    assert GRPOConfig.model_validate_json(texts["serialized"]).inference.api_key == "from-env-s3cret"
