@@ -1,11 +1,16 @@
-"""A run across three hosts (issue 47; tests/hosts.py: network namespaces on a bridge): the learner's
-host runs `grpoflow train` (its own Prefect API) and a Ray head with no CPUs of its own; a Ray worker
-host (`ray start --address`, one CPU) scores the rewards (`executor: ray`); a `grpoflow serve` server
-on a third host, in a mount namespace where the learner's store is an empty tmpfs, generates and gets
-every push over the network. Where each thing ran is read from the store alone: every reward cell
-names the worker host's Ray node, every completion the third host's server, every push the network. Then the third host joins the Ray cluster too, and a sharded learner of two
-ranks, one on each of the two hosts with CPUs (gloo over the bridge), makes the single process's update.
-The Ray head, its worker and the server stay up for the module."""
+"""grpoflow across three hosts (issue 47; tests/hosts.py: network namespaces on a bridge), deployed with
+prefect.yaml as shipped:
+- the learner's host: a Ray head with no CPUs of its own and a Prefect worker of the `gpu` pool's
+  default queue (GRPOFLOW_API_KEY and the allow-lists in its environment);
+- a second host: the Prefect server (`prefect server start`) and a Ray worker (one CPU);
+- a third host: a Prefect worker of the `gpu` pool's `policy-server` queue, in a mount namespace where
+  the learner's store is an empty tmpfs, running the `policy-server` deployment (the long-lived vLLM
+  server; every version reaches it over the network).
+`grpo-train`, started through the Prefect server's API, runs on the learner's host, scores its rewards
+on the Ray worker and generates on the policy server; where each thing ran is read from the store alone.
+`grpo-retrain` then continues the lineage and promotes its candidate into the policy server. Last, the
+third host joins the Ray cluster and a sharded learner of two ranks, one on each host with CPUs (gloo
+over the bridge), makes the single process's update. Everything stays up for the module."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,11 +29,12 @@ from grpoflow.flows.launch import is_healthy
 from grpoflow.storage.sql import query
 from tests.hosts import Host
 from tests.integration.test_distributed import WEIGHT_ATOL
-from tests.support import REPO, hosts_fixture, wait_for
+from tests.support import REPO, hosts_fixture, logprob_gap, served_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-KEY, SERVE_PORT, RAY_PORT, STEPS = "hosts-ray-key", 8766, 6379, 2
-RAY = str(Path(sys.executable).with_name("ray"))
+KEY, SERVE_PORT, RAY_PORT, PREFECT_PORT, STEPS = "hosts-ray-key", 8766, 6379, 4200, 2
+RAY, PREFECT = str(Path(sys.executable).with_name("ray")), str(Path(sys.executable).with_name("prefect"))
+PROBES = [[3 + (5 * i + 11 * k) % 90 for k in range(5 + 4 * i)] for i in range(3)]
 
 three_hosts = hosts_fixture(3, prefix="gr", scope="module")
 _TEMPS: list[Path] = []  # the Ray nodes' temp folders
@@ -40,15 +47,21 @@ def _remove_temps():
         shutil.rmtree(t, ignore_errors=True)
 
 
-CONFIG = """
-model: {path: MODEL}
-data: {generator: "grpoflow.examples.envs:letters_rows", generator_kwargs: {n: 16}, prompts_per_step: 4}
-generation: {group_size: 4, max_tokens: 8}
-rewards:
-  - {name: letter, fn: "grpoflow.examples.rewards:letter_fraction", kwargs: {target_letter: a}, executor: ray}
-algorithm: {max_staleness: 0}
-run: {steps: STEPS}
-"""
+def run_config(tiny_model_dir: Path, store: Path, url: str, ray: str) -> dict:
+    """A short run as the UI's form sends it: no key in it (the learner's worker has it)."""
+    return {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"generator": "grpoflow.examples.envs:letters_rows", "generator_kwargs": {"n": 16},
+                 "prompts_per_step": 4},
+        "generation": {"group_size": 4, "max_tokens": 8},
+        "rewards": [{"name": "letter", "fn": "grpoflow.examples.rewards:letter_fraction",
+                     "kwargs": {"target_letter": "a"}, "executor": "ray"}],
+        "algorithm": {"max_staleness": 0},
+        "run": {"steps": STEPS, "run_id": "three"},
+        "storage": {"root": str(store)},
+        "inference": {"url": url},
+        "scale": {"ray_address": ray},
+    }  # fmt: skip
 
 
 def _start_ray(host: Host, tmp: Path, *args: str) -> subprocess.Popen:
@@ -70,8 +83,8 @@ def _up(host: Host, port: int, proc: subprocess.Popen, what: str) -> bool:
     return host.answers(port)
 
 
-def _healthy(url: str, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, f"grpoflow serve exited ({proc.returncode})"
+def _healthy(url: str, proc: subprocess.Popen, what: str) -> bool:
+    assert proc.poll() is None, f"{what} exited ({proc.returncode})"
     return is_healthy(url)  # /health needs no key
 
 
@@ -80,10 +93,22 @@ def _log(tmp: Path, name: str) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else f"(no {name})"
 
 
+@dataclass
+class Cluster:
+    tmp: Path  # logs, the store, the server host's own root
+    store: Path  # the learner's store (hidden on the server host)
+    api: str  # the Prefect server's API, on the second host
+    url: str  # the policy server, on the third host
+    ray: str  # the Ray head, on the learner's host
+
+
 @pytest.fixture(scope="module")
 def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
-    """The Ray head (no CPUs) on the learner's host, a Ray worker host (one CPU), `grpoflow serve` on the
-    third host with the learner's store hidden; each host with a folder of its own in `tmp`."""
+    """The Ray head and worker, the Prefect server, prefect.yaml deployed from the learner's host, a
+    worker on the learner's and on the server's host, and the policy-server deployment serving."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     learner, worker, server = three_hosts
     tmp = tmp_path_factory.mktemp("hosts-ray")
     store, root = tmp / "store", tmp / "server-root"
@@ -92,22 +117,45 @@ def cluster(three_hosts, tiny_model_dir, tmp_path_factory):
     wait_for(lambda: _up(learner, RAY_PORT, head, "ray start --head"), 120, "the Ray head on the learner's host",
              why=lambda: _log(tmp, f"ray-{learner.name}.log"))  # fmt: skip
     joining = _start_ray(worker, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
-    serve = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir), "--host",
-             server.address, "--port", str(SERVE_PORT), "--root", str(root)]  # fmt: skip
-    with open(tmp / "serve.log", "ab") as log:
-        served = server.run(serve, hide=[store], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=_env(root / "prefect") | {"GRPOFLOW_API_KEY": KEY})  # fmt: skip
-    wait_for(lambda: _healthy(server.url(SERVE_PORT), served), 600, "grpoflow serve on the third host",
-             why=lambda: _log(tmp, "serve.log"))  # fmt: skip
+    api, url, ray = worker.url(PREFECT_PORT, "/api"), server.url(SERVE_PORT), f"{learner.address}:{RAY_PORT}"
+    prefect = _spawn(worker, tmp, "prefect-server", [PREFECT, "server", "start", "--host", worker.address,
+                     "--port", str(PREFECT_PORT)], env=_env(tmp / "prefect-server"))  # fmt: skip
+    wait_for(lambda: _healthy(api, prefect, "prefect server start"), 300, "the Prefect server on the second host",
+             why=lambda: _log(tmp, "prefect-server.log"))  # fmt: skip
+    # The user's side: pools and deployments from the learner's checkout, against that server.
+    client = _env(tmp / "prefect-client", api)
+    for pool in ("gpu", "cpu"):
+        learner.check_output([PREFECT, "work-pool", "create", pool, "--type", "process", "--overwrite"],
+                             cwd=REPO, env=client, timeout_s=300)  # fmt: skip
+    learner.check_output([PREFECT, "--no-prompt", "deploy", "--all"], cwd=REPO, env=client, timeout_s=300)
+    # Each worker's own settings: the servers' key, what its runs may read and contact.
+    roots = lambda *dirs: os.pathsep.join(map(str, [REPO, tiny_model_dir.parent, *dirs]))  # noqa: E731
+    _spawn(server, tmp, "worker-server", [PREFECT, "worker", "start", "--pool", "gpu", "--work-queue",
+           "policy-server"], hide=[store], env=_env(root / "prefect", api) | {"GRPOFLOW_API_KEY": KEY,
+           "GRPOFLOW_ALLOWED_ROOTS": roots(root)})  # fmt: skip
+    _spawn(learner, tmp, "worker-learner", [PREFECT, "worker", "start", "--pool", "gpu", "--work-queue",
+           "default"], env=_env(tmp / "prefect-learner", api) | {"GRPOFLOW_API_KEY": KEY,
+           "GRPOFLOW_ALLOWED_ROOTS": roots(tmp), "GRPOFLOW_ALLOWED_SERVERS": f"{url},ray://{ray}"})  # fmt: skip
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        run_deployment("policy-server/policy-server", timeout=0, parameters={"model_dir": str(tiny_model_dir),
+                       "host": server.address, "port": SERVE_PORT, "root": str(root)})  # fmt: skip
+    logs = lambda: _log(tmp, "worker-server.log") + _log(tiny_model_dir.parent, f"vllm-{SERVE_PORT}.log")  # noqa: E731
+    wait_for(lambda: is_healthy(url), 600, "the policy-server deployment on the third host", 1, why=logs)
     _wait_nodes(learner, 2, tmp, worker, joining)  # the run's rewards need the worker's CPU
-    return tmp, store
+    return Cluster(tmp, store, api, url, ray)
 
 
-def _env(prefect_home: Path) -> dict[str, str]:
-    """The environment of a process on a host: its own Prefect (the session's API is on this machine's
-    loopback, which no host reaches)."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    return env | {"PREFECT_HOME": str(prefect_home)}
+def _spawn(host: Host, tmp: Path, name: str, cmd: list[str], **run) -> subprocess.Popen:
+    with open(tmp / f"{name}.log", "ab") as log:
+        return host.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, **run)
+
+
+def _env(prefect_home: Path, api: str | None = None) -> dict[str, str]:
+    """The environment of a process on a host: its own Prefect home, and `api` (None: a Prefect of its
+    own; the session's API is on this machine's loopback, which no host reaches)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "GRPOFLOW_API_KEY")}
+    env |= {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return env | ({"PREFECT_API_URL": api} if api else {})
 
 
 def _wait_nodes(learner: Host, n: int, tmp: Path, joining: Host, proc: subprocess.Popen) -> None:
@@ -123,31 +171,59 @@ def _wait_nodes(learner: Host, n: int, tmp: Path, joining: Host, proc: subproces
     )
 
 
-def test_a_run_across_three_hosts_records_where_everything_ran(three_hosts, tiny_model_dir, cluster):
-    learner, worker, server = three_hosts
-    tmp, store = cluster
-    config = tmp / "config" / "run.yaml"
-    config.parent.mkdir()
-    config.write_text(CONFIG.replace("MODEL", str(tiny_model_dir)).replace("STEPS", str(STEPS)))
-    sets = [f"storage.root={store}", f"inference.url={server.url(SERVE_PORT)}", f"inference.api_key={KEY}",
-            f"scale.ray_address={learner.address}:{RAY_PORT}"]  # fmt: skip
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--config", str(config), "--run-id", "three"]
-    train = learner.run([*cmd, *(a for s in sets for a in ("--set", s))], cwd=REPO, env=_env(tmp / "prefect"),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    out, _ = train.communicate(timeout=600)
-    assert train.returncode == 0, out[-4000:]
+def _deployment_run(c: Cluster, name: str, parameters: dict, worker_log: str):
+    """Run deployment `name` through the Prefect server's API until it ends; its flow run."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    with temporary_settings(updates={PREFECT_API_URL: c.api}):
+        run = run_deployment(name, parameters=parameters, timeout=900)
+    assert run.state.is_completed(), f"{run.state}\n{_log(c.tmp, worker_log)}"
+    return run
+
+
+def test_grpo_train_from_the_prefect_server_runs_on_the_learners_host_across_three_hosts(three_hosts,
+                                                                                         tiny_model_dir, cluster):  # fmt: skip
+    _, worker, _ = three_hosts
+    c = cluster
+    run = _deployment_run(c, "grpo-train/grpo-train",
+                          {"config": run_config(tiny_model_dir, c.store, c.url, c.ray)}, "worker-learner.log")  # fmt: skip
+    assert run.work_queue_name == "default"  # the learner host's worker took it (the only one on that queue)
+    meta = json.loads((c.store / "runs" / "three.json").read_text())
+    assert meta["status"] == "completed" and str(run.id) in meta["flow_runs"]
+    assert KEY not in json.dumps(meta) + json.dumps(run.parameters)  # the key stayed in the worker's env
     # every cell scored on the worker host, none failed there (an empty completion may be invalid)
-    assert query(store, "SELECT node, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')) "
-                        "FROM rewards GROUP BY node")[1] == [(worker.address, STEPS * 16, 0)]  # fmt: skip
-    assert query(store, "SELECT DISTINCT server FROM rollouts")[1] == [(server.url(SERVE_PORT),)]
-    pushes = query(store, 'SELECT "sync/network_servers" FROM steps WHERE "sync/version" IS NOT NULL')[1]
+    assert query(c.store, "SELECT node, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')) "
+                          "FROM rewards GROUP BY node")[1] == [(worker.address, STEPS * 16, 0)]  # fmt: skip
+    assert query(c.store, "SELECT DISTINCT server FROM rollouts")[1] == [(c.url,)]
+    pushes = query(c.store, 'SELECT "sync/network_servers" FROM steps WHERE "sync/version" IS NOT NULL')[1]
     assert pushes and all(n == 1 for (n,) in pushes)
+
+
+def test_grpo_retrain_promotes_into_the_policy_server_on_its_host(tiny_model_dir, cluster):
+    """The lineage trained above, one step more; the gate (a margin no candidate can miss) promotes it
+    into the policy server over the network: the server then serves the candidate's weights."""
+    from grpoflow.storage.promotions import PromotionLog
+
+    c = cluster
+    params = {"lineage": "three", "extra_steps": 1, "config": run_config(tiny_model_dir, c.store, c.url, c.ray),
+              "config_file": None, "server_url": c.url, "eval_prompts": 4, "gate_margin": -2.0}  # fmt: skip
+    _deployment_run(c, "grpo-retrain/grpo-retrain", params, "worker-learner.log")
+    meta = json.loads((c.store / "runs" / "three.json").read_text())
+    assert [r["decision"] for r in meta["retrains"]] == ["promoted"] and meta["retrains"][0][
+        "to_step"
+    ] == STEPS
+    log = PromotionLog(c.store)
+    serving, last = log.serving("three"), log.history("three")[-1]
+    assert serving["step"] == STEPS and last["server"] == c.url, last
+    assert (
+        logprob_gap(serving["path"], served_samples(c.url, PROBES, api_key=KEY, max_tokens=12, seed=9)) < 1e-3
+    )
 
 
 def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hosts, tiny_model_dir, cluster):
     learner, worker, server = three_hosts
-    tmp, _ = cluster
+    tmp = cluster.tmp
     joining = _start_ray(server, tmp, f"--address={learner.address}:{RAY_PORT}", "--num-cpus=1")
     _wait_nodes(learner, 3, tmp, server, joining)
     cmd = [
@@ -157,7 +233,7 @@ def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hos
         f"{learner.address}:{RAY_PORT}",
         str(tiny_model_dir),
     ]
-    run = learner.run(cmd, cwd=REPO, env=_env(tmp / "prefect-learner"), stdout=subprocess.PIPE,
+    run = learner.run(cmd, cwd=REPO, env=_env(tmp / "prefect-ranks"), stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)  # fmt: skip
     out, _ = run.communicate(timeout=600)
     assert run.returncode == 0, out[-4000:]
