@@ -330,3 +330,29 @@ def test_a_lora_server_serves_each_lineage_under_its_name_from_the_log(lora_root
     rollback(root, "ada", server_url=None)
     _, adapters = lora_lineages(root, ["ada"], "/m")
     assert adapters["ada"].endswith("run_id=ada/base-adapter")
+
+
+def test_the_gate_refuses_an_evaluation_a_required_reward_broke_on():
+    """Every cell of a required reward failed (a Ray cluster the evaluation never joined, a bug): the
+    gate raises, naming the reward, rather than read "no valid reward" and reject every candidate. An
+    optional reward broken, or one failing on some completions only, is data."""
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.retrain import _refuse_broken
+    from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
+    from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
+
+    cfg = GRPOConfig.model_validate({"rewards": [{"name": "acc", "fn": "grpoflow.examples.rewards:letter_fraction"},
+                                                 {"name": "style", "fn": "grpoflow.examples.rewards:letter_fraction",
+                                                  "required": False}]})  # fmt: skip
+
+    def groups(acc_failing: int) -> list[RolloutGroup]:
+        comps = [RolloutCompletion(i, "a", [1], [1], [-1.0], reward_cells=[
+            RewardCell("acc", None, "failed", "RuntimeError: no Ray") if i < acc_failing else RewardCell("acc", 1.0, "valid"),
+            RewardCell("style", None, "failed", "KeyError: x")]) for i in range(4)]  # fmt: skip
+        return [RolloutGroup("g", 0, "p", [1], comps)]
+
+    with pytest.raises(
+        BrokenRewardError, match=r"candidate is broken.*'acc' failed on 4/4 completions: RuntimeError: no Ray"
+    ):
+        _refuse_broken(cfg, groups(4), "candidate")
+    _refuse_broken(cfg, groups(3), "candidate")  # one valid cell: data to mask, the gate decides
