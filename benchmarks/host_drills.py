@@ -150,15 +150,16 @@ class Cluster:
         env = {"PREFECT_API_URL": self.api, "GRPOFLOW_API_KEY": KEY}
         return self._spawn(self.learner, f"train-{run_id}{'-resume' if resume else ''}", cmd, env=env)
 
-    def left_behind(self, run_id: str) -> int:
+    def left_behind(self, run_id: str) -> list[str]:
         """Processes of the run alive on the hosts that lived: Ray workers busy with its tasks or actors
-        (named `ray::<task>`), and its `grpoflow train`."""
-        n = 0
+        (named `ray::<task>`), and its `grpoflow train` (host: command, shortened)."""
+        out = []
         for host in (self.learner, self.prefect, self.ray, self.server):
             for _, cmd in _processes(host) if host.alive else ():
                 busy_ray = cmd.startswith("ray::") and not cmd.startswith("ray::IDLE")
-                n += busy_ray or ("grpoflow.flows.cli train" in cmd and run_id in cmd)
-        return n
+                if busy_ray or ("grpoflow.flows.cli train" in cmd and run_id in cmd):
+                    out.append(f"{host.name}: {cmd[:60]}")
+        return out
 
 
 def _processes(host) -> list[tuple[int, str]]:
@@ -231,7 +232,7 @@ def drill(c: Cluster, kind: str, run_id: str, rng: random.Random) -> dict:
     error = next((ln for ln in log.splitlines()[::-1] if "error" in ln.lower()), "") if code != 0 else ""
     t_done = time.monotonic()
     with contextlib.suppress(TimeoutError):  # the run's processes on the hosts that lived, until none is left
-        wait(lambda: c.left_behind(run_id) == 0, 120, "the run's processes to go", 1.0)
+        wait(lambda: not c.left_behind(run_id), 120, "the run's processes to go", 1.0)
     left, release_s = c.left_behind(run_id), round(time.monotonic() - t_done, 1)
     was_paused = paused(c.url) if c.server.alive else None
     victim.revive()
@@ -259,7 +260,8 @@ def drill(c: Cluster, kind: str, run_id: str, rng: random.Random) -> dict:
         "resume_s": resume_s,
         "kill_to_done_s": round(time.monotonic() - t_kill, 1),
         **counts(c.store, run_id),
-        "processes_left": left,
+        "processes_left": len(left),
+        "left": sorted(set(left))[:4],
         "released_s": release_s,
         "server_paused": was_paused,
     }
