@@ -50,6 +50,8 @@ BIN = Path(sys.executable).parent
 KEY, SERVE_PORT, RAY_PORT, PREFECT_PORT = "host-drills-key", 8767, 6379, 4200
 STEPS, PER_STEP, GROUP = 6, 4, 4
 KINDS = ("ray", "rank", "prefect", "learner")
+# Ray processes that are a node's, not a job's: an idle worker, the node's agents
+NODE_DAEMONS = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
 CONFIG = """
 model: {{path: {model}}}
 data: {{generator: "grpoflow.examples.envs:letters_rows", generator_kwargs: {{n: 64}}, prompts_per_step: {per_step}}}
@@ -156,7 +158,7 @@ class Cluster:
         out = []
         for host in (self.learner, self.prefect, self.ray, self.server):
             for _, cmd in _processes(host) if host.alive else ():
-                busy_ray = cmd.startswith("ray::") and not cmd.startswith("ray::IDLE")
+                busy_ray = cmd.startswith("ray::") and not cmd.startswith(NODE_DAEMONS)
                 if busy_ray or ("grpoflow.flows.cli train" in cmd and run_id in cmd):
                     out.append(f"{host.name}: {cmd[:60]}")
         return out
@@ -246,7 +248,8 @@ def drill(c: Cluster, kind: str, run_id: str, rng: random.Random) -> dict:
         t0 = time.monotonic()
         again = c.train(run_id, kind, resume=True)
         resume_code = again.wait(900)
-        resume_s = round(time.monotonic() - t0, 1)
+        t_resumed = time.monotonic()
+        resume_s = round(t_resumed - t0, 1)
         if resume_code != 0:
             print((c.tmp / f"train-{run_id}-resume.log").read_text(errors="replace")[-3000:], file=sys.stderr)
     return {
@@ -258,7 +261,7 @@ def drill(c: Cluster, kind: str, run_id: str, rng: random.Random) -> dict:
         "names_host": victim.address in error,
         "boot_s": round(time.monotonic() - t_boot, 1) if resume_s is None else round(t0 - t_boot, 1),
         "resume_s": resume_s,
-        "kill_to_done_s": round(time.monotonic() - t_kill, 1),
+        "kill_to_done_s": round((t_done if resume_s is None else t_resumed) - t_kill, 1),
         **counts(c.store, run_id),
         "processes_left": len(left),
         "left": sorted(set(left))[:4],
