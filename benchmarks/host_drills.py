@@ -9,7 +9,7 @@ Hosts (tests/hosts.py: network namespaces on a bridge; root only):
 - `server`: `grpoflow serve`, the learner's store hidden from it (every version goes over the network).
 
 Drills, each a run of its own killed after a random step (seeded) plus a random delay:
-- `ray`: the second Ray worker's host, while it scores rewards (`executor: ray`);
+- `ray`: the second Ray worker's host, while it scores rewards (`executor: ray`, 0.3 s a batch);
 - `rank`: the same host, holding one of the sharded learner's two ranks (`learner.world_size: 2`);
 - `prefect`: the Prefect server's host (with the Ray worker on it);
 - `learner`: the learner's host (the run and the Ray head with it).
@@ -57,11 +57,24 @@ model: {{path: {model}}}
 data: {{generator: "grpoflow.examples.envs:letters_rows", generator_kwargs: {{n: 64}}, prompts_per_step: {per_step}}}
 generation: {{group_size: {group}, max_tokens: 8}}
 rewards:
-  - {{name: letter, fn: "grpoflow.examples.rewards:letter_fraction", kwargs: {{target_letter: a}}, executor: {executor},
-     timeout_s: 60}}
+  - {{name: letter, fn: "drill_rewards:slow_letter", kwargs: {{target_letter: a}}, executor: {executor}, timeout_s: 60}}
 algorithm: {{max_staleness: 1}}
 learner: {{world_size: {world}}}
 run: {{steps: {steps}, checkpoint_every: 1}}
+"""
+
+
+# The drill's reward, in its config folder (shipped to the Ray workers): letter_fraction after 0.3 s of
+# work per batch, so that a kill often lands while a worker host holds a call.
+REWARDS = """
+import time
+
+from grpoflow.examples.rewards import letter_fraction
+
+
+def slow_letter(completions, **kw):
+    time.sleep(0.3)
+    return letter_fraction(completions, **kw)
 """
 
 
@@ -142,6 +155,7 @@ class Cluster:
             self._ray(host, f"--address={self.head}", "--num-cpus=1")
 
     def train(self, run_id: str, kind: str, resume: bool = False) -> subprocess.Popen:
+        (self.tmp / "drill_rewards.py").write_text(REWARDS)
         cfg = self.tmp / f"{kind}.yaml"
         cfg.write_text(CONFIG.format(model=self.model, per_step=PER_STEP, group=GROUP, steps=STEPS,
                                      executor="thread" if kind == "rank" else "ray",
