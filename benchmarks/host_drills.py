@@ -9,7 +9,8 @@ Hosts (tests/hosts.py: network namespaces on a bridge; root only):
 - `server`: `grpoflow serve`, the learner's store hidden from it (every version goes over the network).
 
 Drills, each a run of its own killed after a random step (seeded) plus a random delay:
-- `ray`: the second Ray worker's host, while it scores rewards (`executor: ray`, 0.3 s a batch);
+- `ray`: the second Ray worker's host, while it scores rewards (`executor: ray`: two rewards of 0.3 s a
+  batch, a CPU each, so each worker host holds one call of every step);
 - `rank`: the same host, holding one of the sharded learner's two ranks (`learner.world_size: 2`);
 - `prefect`: the Prefect server's host (with the Ray worker on it);
 - `learner`: the learner's host (the run and the Ray head with it).
@@ -50,6 +51,7 @@ BIN = Path(sys.executable).parent
 KEY, SERVE_PORT, RAY_PORT, PREFECT_PORT = "host-drills-key", 8767, 6379, 4200
 STEPS, PER_STEP, GROUP = 12, 4, 4
 KINDS = ("ray", "rank", "prefect", "learner")
+REWARDS_PER_COMPLETION = 2  # CONFIG's rewards
 # Ray processes that are a node's, not a job's: an idle worker, the node's agents
 NODE_DAEMONS = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
 CONFIG = """
@@ -58,6 +60,7 @@ data: {{generator: "grpoflow.examples.envs:letters_rows", generator_kwargs: {{n:
 generation: {{group_size: {group}, max_tokens: 8}}
 rewards:
   - {{name: letter, fn: "drill_rewards:slow_letter", kwargs: {{target_letter: a}}, executor: {executor}, timeout_s: 60}}
+  - {{name: other, fn: "drill_rewards:slow_letter", kwargs: {{target_letter: b}}, executor: {executor}, timeout_s: 60}}
 algorithm: {{max_staleness: 1}}
 learner: {{world_size: {world}}}
 run: {{steps: {steps}, checkpoint_every: 1}}
@@ -207,7 +210,9 @@ def counts(store: Path, run_id: str) -> dict:
                                      "WHERE run_id = 'RUN' AND split = 'train'")  # fmt: skip
     rows, steps = one("SELECT count(*), count(DISTINCT step) FROM steps WHERE run_id = 'RUN'")
     return {
-        "rows_lost": STEPS * PER_STEP * GROUP - distinct + (distinct - distinct_cells),
+        "rows_lost": STEPS * PER_STEP * GROUP
+        - distinct
+        + (REWARDS_PER_COMPLETION * distinct - distinct_cells),
         "rows_duplicated": (n - distinct) + (cells - distinct_cells) + (rows - steps),
         "steps_stored": steps,
         "cells_failed": bad,
