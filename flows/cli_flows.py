@@ -4,7 +4,6 @@ report): each command's function and its parser."""
 from __future__ import annotations
 
 import argparse
-import os
 from typing import get_args
 
 from grpoflow.flows.cli_shared import (
@@ -15,6 +14,7 @@ from grpoflow.flows.cli_shared import (
     store_root,
 )
 from grpoflow.tasks.config.choices import GateMetric
+from grpoflow.tasks.config.inference import api_key_from_env
 
 
 def cmd_train(args) -> int:
@@ -189,7 +189,7 @@ def _config_options(p: argparse.ArgumentParser) -> None:
 
 def _live_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", help="live policy server to load the version into (default: record only)")
-    p.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"),
+    p.add_argument("--api-key", default=api_key_from_env(),
                    help="bearer key of --server (default: $GRPOFLOW_API_KEY)")  # fmt: skip
     p.add_argument("--root", help=ROOT_HELP)
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -232,7 +232,7 @@ def _serve_parser(sub) -> None:
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1; others need a key)")
     v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     key_help = "bearer key every request must carry (default: $GRPOFLOW_API_KEY)"
-    v.add_argument("--api-key", default=os.environ.get("GRPOFLOW_API_KEY"), help=key_help)
+    v.add_argument("--api-key", default=api_key_from_env(), help=key_help)
     v.add_argument("--root", help="store root; the server's pid file goes to <root>/pids/")
     v.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     v.set_defaults(fn=cmd_serve, runs_flows=True, precheck=check_serve)

@@ -4,7 +4,6 @@ supervised: restarted when it dies, a pause whose trainer died resumed."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,8 +102,9 @@ def policy_server(
     <root>/uploads/serve-<port>/."""
     log = get_run_logger()
     from grpoflow.tasks.config.allowlist import check_path
+    from grpoflow.tasks.config.inference import api_key_from_env
 
-    api_key = api_key or os.environ.get("GRPOFLOW_API_KEY") or None  # the worker's, not a parameter
+    api_key = api_key or api_key_from_env()  # the worker's, not a parameter
 
     check_path(root, "root")
     adapters: dict[str, str] = {}

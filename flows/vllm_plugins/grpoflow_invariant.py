@@ -140,9 +140,8 @@ class _Attention:
                sched.get("sliding_window_size"), kw.get("softcap"), kw.get("alibi_slopes") is not None,
                kw.get("s_aux") is not None, block_size)  # fmt: skip
         if key not in _chunk_sizes:
-            fits = (
-                sched.get("kv_cache_dtype", "auto") == "auto"
-            )  # fp8 caches are not checked: one token a piece
+            # fp8 caches are not checked: one token a piece
+            fits = sched.get("kv_cache_dtype", "auto") == "auto"
             _chunk_sizes[key] = next((c for c in CHUNKS if fits and self._like_decodes(sched, kw, c)), 1)
         return _chunk_sizes[key]
 

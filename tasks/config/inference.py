@@ -9,6 +9,13 @@ from pydantic import Field, model_validator
 from grpoflow.tasks.config.choices import SyncBackend, SyncTransport
 from grpoflow.tasks.config.section import Section
 
+API_KEY_ENV = "GRPOFLOW_API_KEY"
+
+
+def api_key_from_env() -> str | None:
+    """The servers' bearer key from the environment (a worker's, a shell's): never a parameter."""
+    return os.environ.get(API_KEY_ENV) or None
+
 
 class InferenceConfig(Section):
     url: str | None = Field(None, description="vLLM server URL; None starts an embedded server.")
@@ -26,7 +33,7 @@ class InferenceConfig(Section):
         "current weights if it dies.",
     )
     api_key: str | None = Field(
-        default_factory=lambda: os.environ.get("GRPOFLOW_API_KEY") or None,
+        default_factory=api_key_from_env,
         exclude=True,
         description="Bearer key for the servers (required off loopback); default: $GRPOFLOW_API_KEY of the "
         "process that runs the flow (a worker's environment). A secret: never written to the store, a "
