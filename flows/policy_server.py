@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from grpoflow.flows.launch import ServerHandle, ServerStartError, _tail
-from grpoflow.flows.serve import server_command, upload_dir_of
+from grpoflow.flows.serve import VLLMServer, server_command, upload_dir_of
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.learner import LoraConfig
 
@@ -127,7 +127,7 @@ def policy_server(
                                    lora_rank=lora_rank and LoraConfig(rank=lora_rank).served_rank(),
                                    max_loras=max_loras, upload_dir=upload_dir_of(*pid_file))  # fmt: skip
     stop_stale(*pid_file)
-    handle = ServerHandle(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
+    handle = VLLMServer(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
     on_up = (lambda: _serve_lineages(handle.url, api_key, adapters)) if adapters else None
     supervisor = Supervisor(handle, api_key, max_restarts, on_up)
     supervisor.bring_up()

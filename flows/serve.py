@@ -19,6 +19,7 @@ from grpoflow.flows.launch import PLUGINS, ServerHandle, free_port, guarded_comm
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.learner import LoraConfig
+from grpoflow.tasks.push.push import forget_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -188,6 +189,15 @@ def upload_dir_of(root: str | Path, name: str) -> Path:
     return Path(root) / "uploads" / name
 
 
+class VLLMServer(ServerHandle):
+    """A vLLM server process. Once it stops, what this process loaded into it is forgotten: a server
+    started later at its URL serves its own model, never the weights a rollback would reload."""
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        forget_server(self.url)
+        super().stop(grace_s)
+
+
 def start_server(
     model_dir: str | Path,
     *,
@@ -205,7 +215,7 @@ def start_server(
         kwargs.setdefault("upload_dir", upload_dir_of(*pid_file))
     cmd, env, url = server_command(model_dir, **kwargs)
     log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
-    return ServerHandle(cmd, env, url, log, startup_timeout_s, pid_file).start()
+    return VLLMServer(cmd, env, url, log, startup_timeout_s, pid_file).start()
 
 
 @contextlib.contextmanager
@@ -263,7 +273,7 @@ def inference_servers(
                                        api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores,
                                        lora_rank=lora and lora.served_rank(), max_loras=i.max_loras,
                                        upload_dir=upload_dir_of(root, n))  # fmt: skip
-        handle = ServerHandle(cmd, env, url, log, i.startup_timeout_s, (root, n))
+        handle = VLLMServer(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)
         return handle.start()
 

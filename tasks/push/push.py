@@ -14,7 +14,7 @@ naming the version and the weights path (and a failed resume, if any).
 
 A failed reload cannot simply be resumed from: vLLM 0.32 moves the model's layers to the meta device
 before it reads the new files, so after a failure the next forward pass crashes the server. The push
-therefore reloads the last weights this process loaded into that server (else the model the server
+therefore reloads the last weights this process loaded into that server while it ran (else the model the server
 started with) before it resumes; if that fails too the error is a WeightPushUnavailableError (the
 server must be restarted).
 
@@ -67,14 +67,21 @@ from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 __all__ = [  # the backends' shared names stay importable from here
     "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "Sent",
-    "TransportError", "WeightPush", "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "load_version", "push_version",
+    "TransportError", "WeightPush", "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "forget_server", "load_version", "push_version",
     "release_abandoned_pause", "weight_push",
 ]  # fmt: skip
 
 # How a path gets into a server: a model dir is reloaded, an adapter merged into the base weights.
 RELOAD, MERGE = "reload_weights", MERGE_LORA_RPC
-# Server URL -> (how, path) this process last loaded into it (the rollback target).
+# Server URL -> (how, path) this process last loaded into it (the rollback target). A URL names a
+# server only while it runs: `forget_server` drops its entry once it stops (ServerHandle.stop does, for
+# the servers grpoflow starts), so a new server at that URL is never rolled back to the old one's weights.
 _loaded: dict[str, tuple[str, str]] = {}
+
+
+def forget_server(url: str) -> None:
+    """The server at `url` is gone: what this process loaded into it is no rollback target any more."""
+    _loaded.pop(url.rstrip("/"), None)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
-from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, push_version
+from grpoflow.tasks.push.push import CheckpointPush, WeightPushError, forget_server, push_version
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import (
@@ -239,7 +239,11 @@ async def fake_server():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield app, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    # A new server: its port may be one an earlier test's server had, whose weights are no rollback
+    # target here (flows/serve.py: VLLMServer.stop forgets them as its server stops).
+    forget_server(url)
+    yield app, url
     app["release"].set()  # hanging handlers return (as a 200 the client gave up on long ago)
     await runner.cleanup()
 
@@ -447,6 +451,24 @@ async def test_a_failed_reload_rolls_back_to_the_weights_loaded_last(fake_server
     assert app["reloads"] == [v1, v2, v1]
     assert f"rolled the server back to the weights in {v1}" in str(e.value)
     assert not isinstance(e.value, InferenceUnavailableError) and resumed(app)
+
+
+async def test_a_server_started_again_at_the_same_url_is_never_rolled_back_to_the_old_ones_weights(
+    fake_server, tmp_path
+):
+    """What this process loaded into a server is its rollback target only while that server runs: once
+    grpoflow stops it, a new server at the same URL (a restart, or an unrelated one on a reused port) is
+    rolled back to the model it serves, never to the weights the old one held."""
+    from grpoflow.flows.serve import VLLMServer
+
+    app, url = fake_server
+    pusher, servers = pusher_for(tmp_path), one_server(url)
+    await push(pusher, servers, 1)
+    VLLMServer([], {}, url, tmp_path / "log", 1.0).stop()  # its process is gone: nothing left to stop
+    app["mode"]["/collective_rpc"] = "500"
+    with pytest.raises(WeightPushError, match="rolled the server back to the weights in /base"):
+        await push(pusher, servers, 2)
+    assert app["reloads"][1:] == [str(tmp_path / "weights" / "run" / "v000002"), "/base"]
 
 
 async def test_a_failed_reload_without_a_rollback_asks_for_a_restart(fake_server, tmp_path):
