@@ -14,8 +14,8 @@ naming the version and the weights path (and a failed resume, if any).
 
 A failed reload cannot simply be resumed from: vLLM 0.32 moves the model's layers to the meta device
 before it reads the new files, so after a failure the next forward pass crashes the server. The push
-therefore reloads the last weights this process loaded into that server while it ran (else the model the server
-started with) before it resumes; if that fails too the error is a WeightPushUnavailableError (the
+therefore reloads the last weights this process loaded into that server while it ran (else the model
+the server started with) before it resumes; if that fails too the error is a WeightPushUnavailableError (the
 server must be restarted).
 
 `mode=keep` leaves vLLM's prefix cache as it is, so a successful reload draws a new prefix-cache salt
