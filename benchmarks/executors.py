@@ -88,21 +88,22 @@ def per_call(spec: RewardConfig, calls: int) -> float:
 def on_hosts(calls: int) -> None:
     """This script on a learner host: with a local Ray, then with the Ray worker on another host."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.hosts import Hosts
+    from tests.hosts import Hosts, ray_node
 
-    ray, port = str(Path(sys.executable).with_name("ray")), 6379
+    port = 6379
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     me = [sys.executable, str(Path(__file__).resolve()), "--calls", str(calls)]
     with Hosts(2, prefix="ge") as (learner, worker), tempfile.TemporaryDirectory(dir="/tmp") as temp:
 
         def start(host, *args):
             log = open(Path(temp) / f"{host.name}.log", "ab")  # noqa: SIM115 (the process keeps its own)
-            return host.run([ray, "start", "--block", f"--node-ip-address={host.address}", f"--temp-dir={temp}/{host.name}",
-                             "--object-store-memory=100000000", *args], env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            return host.run(
+                ray_node(host, f"{temp}/{host.name}", *args), env=env, stdout=log, stderr=subprocess.STDOUT
+            )
 
         for where, address in (("local", "local"), ("remote", f"{learner.address}:{port}")):
             if where == "remote":
-                start(learner, "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false")
+                start(learner, "--head", f"--port={port}", "--num-cpus=0")
                 learner.wait_port(port, 120)
                 start(worker, f"--address={learner.address}:{port}", "--num-cpus=2")
                 time.sleep(10)  # the worker's node joins

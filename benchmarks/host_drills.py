@@ -114,11 +114,11 @@ class Cluster:
         return p
 
     def _ray(self, host, *args: str) -> None:
+        from tests.hosts import ray_node
+
         temp = Path(tempfile.mkdtemp(prefix=f"{host.name}-", dir="/tmp"))  # socket paths: short
         self.temps.append(temp)
-        head = ["--include-dashboard=false", "--disable-usage-stats"] if "--head" in args else []
-        self._spawn(host, f"ray-{host.name}", [str(BIN / "ray"), "start", "--block", f"--temp-dir={temp}",
-                    f"--node-ip-address={host.address}", "--object-store-memory=100000000", *head, *args])  # fmt: skip
+        self._spawn(host, f"ray-{host.name}", ray_node(host, temp, *args))
 
     def boot(self, host) -> None:
         if host is self.learner:

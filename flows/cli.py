@@ -31,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    api = sys.modules.get("grpoflow.flows.prefect_api")  # imported by the commands that run flows
+    stuck = api.undelivered() if api is not None else None
+    if stuck:  # Prefect would wait at exit for an API that does not answer (flows/prefect_api.py)
+        print(f"warning: {stuck}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     # Prefect's ephemeral server would try to send telemetry; keep local runs quiet and offline.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)

@@ -36,6 +36,7 @@ from grpoflow.storage.ids import validate_run_id
 from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, checkpoint_weights
 from grpoflow.tasks.push.lora_push import adapter_rank
+from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError, broken_rewards
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from grpoflow.tasks.steps import RolloutBatch, RolloutJob, persist, rollout_batch
 
@@ -115,10 +116,15 @@ def evaluate_model(
     *,
     load: bool,
     tokenizer: str | None = None,
+    what: str = "the evaluation",
 ) -> list:
     """Generate and score `rows` with the model dir or LoRA adapter `model` on the server at `url`
     (first loaded into it when `load`: through the backend that loads what `model` holds), and persist
-    them as step `step` of `eval_run` (split 'eval'); the groups. `tokenizer`: default `model`'s."""
+    them as step `step` of `eval_run` (split 'eval'); the groups. `tokenizer`: default `model`'s.
+
+    A required reward that failed on every completion is a bug, not a score (it would read as "no valid
+    reward", a pass rate of 0): BrokenRewardError names `what`, the reward and its error, once the rows
+    are stored for a look."""
     replicas = ReplicaSet([Replica(0, url)], version=step)
     if load:
         from grpoflow.tasks.push.push import load_version, weight_push
@@ -131,7 +137,15 @@ def evaluate_model(
     job = dataclasses.replace(rollout_job(cfg, replicas, tokenizer or model), split="eval")
     batch = rollout_batch(step, rows, list(range(len(rows))), quote(job))
     persist(cfg.storage.root, eval_run, step, quote(batch.groups))
+    refuse_broken(cfg, batch.groups, f"{what} (its rows: run {eval_run}, step {step})")
     return batch.groups
+
+
+def refuse_broken(cfg: GRPOConfig, groups: list, what: str) -> None:
+    """Raise BrokenRewardError, naming `what`, each reward and its error, when a required reward failed
+    on every completion of `groups`; one that failed on some is data (masked)."""
+    if broken := [b for b in broken_rewards(groups, cfg.rewards) if b.required]:
+        raise BrokenRewardError(f"{what} is broken: " + "; ".join(b.line() for b in broken))
 
 
 @flow(name="grpo-evaluate", log_prints=True)

@@ -1,9 +1,16 @@
-"""Prefect's temporary API server for a local run, started and owned by grpoflow.
+"""Prefect's temporary API server for a local run, started and owned by grpoflow; a bounded exit when
+a configured Prefect API stops answering.
 
 Without `PREFECT_API_URL`, Prefect starts a temporary API server of its own and stops it at exit, which
 a SIGKILLed or OOM-killed run never reaches: the server lives on. grpoflow starts the same server
 (the same uvicorn app and settings) under its guard instead, so it dies with the run however the run
 dies, and points this process's Prefect settings at it.
+
+With `PREFECT_API_URL` set (a Prefect server on another host), a run goes on when that server dies: the
+store, not Prefect, holds its tables. But Prefect sends the run's queued logs and events before the
+process may exit, each with its own retries and the queue growing with every failed one, which takes
+hours once the server is gone. A command gives them `EXIT_DRAIN_S`; what is still queued then is
+dropped, said so on stderr, and the command exits with its own code (`undelivered`, flows/cli.py).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +34,16 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
-        yield None
+        try:
+            yield None
+        finally:
+            pending = _drain_prefect_workers(EXIT_DRAIN_S)
+            if pending:
+                _undelivered.append(
+                    f"the Prefect API at {PREFECT_API_URL.value()} took not all of this run's logs and events "
+                    f"within {EXIT_DRAIN_S:.0f} s ({pending} of Prefect's senders still busy): they are dropped; "
+                    "the run's tables are all in the store"
+                )
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -62,16 +79,34 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
             try:
                 yield url
             finally:
-                _drain_prefect_workers()  # logs and events still queued go out before the server stops
+                _drain_prefect_workers(10.0)  # logs and events still queued go out before the server stops
     finally:
         os.environ.pop("PREFECT_API_URL", None)
         server.stop()
 
 
-def _drain_prefect_workers() -> None:
+# How long a command's last logs and events may take to reach a configured Prefect API (module doc).
+EXIT_DRAIN_S = 30.0
+_undelivered: list[str] = []
+
+
+def undelivered() -> str | None:
+    """Why this process must not wait for Prefect's senders at exit (their API stopped answering), or
+    None: then a normal exit sends nothing more."""
+    return _undelivered[-1] if _undelivered else None
+
+
+def _drain_prefect_workers(timeout_s: float) -> int:
+    """Send the logs and events Prefect still has queued, waiting at most `timeout_s` in all; how many
+    of its senders are still busy then (0 also when an earlier drain already gave up on them)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
+    if _undelivered:  # an enclosing command's drain, after this one gave up: nothing to wait for twice
+        return 0
+    pending, deadline = 0, time.monotonic() + timeout_s
     for worker in (APILogWorker, EventsWorker):
         with contextlib.suppress(Exception):  # a worker that never started has nothing to drain
-            worker.drain_all(timeout=10)
+            _, busy = worker.drain_all(timeout=max(0.1, deadline - time.monotonic()), at_exit=False)
+            pending += len(busy)
+    return pending

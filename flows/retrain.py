@@ -34,7 +34,6 @@ from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.choices import GateMetric
 from grpoflow.tasks.push.lora_push import adapter_rank
-from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError, broken_rewards
 
 
 def gate(candidate: float | None, incumbent: float | None, metric: str, margin: float) -> tuple[bool, str]:
@@ -72,24 +71,15 @@ def _evaluate_both(cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: di
         ray_cluster(cfg.scale, cfg.config_dir, ray_log),  # `executor: ray` rewards score here too
         inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{lineage}-gate", lora) as server,
     ):
+        # A required reward broken on every completion raises (evaluate_model): the gate decides nothing.
         cand_groups = evaluate_model(cfg, cand, step, f"{lineage}-eval", rows, server.url, tokenizer=tok,
-                                     load=eval_server_url is not None or lora is not None)  # fmt: skip
-        _refuse_broken(cfg, cand_groups, "candidate")
+                                     load=eval_server_url is not None or lora is not None,
+                                     what="the gate's evaluation of the candidate")  # fmt: skip
         # A LoRA lineage's base-model incumbent is what the server itself serves: nothing to load.
         load_inc = lora is None or adapter_rank(inc) is not None
         inc_groups = evaluate_model(cfg, inc, step, f"{lineage}-eval-incumbent", rows, server.url,
-                                    load=load_inc, tokenizer=tok)  # fmt: skip
-        _refuse_broken(cfg, inc_groups, "incumbent")
+                                    load=load_inc, tokenizer=tok, what="the gate's evaluation of the incumbent")  # fmt: skip
     return cand_groups, inc_groups
-
-
-def _refuse_broken(cfg: GRPOConfig, groups: list, which: str) -> None:
-    """A required reward that failed on every completion of an evaluation is a bug, not a score: the
-    gate decides nothing on it (it would read as "no valid reward" and reject every candidate)."""
-    broken = [b for b in broken_rewards(groups, cfg.rewards) if b.required]
-    if broken:
-        lines = "; ".join(b.line() for b in broken)
-        raise BrokenRewardError(f"the gate's evaluation of the {which} is broken, nothing decided: {lines}")
 
 
 def _record_retrain(store: RolloutStore, lineage: str, steps: range, cand_eval: dict, inc_eval: dict,

@@ -397,3 +397,13 @@ class Hosts:
             raise HostsError(f"teardown left {left}: {errors}")
         self.marker.unlink(missing_ok=True)
         _LIVE.discard(self)
+
+
+def ray_node(host: Host, temp: str | Path, *args: str) -> list[str]:
+    """The command that runs a Ray node on `host` until it is killed (`ray start --block`, the `ray` next
+    to this Python): at the host's address, its sessions and sockets under `temp` (keep it short: a
+    socket path has at most 107 bytes), a 100 MB object store; a head (`--head` in `args`) has no
+    dashboard. Run it with RAY_USAGE_STATS_ENABLED=0 in its environment."""
+    head = ["--include-dashboard=false", "--disable-usage-stats"] if "--head" in args else []
+    return [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--node-ip-address={host.address}",
+            f"--temp-dir={temp}", "--object-store-memory=100000000", *head, *args]  # fmt: skip

@@ -10,13 +10,15 @@ prefect.yaml as shipped:
 on the Ray worker and generates on the policy server; where each thing ran is read from the store alone.
 `grpo-retrain` then continues the lineage and promotes its candidate into the policy server. Last, the
 third host joins the Ray cluster and a sharded learner of two ranks, one on each host with CPUs (gloo
-over the bridge), makes the single process's update. Everything stays up for the module."""
+over the bridge), makes the single process's update. Everything stays up for the module until the last
+test kills the second host under a `grpoflow train` whose Prefect API it is."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,13 +29,13 @@ import pytest
 
 from grpoflow.flows.launch import is_healthy
 from grpoflow.storage.sql import query
-from tests.hosts import Host
+from tests.hosts import Host, ray_node
 from tests.integration.test_distributed import WEIGHT_ATOL
 from tests.support import REPO, hosts_fixture, logprob_gap, served_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 KEY, SERVE_PORT, RAY_PORT, PREFECT_PORT, STEPS = "hosts-ray-key", 8766, 6379, 4200, 2
-RAY, PREFECT = str(Path(sys.executable).with_name("ray")), str(Path(sys.executable).with_name("prefect"))
+PREFECT = str(Path(sys.executable).with_name("prefect"))
 PROBES = [[3 + (5 * i + 11 * k) % 90 for k in range(5 + 4 * i)] for i in range(3)]
 
 three_hosts = hosts_fixture(3, prefix="gr", scope="module")
@@ -65,17 +67,13 @@ def run_config(tiny_model_dir: Path, store: Path, url: str, ray: str) -> dict:
 
 
 def _start_ray(host: Host, tmp: Path, *args: str) -> subprocess.Popen:
-    """`ray start --block` on `host`, its sessions and sockets in a short temp folder of its own (a
-    socket path has at most 107 bytes), removed with the module's hosts."""
+    """A Ray node on `host` (tests/hosts.py: ray_node), its temp folder removed with the module's hosts."""
     temp = Path(tempfile.mkdtemp(prefix=f"{host.name}-", dir="/tmp"))
     _TEMPS.append(temp)
     log = open(tmp / f"ray-{host.name}.log", "ab")  # noqa: SIM115 (the process keeps its own descriptor)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = ["--include-dashboard=false", "--disable-usage-stats"] if "--head" in args else []
-    cmd = [RAY, "start", "--block", f"--node-ip-address={host.address}", f"--temp-dir={temp}",
-           "--object-store-memory=100000000", *head, *args]  # fmt: skip
     with log:
-        return host.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return host.run(ray_node(host, temp, *args), env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                        stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
 
 
 def _up(host: Host, port: int, proc: subprocess.Popen, what: str) -> bool:
@@ -241,3 +239,40 @@ def test_two_learner_ranks_on_two_hosts_make_the_single_process_update(three_hos
     assert sorted(got["nodes"]) == sorted([worker.address, server.address])  # a rank on each host
     assert got["worst"] < WEIGHT_ATOL, got
     assert got["loss"][1] == pytest.approx(got["loss"][0], abs=1e-5)
+
+
+def test_a_run_whose_prefect_server_host_dies_trains_every_step_and_exits(
+    three_hosts, tiny_model_dir, cluster
+):
+    """Last: it kills the second host (the Prefect server and a Ray worker). `grpoflow train` on the
+    learner's host, its Prefect API that host's, loses it after its first step: every step is trained and stored
+    exactly once, and the command exits with its own code, saying that Prefect's last logs and events
+    were dropped instead of retrying each of them for hours (flows/prefect_api.py)."""
+    from grpoflow.flows.prefect_api import EXIT_DRAIN_S
+    from grpoflow.storage.rollouts import RolloutStore
+
+    learner, worker, _ = three_hosts
+    c, steps = cluster, 6
+    cfg = run_config(tiny_model_dir, c.store, c.url, c.ray)
+    cfg["rewards"][0]["executor"] = "thread"  # the Ray worker dies with the host: thread rewards
+    cfg["run"] |= {"steps": steps, "run_id": "orphan"}
+    (c.tmp / "orphan.yaml").write_text(json.dumps(cfg))  # YAML's flow style
+    env = _env(c.tmp / "prefect-orphan", c.api) | {"GRPOFLOW_API_KEY": KEY}
+    cli = str(Path(sys.executable).with_name("grpoflow"))
+    run = learner.run([cli, "train", "--config", str(c.tmp / "orphan.yaml")], cwd=REPO, env=env,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    store = RolloutStore(c.store)
+    wait_for(lambda: store.steps_written("steps", "orphan") or run.poll() is not None, 600, "step 0 stored")
+    assert run.poll() is None, run.communicate()
+    worker.kill()
+    try:
+        out, err = run.communicate(timeout=300 + EXIT_DRAIN_S)  # without the bounded exit: hours
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 0, err[-4000:]
+    assert f"run orphan: {steps} steps" in out
+    assert f"the Prefect API at {c.api} took not all of this run's logs and events" in err, err[-4000:]
+    for table in ("rollouts", "rewards", "steps"):
+        assert store.steps_written(table, "orphan") == list(range(steps)), table
+    assert store.read_run_meta("orphan")["status"] == "completed"

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def always_fails(completions: list[str], **_) -> list[float]:
+    raise RuntimeError("probe")
+
+
 def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     from grpoflow.flows.analyze import rollout_sql
     from grpoflow.flows.retrain import grpo_retrain
@@ -48,6 +52,19 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
     _, texts = query(tmp_path, "SELECT completion FROM rollouts WHERE run_id = 'nightly-eval' AND step = 4 "
                      "ORDER BY prompt_index")  # fmt: skip
     assert len(texts) == 4
+
+    # A required reward that failed on every completion is a bug, not a pass rate of 0: the evaluation
+    # raises, naming it, once its rows are stored.
+    from grpoflow.tasks.config.rewards import RewardConfig
+    from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
+
+    broken = cfg.model_copy(update={"rewards": [RewardConfig(name="probe", fn=f"{__name__}:always_fails")]})
+    with pytest.raises(
+        BrokenRewardError, match=r"evaluation .*'probe' failed on 4/4 completions: RuntimeError: probe"
+    ):
+        grpo_evaluate(config=broken, run_id="nightly", prompts=4, greedy=True, server_url=vllm_server.url,
+                      eval_run="broken-eval")  # fmt: skip
+    assert RolloutStore(tmp_path).steps_written("rewards", "broken-eval") == [4]
 
     out = rollout_sql(root=str(tmp_path), canned="reward_curve", run="nightly")
     assert out["rows"] == 5

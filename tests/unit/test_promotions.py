@@ -292,7 +292,7 @@ def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_ro
         started.append((model, lora and lora.rank))
         yield type("S", (), {"url": "http://gate.invalid"})
 
-    def evaluate(cfg, model, step, run, rows, url, *, load, tokenizer=None):
+    def evaluate(cfg, model, step, run, rows, url, *, load, tokenizer=None, what="the evaluation"):
         evaluated.append((model, run, load, tokenizer))
         return []
 
@@ -332,12 +332,13 @@ def test_a_lora_server_serves_each_lineage_under_its_name_from_the_log(lora_root
     assert adapters["ada"].endswith("run_id=ada/base-adapter")
 
 
-def test_the_gate_refuses_an_evaluation_a_required_reward_broke_on():
-    """Every cell of a required reward failed (a Ray cluster the evaluation never joined, a bug): the
-    gate raises, naming the reward, rather than read "no valid reward" and reject every candidate. An
-    optional reward broken, or one failing on some completions only, is data."""
+def test_an_evaluation_a_required_reward_broke_on_is_refused():
+    """Every cell of a required reward failed (a Ray cluster the evaluation never joined, a bug): an
+    evaluation (grpo-evaluate's, the gate's) raises, naming the reward, rather than read "no valid
+    reward" (the gate would reject every candidate). An optional reward broken, or one failing on some
+    completions only, is data."""
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.retrain import _refuse_broken
+    from grpoflow.flows.evaluate import refuse_broken
     from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
     from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
 
@@ -354,5 +355,5 @@ def test_the_gate_refuses_an_evaluation_a_required_reward_broke_on():
     with pytest.raises(
         BrokenRewardError, match=r"candidate is broken.*'acc' failed on 4/4 completions: RuntimeError: no Ray"
     ):
-        _refuse_broken(cfg, groups(4), "candidate")
-    _refuse_broken(cfg, groups(3), "candidate")  # one valid cell: data to mask, the gate decides
+        refuse_broken(cfg, groups(4), "the gate's evaluation of the candidate")
+    refuse_broken(cfg, groups(3), "the gate's evaluation of the candidate")  # one valid cell: data to mask
