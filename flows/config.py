@@ -180,6 +180,16 @@ class GRPOConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _some_prompts(self) -> GRPOConfig:
+        d = self.data
+        if not d.path and d.dataset is None and not d.generator and self.tools.environment is None:
+            raise ValueError(
+                "data: set data.path, data.dataset or data.generator, or tools.environment (with no dataset, "
+                "its reset() gives the prompts)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unique_rewards(self) -> GRPOConfig:
         names = [r.name for r in self.rewards]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -200,27 +210,6 @@ def resolve_import(path: str, field: str) -> Any:
         raise ConfigError(f"{field}: refused: {e}") from e
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}") from e
-
-
-def check_environment(factory: Any, path: str) -> None:
-    """An environment must snapshot in isolation (its own `snapshot()`, or a deep copy): a shallow copy
-    would share state with the pooled instance that the next rollout resets."""
-    import copy
-
-    try:
-        env = factory()
-    except Exception as e:
-        raise ConfigError(f"tools.environment: {path}() failed: {type(e).__name__}: {e}") from e
-    if callable(getattr(env, "snapshot", None)):
-        return
-    try:
-        copy.deepcopy(env)
-    except Exception as e:
-        raise ConfigError(
-            f"tools.environment: {path} instances cannot be deep-copied ({type(e).__name__}: {e}); "
-            "define a snapshot() method that returns an isolated copy of the state your reward "
-            "functions read"
-        ) from e
 
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:
@@ -284,16 +273,21 @@ def _names_its_task(raw: dict[str, Any], path: str | Path) -> None:
     """A config file (with its --set overrides) must name its rewards and its data: the defaults are the
     tiny demo's, which a user's model must never silently train on. `grpoflow train` with no config
     file still runs the demo."""
-    if not raw.get("rewards"):
+    env = isinstance(raw.get("tools"), dict) and raw["tools"].get("environment")
+    if not raw.get("rewards") and not env:  # an environment's get_reward() may be its reward
         raise ConfigError(
             f"{path}: rewards: the config names no reward; a config file says what it trains for "
             "(the demo's letter reward is the default only without --config)"
         )
     data = raw.get("data")
-    if not isinstance(data, dict) or not any(data.get(k) for k in DATA_SOURCES):
+    owned = (
+        env and isinstance(data, dict) and "generator" in data and not any(data.get(k) for k in DATA_SOURCES)
+    )
+    if not owned and (not isinstance(data, dict) or not any(data.get(k) for k in DATA_SOURCES)):
         raise ConfigError(
-            f"{path}: data: the config names no rows (data.path, data.dataset or data.generator); "
-            "the demo's letter rows are the default only without --config"
+            f"{path}: data: the config names no rows (data.path, data.dataset or data.generator; "
+            "data.generator: null for an environment whose reset() gives the prompts); the demo's "
+            "letter rows are the default only without --config"
         )
 
 
@@ -345,19 +339,19 @@ def where_searched(cfg: GRPOConfig, value: str) -> str:
 
 def check_imports(cfg: GRPOConfig) -> None:
     """Resolve every import path now, so a typo fails before any model is loaded (callables given
-    from Python are already resolved)."""
+    from Python are already resolved); an environment's get_reward() becomes a reward entry
+    (flows/environments.py)."""
     for i, r in enumerate(cfg.rewards):
         if isinstance(r.fn, str):
             resolve_import(r.fn, f"rewards[{i}].fn")
     for i, t in enumerate(cfg.tools.tools):
         if isinstance(t, str):
             resolve_import(t, f"tools.tools[{i}]")
-    env = cfg.tools.environment
-    if env is not None:
-        factory = resolve_import(env, "tools.environment") if isinstance(env, str) else env
-        check_environment(
-            factory, env if isinstance(env, str) else getattr(env, "__qualname__", "environment")
-        )
+    if cfg.tools.environment is not None:
+        from grpoflow.flows.environments import check_environments, environment_rewards  # they import this
+
+        check_environments(cfg)
+        environment_rewards(cfg)  # an environment's get_reward(): a reward entry of its own
     if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):

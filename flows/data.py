@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
+from grpoflow.flows.environments import environment_rows, owns_its_data
 from grpoflow.storage.ids import held_out, row_id_of
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
 from grpoflow.tasks.config.data import DatasetConfig
@@ -194,12 +195,15 @@ def _load_dataset(cfg: GRPOConfig, split: str, field: str) -> list[dict[str, Any
 
 def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
     """Every dataset row, from `data.path` (JSONL/Parquet, or a save_to_disk directory), `data.dataset`
-    (a Hugging Face dataset) or `data.generator`; each needs a 'prompt'. Training and evaluation take
+    (a Hugging Face dataset) or `data.generator` (none of them: an environment's, flows/environments.py);
+    each needs a 'prompt'. Training and evaluation take
     their sides of it from `split_rows`."""
     if cfg.data.path:
         rows = _read_rows(cfg.data.path, "data.path", cfg)
     elif cfg.data.dataset is not None:
         rows = _load_dataset(cfg, cfg.data.dataset.split, "data.dataset.split")
+    elif owns_its_data(cfg):
+        return environment_rows(cfg)
     else:
         gen = resolve_import(cfg.data.generator, "data.generator")
         rows = list(gen(**cfg.data.generator_kwargs))

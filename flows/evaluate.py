@@ -28,6 +28,7 @@ from prefect.utilities.annotations import quote
 from grpoflow.flows.cluster import ray_cluster
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from grpoflow.flows.data import load_rows, split_rows
+from grpoflow.flows.environments import check_environment_rows
 from grpoflow.flows.progress import artifact_key
 from grpoflow.flows.runs import confine, prepare_model, rollout_job
 from grpoflow.flows.serve import inference_server
@@ -89,6 +90,7 @@ def eval_rows(cfg: GRPOConfig, prompts: int | None) -> tuple[list[dict[str, Any]
     """The rows evaluated and where they come from ('eval': the held-out split, at most `prompts` of
     it in its order; 'train': no split is configured, the dataset's last `prompts` (default 16))."""
     rows, held = split_rows(cfg, load_rows(cfg))
+    check_environment_rows(cfg, rows + held)
     if held:
         return held[:prompts] if prompts else held, "eval"
     n = prompts or 16

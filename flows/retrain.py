@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow
 
 from grpoflow.flows.cluster import ray_cluster
-from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
 from grpoflow.flows.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
 from grpoflow.flows.promote import base_version, checkpoint_version, promote, reject, serving_version
 from grpoflow.flows.runs import confine
@@ -147,6 +147,7 @@ def grpo_retrain(
     if incumbent is None:
         raise ConfigError(f"lineage {lineage!r}: its run records no base model to compare against")
     ecfg = evaluation_config(cfg, eval_greedy, eval_server_url)
+    check_imports(ecfg)  # the config as the gate scores with it: an environment's reward included
     rows, source = eval_rows(ecfg, eval_prompts)
     if source != "eval":
         print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")

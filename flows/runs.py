@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, where_searched
 from grpoflow.flows.data import confine_dataset, load_rows, split_rows
+from grpoflow.flows.environments import check_environment_rows
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
@@ -63,6 +64,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
 
         check_trackers(cfg)
     rows, held = split_rows(cfg, load_rows(cfg))
+    check_environment_rows(cfg, rows + held)  # TRL's dict form: each row names its environment
     if cfg.run.eval_every and not held:
         raise ConfigError(
             f"run.eval_every: the eval split holds no rows ({_eval_source(cfg)}); nothing to score"

@@ -72,7 +72,9 @@ class DataConfig(Section):
     )
     generator: str | None = Field(
         "grpoflow.examples.envs:letters_rows",
-        description="Import path 'module:function' returning a list of rows; used when path is unset.",
+        description="Import path 'module:function' returning a list of rows; used when path is unset. null with "
+        "no path or dataset: the prompts come from tools.environment's reset(), run.steps x prompts_per_step "
+        "of them (each row carries `seed`, the same for a group's samples).",
     )
     generator_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the generator."
@@ -107,8 +109,7 @@ class DataConfig(Section):
         # generator has a default: a path or a dataset takes precedence over it
         if self.path and self.dataset:
             raise ValueError("data.dataset: set data.path or data.dataset, not both")
-        if not self.path and not self.dataset and not self.generator:
-            raise ValueError("set data.path, data.dataset or data.generator")
+        # no source at all: the environment's reset() gives the prompts (flows/config.py checks it has one)
         if self.eval_path and self.eval_fraction:
             raise ValueError("set data.eval_path or data.eval_fraction, not both")
         for other in ("eval_path", "eval_fraction"):

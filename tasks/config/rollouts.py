@@ -53,12 +53,25 @@ class ToolsConfig(Section):
         default_factory=list,
         description="Tool functions, 'module:function' (from Python also the functions themselves).",
     )
-    environment: str | SkipJsonSchema[Callable[..., Any]] | None = Field(
+    environment: (
+        str | SkipJsonSchema[Callable[..., Any]] | dict[str, str | SkipJsonSchema[Callable[..., Any]]] | None
+    ) = Field(
         None,
-        description="Environment factory 'module:Class' (from Python also the class); its public methods "
-        "become tools. Each finished "
-        "rollout's environment reaches the reward functions as an isolated snapshot: the environment's "
-        "own snapshot() when it defines one, else a deep copy.",
+        description="Environment factory 'module:Class' (from Python also the class), TRL's "
+        "`environment_factory`: each rollout gets an instance, `reset(**row)` first (a string it returns is "
+        "added to the prompt; with no dataset, `data.generator: null`, it is the prompt), and its public "
+        "methods are the model's tools. A map {name: factory} is TRL's dict form: each row's `environment` "
+        "column names the one its rollouts use, and they see only that one's tools. Each finished rollout's "
+        "environment reaches the reward functions as an isolated snapshot: its own snapshot() when it "
+        "defines one, else a deep copy.",
+    )
+    environment_reward: bool = Field(
+        True,
+        description="An environment with get_reward() is a reward of its own, as in TRL: named after its class, "
+        "weight 1, called on the rollout's instance once the rollout ends (an exception, a non-number or a "
+        "timeout is a failed cell, None an invalid one, never 0); without `rewards` in the config it is the "
+        "only reward. In the dict form every environment must have one, and the reward is named "
+        "'environment' unless they share a class. false: only `rewards` score.",
     )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
@@ -84,4 +97,19 @@ class ToolsConfig(Section):
     @field_validator("environment")
     @classmethod
     def _env_path(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            if not v:
+                raise ValueError("an empty map names no environment")
+            for name in v:
+                if not (isinstance(name, str) and name.strip()):
+                    raise ValueError(f"environment names must be non-empty strings, got {name!r}")
+            return {k: check_import_path_syntax(f) if isinstance(f, str) else f for k, f in v.items()}
         return check_import_path_syntax(v) if isinstance(v, str) else v
+
+    def environments(self) -> dict[str | None, Any]:
+        """The environment factories by the name a row's `environment` column gives (TRL's dict form);
+        a single one under None. Empty without environments."""
+        env = self.environment
+        if env is None:
+            return {}
+        return dict(env) if isinstance(env, dict) else {None: env}

@@ -59,25 +59,33 @@ def load_examples(warmup: WarmupConfig) -> list[dict[str, Any]]:
 
 class PromptRenderer:
     """The first turn's messages as a rollout builds them: the row's prompt, the environment's reset
-    note, and the tools in the system turn when the template does not render them."""
+    note (the one the row's `environment` column names, in TRL's dict form), and the tools in the
+    system turn when the template does not render them."""
 
     def __init__(self, tokenizer, tools: ToolsConfig, parser: ToolCallParser):
         self.tok, self.parser, self.describe = tokenizer, parser, tools.describe_tools
-        fns = [resolve_callable(t) for t in tools.tools]
-        self.env = resolve_callable(tools.environment)() if tools.environment is not None else None
-        if self.env is not None:
-            fns += list(environment_tools(self.env).values())
-        self.schemas = [tool_schema(f) for f in fns]
-        self.in_system = bool(self.schemas) and tools_in_system_turn(self.describe, tokenizer, self.schemas)
+        self.fns = [resolve_callable(t) for t in tools.tools]
+        self.envs = {name: resolve_callable(f)() for name, f in tools.environments().items()}
+
+    def _env(self, row: dict[str, Any]) -> Any:
+        return self.envs.get(None if None in self.envs else row.get("environment"))
+
+    def schemas(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """The tools `row`'s rollouts see: the functions, and its environment's methods."""
+        env = self._env(row)
+        fns = self.fns + (list(environment_tools(env).values()) if env is not None else [])
+        return [tool_schema(f) for f in fns]
+
+    def in_system(self, schemas: list[dict[str, Any]]) -> bool:
+        return bool(schemas) and tools_in_system_turn(self.describe, self.tok, schemas)
 
     def messages(self, row: dict[str, Any], index: int) -> list[dict[str, Any]]:
-        history = prompt_messages(row, index)
-        if self.env is not None:
-            history = with_reset_note(
-                history, self.env.reset(**{k: v for k, v in row.items() if k != "reply"})
-            )
-        if self.in_system:
-            history = with_system_text(history, self.parser.instructions(self.schemas))
+        history, env = prompt_messages(row, index), self._env(row)
+        if env is not None:
+            history = with_reset_note(history, env.reset(**{k: v for k, v in row.items() if k != "reply"}))
+        schemas = self.schemas(row)
+        if self.in_system(schemas):
+            history = with_system_text(history, self.parser.instructions(schemas))
         return history
 
 
@@ -131,7 +139,7 @@ def warm_up(
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     renderer = PromptRenderer(tok, tools, parser or HermesToolParser())
     encoded = [
-        example_ids(tok, renderer.messages(ex, i), ex["reply"], renderer.schemas, i)
+        example_ids(tok, renderer.messages(ex, i), ex["reply"], renderer.schemas(ex), i)
         for i, ex in enumerate(load_examples(warmup))
     ]
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")

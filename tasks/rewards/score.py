@@ -29,6 +29,7 @@ from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.remote import call_on_ray, this_node
+from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, EnvReward
 from grpoflow.tasks.rewards.process_pool import in_process_pool
 from grpoflow.tasks.rewards.reward_kwargs import (
     RewardLog,
@@ -100,17 +101,33 @@ def _cells_from_values(
     values = list(values)
     if len(values) != n:
         return [cell(None, "failed", f"wrong length: expected {n} values, got {len(values)}")] * n
-    out = []
-    for v in values:
-        if v is None:
-            out.append(cell(None, "invalid", "returned None"))
-        elif isinstance(v, bool) or not isinstance(v, numbers.Real):
-            # bool is numeric in Python but almost always a bug in a reward (a predicate, not a score)
-            out.append(cell(None, "failed", f"non-numeric value {v!r} ({type(v).__name__})"))
-        elif not math.isfinite(float(v)):
-            out.append(cell(None, "invalid", f"non-finite value {float(v)}"))
+    return [cell(*classify(v)) for v in values]
+
+
+def classify(v: Any) -> tuple[float | None, RewardStatus, str]:
+    """One returned value as a cell's (value, status, reason)."""
+    if v is None:
+        return None, "invalid", "returned None"
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        # bool is numeric in Python but almost always a bug in a reward (a predicate, not a score)
+        return None, "failed", f"non-numeric value {v!r} ({type(v).__name__})"
+    if not math.isfinite(float(v)):
+        return None, "invalid", f"non-finite value {float(v)}"
+    return float(v), "valid", ""
+
+
+def _environment_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
+    """The cells of an environment's get_reward() (tasks/rewards/env_reward.py): each rollout's outcome."""
+    node, out = this_node(), []
+    for c in (c for g in groups for c in g.completions):
+        got: EnvReward | None = c.environment_reward
+        if got is None:
+            value, status, reason, dt = None, "invalid", "the rollout recorded no get_reward()", 0.0
+        elif got.status is not None:
+            value, status, reason, dt = None, got.status, got.reason, got.seconds
         else:
-            out.append(cell(float(v), "valid"))
+            (value, status, reason), dt = classify(got.value), got.seconds
+        out.append(RewardCell(spec.name, value, status, reason[:500], spec.weight, dt, node=node))
     return out
 
 
@@ -153,6 +170,12 @@ async def _run_one(
     if log.extra:  # a copy per completion: a failed batch's cells are one object n times
         cells = [dataclasses.replace(c, extra=log.cell_extra(i)) for i, c in enumerate(cells)]
     return cells, log
+
+
+async def _score_one(spec: RewardConfig, groups, messages, text, state) -> tuple[list[RewardCell], RewardLog]:
+    if spec.fn == ENVIRONMENT_REWARD:  # an environment's get_reward(), called by each rollout
+        return _environment_cells(spec, groups), RewardLog(len(text["completions"]))
+    return await _run_one(spec, messages if spec.completions == "messages" else text, state)
 
 
 def _failed(spec: RewardConfig, e: Exception, n: int, t0: float, node: str) -> list[RewardCell]:
@@ -328,9 +351,7 @@ async def score_groups_async(
     t0 = time.perf_counter()
     text = _batch_inputs(groups)
     messages = _as_messages(groups, text) if any(s.completions == "messages" for s in specs) else text
-    runs = await asyncio.gather(
-        *(_run_one(s, messages if s.completions == "messages" else text, state) for s in specs)
-    )
+    runs = await asyncio.gather(*(_score_one(s, groups, messages, text, state) for s in specs))
     failpoint("score")
     per_fn = [cells for cells, _ in runs]
     _apply(groups, specs, per_fn)

@@ -12,34 +12,44 @@ import time
 from typing import Any
 
 from grpoflow.storage.records import RolloutCompletion, TaggedMessage, TurnRecord
+from grpoflow.tasks.rewards.env_reward import call_get_reward, has_reward
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
 from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schema
 
 
 async def multi_turn_rollout(r: RolloutSettings, row: dict, index: int, sample: int, messages: list[dict]):
-    env = None
+    env, pool = None, r.env_pool(row)
     tools = {f.__name__: f for f in r.tools}
     history = [dict(m) for m in messages]
     remote = dict(r.remote_tools)
-    if r.env_pool is not None:
-        env = await r.env_pool.acquire()
+    if pool is not None:
+        env = await pool.acquire()
         history = with_reset_note(history, env.reset(**row))
+        if not history[-1]["content"]:  # no dataset, and reset() gave no prompt: a bug of every row
+            pool.release(env)
+            raise ValueError(
+                f"tools.environment: {type(env).__name__}.reset() returned no prompt, and the run has no "
+                "dataset (data.generator: null): reset() must return the prompt"
+            )
         methods = environment_tools(env)  # stateful: they always run here, never on Ray
         tools.update(methods)
         remote = {k: v for k, v in remote.items() if k not in methods}
     # Rewards see the prompt in the row's own form, with this sample's reset note in it.
     prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]
-    box = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus)
+    box, reward_timed_out = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus), False
     try:
         c = await _run_turns(r, index, sample, history, box)
         c.prompt_input = prompt_input
+        if env is not None and r.env_reward and has_reward(env):  # TRL's get_reward(), on this instance
+            c.environment_reward = got = await call_get_reward(env, r.tool_timeout_s)
+            reward_timed_out = got.status == "timeout"
         if env is not None:  # snapshot before the slot goes back to the pool and is reset
             c.environment = snapshot(env)
         return c
     finally:
-        if env is not None:
-            (r.env_pool.retire if box.timed_out else r.env_pool.release)(env)
+        if env is not None:  # an instance a hung call may still write to is dropped, never reused
+            (pool.retire if box.timed_out or reward_timed_out else pool.release)(env)
 
 
 def snapshot(env: Any) -> Any:

@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from grpoflow.storage.ids import row_id_of
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
@@ -76,8 +77,12 @@ class RolloutSettings:
             if tools.executor == "ray" and not inspect.iscoroutinefunction(fn)
         }
         self.tool_cpus = tools.num_cpus
-        factory = resolve_callable(tools.environment) if tools.environment is not None else None
-        self.env_pool = EnvPool(factory, tools.env_slots or gen.max_in_flight) if factory else None
+        # An instance pool per environment, by the name a row's `environment` column gives (None: the one)
+        slots = tools.env_slots or gen.max_in_flight
+        self.env_pools = {
+            name: EnvPool(resolve_callable(f), slots) for name, f in tools.environments().items()
+        }
+        self.env_reward = tools.environment_reward  # call get_reward() where an environment has one
         self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s
         self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
@@ -97,7 +102,19 @@ class RolloutSettings:
 
     @property
     def single_turn(self) -> bool:
-        return not self.tools and self.env_pool is None and self.gen.max_turns == 1
+        return not self.tools and not self.env_pools and self.gen.max_turns == 1
+
+    def env_pool(self, row: dict) -> EnvPool | None:
+        """The pool of the environment `row`'s rollouts use: the one, or the one its `environment` column
+        names (TRL's dict form); None without environments."""
+        if None in self.env_pools or not self.env_pools:
+            return self.env_pools.get(None)
+        name = row.get("environment")
+        if name not in self.env_pools:  # preflight refuses such rows; a row built by hand gets this
+            raise ValueError(
+                f"row {row_id_of(row)}: environment {name!r} is not one of tools.environment's: {sorted(self.env_pools)}"
+            )
+        return self.env_pools[name]
 
     def sample_kwargs(self) -> dict[str, Any]:
         g = self.gen

@@ -63,10 +63,12 @@ def tools_in_system_turn(describe_tools: str, tokenizer, schemas: list[dict]) ->
 
 
 def with_reset_note(messages: list[dict], note: Any) -> list[dict]:
-    """`messages` with an environment's `reset` note (a non-empty string) appended to the last one."""
+    """`messages` with an environment's `reset` note (a non-empty string) appended to the last one (its
+    whole content when that is empty: an environment that owns its data gives the prompt)."""
     if not (isinstance(note, str) and note):
         return messages
-    return [*messages[:-1], {**messages[-1], "content": f"{messages[-1]['content']}\n\n{note}"}]
+    content = messages[-1]["content"]
+    return [*messages[:-1], {**messages[-1], "content": f"{content}\n\n{note}" if content else note}]
 
 
 class TemplateError(ValueError):

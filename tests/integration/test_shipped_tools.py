@@ -35,15 +35,16 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     _, [(calls, ok, max_count)] = query(
         tmp_path,
         "SELECT count(*), count(*) FILTER (WHERE NOT failed AND result LIKE 'count is now %'), "
-        "(SELECT max(value) FROM rewards WHERE reward_name = 'count') FROM tool_calls",
+        "(SELECT max(value) FROM rewards WHERE reward_name = 'CounterEnv') FROM tool_calls",
     )
-    assert calls > 0 and ok > 0 and max_count >= 1  # parsed, executed on the environment, rewarded
+    # parsed, executed on the environment, rewarded by its get_reward() (TRL's environment_factory)
+    assert calls > 0 and ok > 0 and max_count >= 1
 
     # the warm-up learned on exactly the prompt text rollouts used (the env's reset note included)
     tok = load_tokenizer(str(prepare_model(cfg)))
     renderer = PromptRenderer(tok, cfg.tools, HermesToolParser())
     rendered = {
-        render(tok, renderer.messages(r, i), renderer.schemas, True) for i, r in enumerate(load_rows(cfg))
+        render(tok, renderer.messages(r, i), renderer.schemas(r), True) for i, r in enumerate(load_rows(cfg))
     }
     _, prompts = query(tmp_path, "SELECT DISTINCT prompt FROM rollouts")
     assert prompts and {p for (p,) in prompts} <= rendered

@@ -454,7 +454,10 @@ def test_environment_that_cannot_snapshot_fails_preflight_naming_the_fix():
     cfg = GRPOConfig.model_validate({"tools": {"environment": "tests.unit.envs:LockedEnv"}})
     with pytest.raises(ConfigError, match=r"tools.environment: .*cannot be deep-copied.*snapshot\(\)"):
         check_imports(cfg)
-    ok = GRPOConfig.model_validate({"tools": {"environment": "tests.unit.envs:LockedEnvWithSnapshot"}})
+    letter = [{"name": "letter", "fn": "grpoflow.examples.rewards:letter_fraction"}]
+    ok = GRPOConfig.model_validate(
+        {"tools": {"environment": "tests.unit.envs:LockedEnvWithSnapshot"}, "rewards": letter}
+    )
     check_imports(ok)  # its own snapshot() is the contract
 
 

@@ -30,9 +30,9 @@ def test_smollm2_learns_the_assistant_turns_only_on_the_rollout_prompt(smollm2_t
     )[0]
     prompt = renderer.messages(ex, 0)
     # SmolLM2's template ignores tools=: the schema and the call format go into the system turn
-    assert renderer.in_system
+    assert renderer.in_system(renderer.schemas({}))
     assert prompt[0]["role"] == "system" and '"name": "calculator"' in prompt[0]["content"]
-    ids, labels = example_ids(tok, prompt, ex["reply"], renderer.schemas, 0)
+    ids, labels = example_ids(tok, prompt, ex["reply"], renderer.schemas(ex), 0)
     answer = str(ex["answer"])
     call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{ex["a"]} * {ex["b"]}"}}}}</tool_call>'
     # both assistant turns, each through its end-of-turn token; never the prompt or the tool result
@@ -50,14 +50,15 @@ def test_a_template_that_renders_tools_keeps_them_out_of_the_system_turn():
     renderer = PromptRenderer(
         tok, ToolsConfig(environment="grpoflow.examples.envs:CounterEnv"), HermesToolParser()
     )
-    assert not renderer.in_system
-    assert [s["function"]["name"] for s in renderer.schemas] == ["increment"]
+    schemas = renderer.schemas({"prompt": "Count."})
+    assert not renderer.in_system(schemas)
+    assert [s["function"]["name"] for s in schemas] == ["increment"]
     msgs = renderer.messages({"prompt": "Count."}, 0)
     assert msgs == [
         {"role": "user", "content": "Count.\n\nA counter starts at 0. Call the increment tool to raise it."}
     ]
     ids, labels = example_ids(tok, msgs, '<tool_call>{"name": "increment", "arguments": {"by": 1}}</tool_call>',
-                              renderer.schemas, 0)  # fmt: skip
+                              schemas, 0)  # fmt: skip
     assert _learned(tok, ids, labels).endswith("</tool_call><|im_end|>")
 
 

@@ -1,0 +1,122 @@
+"""Environments as a run uses them (TRL's `environment_factory`; tasks/rollouts/multi_turn.py runs
+them): checked before anything starts, their `get_reward()` made a reward, their rows checked, and
+the rows of an environment that owns its data.
+
+- `check_environments`: each factory imports, makes an instance, and the instance snapshots in
+  isolation (its own snapshot(), or a deep copy).
+- `environment_rewards`: with `tools.environment_reward`, an environment class that has `get_reward()`
+  adds a reward entry named after it (tasks/rewards/env_reward.py); without `rewards` in the config it
+  replaces the default one.
+- `check_environment_rows`: in the dict form every row names one of the environments.
+- `environment_rows`: no dataset (`data.generator: null`): `run.steps x data.prompts_per_step` rows
+  whose prompt is what `reset(**row)` returns; each carries `seed`, the same for a group's samples, so
+  an environment that draws its task from it gives the group one task.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, has_reward
+
+
+def _field(name: str | None) -> str:
+    return "tools.environment" if name is None else f"tools.environment.{name}"
+
+
+def environment_factories(cfg: GRPOConfig) -> dict[str | None, Any]:
+    """The factories, resolved, by the name a row's `environment` column gives (None: the one)."""
+    return {
+        name: resolve_import(f, _field(name)) if isinstance(f, str) else f
+        for name, f in cfg.tools.environments().items()
+    }
+
+
+def check_environments(cfg: GRPOConfig) -> None:
+    """Every environment can be made and snapshots in isolation: a shallow copy would share state with
+    the pooled instance that the next rollout resets."""
+    for name, factory in environment_factories(cfg).items():
+        path = cfg.tools.environments()[name]
+        path = path if isinstance(path, str) else getattr(factory, "__qualname__", "environment")
+        try:
+            env = factory()
+        except Exception as e:
+            raise ConfigError(f"{_field(name)}: {path}() failed: {type(e).__name__}: {e}") from e
+        if callable(getattr(env, "snapshot", None)):
+            continue
+        try:
+            copy.deepcopy(env)
+        except Exception as e:
+            raise ConfigError(
+                f"{_field(name)}: {path} instances cannot be deep-copied ({type(e).__name__}: {e}); "
+                "define a snapshot() method that returns an isolated copy of the state your reward "
+                "functions read"
+            ) from e
+
+
+def environment_rewards(cfg: GRPOConfig) -> None:
+    """Add the reward entry of the environments' get_reward() (the module doc); idempotent."""
+    factories = environment_factories(cfg) if cfg.tools.environment_reward else {}
+    with_reward = {n: f for n, f in factories.items() if has_reward(f)}
+    if any(r.fn == ENVIRONMENT_REWARD for r in cfg.rewards):
+        return
+    if not with_reward:
+        if "rewards" not in cfg.model_fields_set and cfg.tools.environment is not None:
+            why = (
+                "has no get_reward()"
+                if cfg.tools.environment_reward
+                else "is not scored (environment_reward: false)"
+            )
+            raise ConfigError(
+                f"rewards: the config names no reward, and tools.environment {why}: name the rewards to "
+                "train for (the demo's letter reward is no environment's)"
+            )
+        return
+    if len(with_reward) < len(factories):
+        has, lacks = sorted(map(str, with_reward)), sorted(str(n) for n in factories if n not in with_reward)
+        raise ConfigError(
+            f"tools.environment: {has} have get_reward() but {lacks} do not, so their rollouts would have no "
+            "reward of it: give each one get_reward(), or set tools.environment_reward: false and score "
+            "with `rewards`"
+        )
+    classes = {getattr(f, "__name__", type(f).__name__) for f in with_reward.values()}
+    name = classes.pop() if len(classes) == 1 else "environment"
+    if any(r.name == name for r in cfg.rewards):
+        raise ConfigError(
+            f"rewards: {name!r} is the name of tools.environment's get_reward() reward; rename yours, or set "
+            "tools.environment_reward: false"
+        )
+    spec = RewardConfig(name=name, fn=ENVIRONMENT_REWARD)
+    # TRL's rule: the environment's reward and the reward functions both count; the default reward
+    # (the demo's) only stands in when no reward is configured.
+    cfg.rewards = [*cfg.rewards, spec] if "rewards" in cfg.model_fields_set else [spec]
+
+
+def check_environment_rows(cfg: GRPOConfig, rows: list[dict[str, Any]], where: str = "data") -> None:
+    """The dict form: every row's `environment` column names one of the environments."""
+    names = cfg.tools.environments()
+    if not names or None in names:
+        return
+    for i, row in enumerate(rows):
+        if row.get("environment") not in names:
+            got = f"environment {row['environment']!r}" if "environment" in row else "no 'environment' field"
+            raise ConfigError(
+                f"{where}: row {i} has {got}; tools.environment names {sorted(names)}, and each row's "
+                "`environment` column picks the one its rollouts use"
+            )
+
+
+def owns_its_data(cfg: GRPOConfig) -> bool:
+    """No dataset: the environment's reset() gives the prompts."""
+    d = cfg.data
+    return not d.path and d.dataset is None and not d.generator and cfg.tools.environment is not None
+
+
+def environment_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """The rows of an environment that owns its data (the module doc): an empty user turn that reset()'s
+    text fills (a rollout whose reset() returns nothing fails, tasks/rollouts/multi_turn.py)."""
+    n = cfg.run.steps * cfg.data.prompts_per_step
+    return [{"prompt": [{"role": "user", "content": ""}], "id": f"env-{i}", "seed": i} for i in range(n)]
