@@ -66,3 +66,73 @@ class LockedEnvWithSnapshot(LockedEnv):
 
     def snapshot(self) -> dict:
         return {"count": self.count}
+
+
+class EchoEnv:
+    """TRL's contract, a second environment for the dict form: an `echo` tool, get_reward() = echoes."""
+
+    def reset(self, **row) -> None:  # TRL allows None: nothing added to the prompt
+        self.said: list[str] = []
+
+    def echo(self, text: str) -> str:
+        """Say something back.
+
+        Args:
+            text: what to say
+        """
+        self.said.append(text)
+        return text
+
+    def get_reward(self) -> float:
+        return float(len(self.said))
+
+
+class MoodyEnv:
+    """get_reward() answers in turn: a number, None, a string, NaN, an exception, a bool (each rollout
+    gets the next), so one batch holds every outcome a cell can have."""
+
+    OUTCOMES = (2.5, None, "high", float("nan"), RuntimeError("no score today"), True)
+    calls = 0
+
+    def reset(self, **row) -> str:
+        return ""
+
+    def get_reward(self):
+        out = MoodyEnv.OUTCOMES[MoodyEnv.calls % len(MoodyEnv.OUTCOMES)]
+        MoodyEnv.calls += 1
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+class SlowRewardEnv:
+    """get_reward() hangs past the tool timeout (until `release`), then writes to its instance."""
+
+    release = threading.Event()
+    made = 0
+
+    def __init__(self) -> None:
+        SlowRewardEnv.made += 1
+        self.late = False
+
+    def reset(self, **row) -> str:
+        return ""
+
+    def get_reward(self) -> float:
+        SlowRewardEnv.release.wait(30)
+        self.late = True
+        return 1.0
+
+
+class PuzzleEnv:
+    """Owns its data: reset() returns the prompt, the puzzle drawn from the row's `seed` (a group's
+    samples share it); `EMPTY` makes it return nothing."""
+
+    EMPTY = False
+
+    def reset(self, seed: int = 0, **row) -> str | None:
+        self.answer = seed * 3
+        return None if PuzzleEnv.EMPTY else f"Puzzle {seed}: what is {seed} times 3?"
+
+    def get_reward(self) -> float:
+        return 1.0
