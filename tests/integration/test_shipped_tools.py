@@ -37,8 +37,11 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
         "SELECT count(*), count(*) FILTER (WHERE NOT failed AND result LIKE 'count is now %'), "
         "(SELECT max(value) FROM rewards WHERE reward_name = 'CounterEnv') FROM tool_calls",
     )
-    # parsed, executed on the environment, rewarded by its get_reward() (TRL's environment_factory)
+    # parsed, executed on the environment, rewarded by its get_reward() (TRL's environment_factory): the
+    # config names no reward function, and every cell of the environment's reward is valid
     assert calls > 0 and ok > 0 and max_count >= 1
+    _, statuses = query(tmp_path, "SELECT DISTINCT reward_name, status FROM rewards")
+    assert statuses == [("CounterEnv", "valid")]
 
     # the warm-up learned on exactly the prompt text rollouts used (the env's reset note included)
     tok = load_tokenizer(str(prepare_model(cfg)))
@@ -48,3 +51,34 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     }
     _, prompts = query(tmp_path, "SELECT DISTINCT prompt FROM rollouts")
     assert prompts and {p for (p,) in prompts} <= rendered
+
+
+def test_the_dict_form_shows_each_rows_rollouts_only_its_environments_tools(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """TRL's `environment_factory={name: factory}`: each row's `environment` column picks the environment;
+    its rollouts' stored prompts name only its tools, and each scores with its own get_reward()."""
+    import json
+
+    from grpoflow.flows.train import grpo_train
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Task {i}."}], "id": i,
+                                        "environment": ["counter", "echo"][i % 2]}) + "\n" for i in range(4)))  # fmt: skip
+    cfg = load_config(REPO / "configs" / "tiny-counter-env.yaml", [
+        f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+        "run.steps=1", "run.run_id=dict", f"data.path={rows}", "warmup.steps=0", "warmup.examples=null",
+        "data.prompts_per_step=4", "generation.group_size=2", "generation.max_turns=2",
+    ])  # fmt: skip
+    cfg.tools.environment = {
+        "counter": "grpoflow.examples.envs:CounterEnv",
+        "echo": "tests.unit.envs:EchoEnv",
+    }
+    assert grpo_train(config=cfg)["steps_trained"] == 1
+    _, got = query(tmp_path, "SELECT DISTINCT row_id, prompt FROM rollouts")
+    assert len(got) == 4
+    for row_id, prompt in got:
+        mine, other = ('"increment"', '"echo"') if int(row_id) % 2 == 0 else ('"echo"', '"increment"')
+        assert mine in prompt and other not in prompt, (row_id, prompt)
+    _, names = query(tmp_path, "SELECT DISTINCT reward_name FROM rewards")
+    assert names == [("environment",)]
