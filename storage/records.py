@@ -32,6 +32,10 @@ class ToolCallRecord:
     failed: bool = False
     error: str | None = None
     duration_s: float = 0.0
+    # Where it ran: the Ray node's address (tools.executor ray), else this process's node (its Ray
+    # node, or the host name); "" for a call that never ran (unparsable, unknown tool) or was cut off
+    # on Ray unheard. Files written before it existed read as None.
+    node: str | None = ""
 
 
 @dataclass

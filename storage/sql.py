@@ -80,22 +80,25 @@ def connect(root: str | Path, runs: list[str] | None = None) -> duckdb.DuckDBPyC
     con = duckdb.connect(":memory:")
     for table, schema in VIEWS.items():
         files = table_files(root, table, runs)
+        # Every column of today's schema, also where every visible file predates it: nested fields
+        # too (rollouts' tool_calls `node`), which DuckDB cannot name in a file that lacks them.
+        con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=schema))
         if files:
             # By name: steps' metric columns differ between runs (and within a compacted range), and
             # files written before a column existed (rewards' `imputed`, rollouts' `row_id`) must not
             # hide it (DuckDB takes the first file's schema otherwise).
+            since = " UNION ALL BY NAME SELECT * FROM _empty_rollouts" if table == "rollouts" else ""
             con.execute(
                 f"CREATE VIEW {table} AS SELECT * FROM read_parquet({_sql_list(files)}, "
-                f"hive_partitioning = false, union_by_name = true)"
+                f"hive_partitioning = false, union_by_name = true){since}"
             )
         else:
-            con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=schema))
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     con.execute(
         """CREATE VIEW tool_calls AS
         SELECT run_id, split, step, group_id, sample_index, tc.turn AS turn, tc.name AS name,
                tc.arguments AS arguments, tc.result AS result, tc.failed AS failed,
-               tc.error AS error, tc.duration_s AS duration_s
+               tc.error AS error, tc.duration_s AS duration_s, tc.node AS node
         FROM (SELECT run_id, split, step, group_id, sample_index, unnest(tool_calls) AS tc
               FROM rollouts)"""
     )

@@ -37,6 +37,7 @@ TOOL_CALL_TYPE = pa.struct(
         ("failed", pa.bool_()),
         ("error", pa.string()),
         ("duration_s", pa.float64()),
+        ("node", pa.string()),  # absent from files written before it (read by name, as None)
     ]
 )
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from grpoflow.storage.records import ToolCallRecord
 from grpoflow.tasks.config.imports import import_object
-from grpoflow.tasks.remote import call_on_ray
+from grpoflow.tasks.remote import call_on_ray, this_node
 from grpoflow.tasks.threads import in_daemon_thread
 
 
@@ -124,7 +124,7 @@ class ToolBox:
         self.timed_out = False
 
     async def call(self, call: ParsedCall, turn: int) -> ToolCallRecord:
-        t0 = time.perf_counter()
+        t0, node = time.perf_counter(), ""
 
         def record(result: str, error: str | None = None) -> ToolCallRecord:
             return ToolCallRecord(
@@ -135,6 +135,7 @@ class ToolBox:
                 failed=error is not None,
                 error=error,
                 duration_s=time.perf_counter() - t0,
+                node=node,
             )
 
         if call.error is not None:
@@ -150,11 +151,12 @@ class ToolBox:
             return record(f"Error: {err}", err)
         deadline = asyncio.timeout(self.timeout_s)
         remote = self.remote.get(call.name)
+        node = "" if remote is not None else this_node()  # a Ray call's node: where its task ran
         try:
             async with deadline:
                 if remote is not None:
                     # cut off at the timeout with its worker killed: nothing of it runs on
-                    out, _ = await call_on_ray(remote, call.arguments, self.num_cpus)
+                    out, node = await call_on_ray(remote, call.arguments, self.num_cpus)
                 elif inspect.iscoroutinefunction(fn):
                     out = await fn(**call.arguments)
                 else:
@@ -169,5 +171,6 @@ class ToolBox:
                 err = f"tool {call.name} timed out after {self.timeout_s}s"
             else:
                 err = f"{type(e).__name__}: {e}"
+                node = getattr(e, "ray_node", None) or node  # raised in a Ray task: where it ran
             return record(f"Error: {err}", err)
         return record(out if isinstance(out, str) else json.dumps(out, default=str))

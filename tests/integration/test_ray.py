@@ -180,9 +180,13 @@ def test_ray_tools_match_threads(cluster, tmp_path):
     by_thread, by_ray = asyncio.run(both())
 
     def table(records):
-        return [{k: v for k, v in vars(r).items() if k != "duration_s"} for r in records]
+        return [{k: v for k, v in vars(r).items() if k not in ("duration_s", "node")} for r in records]
 
     assert table(by_ray) == table(by_thread)
+    # where each ran: the Ray task's node (one local node here: this process's), a call cut off unheard
+    # none; a thread call, this process's node
+    here = by_thread[0].node
+    assert here and [r.node for r in by_thread] == [here] * 3 and [r.node for r in by_ray] == [here, here, ""]
     assert json.loads(by_ray[0].result) == {"sum": 5} and not by_ray[0].failed
     assert by_ray[1].failed and by_ray[1].error == "ValueError: bad tool"
     assert by_ray[2].failed and by_ray[2].error == "tool tool_hang timed out after 5.0s"

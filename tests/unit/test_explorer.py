@@ -177,7 +177,7 @@ async def test_rollout_group_and_compare(client):
     r = await _get(client, f"/api/rollout?run={RUN}&split=train&step=1&group=train-0001-1&sample=1")
     assert r["completion"] == "answer 1-1-1" and r["policy_version"] == 0 and r["staleness"] == 1
     assert r["tool_calls"] == [{"turn": 0, "name": "calc", "arguments": '{"e": "1/0"}', "result": "",
-                                "failed": True, "error": "ZeroDivisionError", "duration_s": 0.1}]  # fmt: skip
+                                "failed": True, "error": "ZeroDivisionError", "duration_s": 0.1, "node": ""}]  # fmt: skip
     assert [(c["reward_name"], c["status"], c["extra"]) for c in r["cells"]] == [
         ("acc", "valid", None),
         ("fmt", "valid", {"len": 1}),

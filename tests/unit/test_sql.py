@@ -239,3 +239,26 @@ def test_the_confinement_cannot_be_undone_on_the_connection_itself(store, tmp_pa
             con.execute(f"SELECT * FROM read_text('{secret}')").fetchall()
     finally:
         con.close()
+
+
+def test_tool_calls_say_where_they_ran_and_files_from_before_that_read_as_null(tmp_path):
+    """A file written before tool calls had `node` (its struct lacks the field), alone and beside a new one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    s = RolloutStore(tmp_path)
+    old = RolloutGroup("o", 0, "p", [0], [comp(0, 1.0, True, 2, tools=[("calc", False)])])
+    s.write_rollouts("old", 0, [old])
+    (path,) = (tmp_path / "rollouts").rglob("*.parquet")
+    t = pq.read_table(path)
+    i = t.schema.get_field_index("tool_calls")
+    legacy = pa.list_(pa.struct([f for f in t.schema.field(i).type.value_type if f.name != "node"]))
+    pq.write_table(t.set_column(i, "tool_calls", t.column(i).cast(legacy)), path)
+    assert query(tmp_path, "SELECT name, node FROM tool_calls")[1] == [("calc", None)]
+    new = comp(0, 1.0, True, 2)
+    new.tool_calls = [ToolCallRecord(0, "calc", "{}", "", False, node="10.0.0.7")]
+    s.write_rollouts("new", 0, [RolloutGroup("n", 0, "p", [0], [new])])
+    assert query(tmp_path, "SELECT run_id, node FROM tool_calls ORDER BY run_id")[1] == [
+        ("new", "10.0.0.7"),
+        ("old", None),
+    ]
