@@ -513,6 +513,9 @@ def test_a_tool_raising_timeout_error_itself_is_a_failure_not_a_timeout():
         box = toolbox(fn, timeout_s=5.0)
         rec = run(box.call(ParsedCall(fn.__name__, {}, "{}"), turn=0))
         assert rec.failed and rec.error == "TimeoutError: upstream took too long" and not box.timed_out
+        assert rec.node == __import__("socket").gethostname()  # ran here (no Ray): this host
+    unknown = run(box.call(ParsedCall("nope", {}, "{}"), turn=0))
+    assert unknown.failed and unknown.node == ""  # never ran anywhere
     slow = toolbox(lambda: __import__("time").sleep(5), timeout_s=0.2)
     rec = run(slow.call(ParsedCall("<lambda>", {}, "{}"), turn=0))
     assert rec.error == "tool <lambda> timed out after 0.2s" and slow.timed_out
