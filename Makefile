@@ -4,6 +4,7 @@ PY ?= python3
 DEVICE ?= cpu
 VENV := .venv
 VLLM_VENV := .venv-vllm
+OPENENV_VENV := .venv-openenv
 BIN := $(VENV)/bin
 ROOT ?= runs
 CONFIG ?= configs/tiny-letters.yaml
@@ -44,7 +45,15 @@ $(VLLM_VENV)/.installed: requirements/vllm-$(DEVICE).txt
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-install: $(BIN)/.installed $(VLLM_VENV)/.installed  ## create .venv (grpoflow) and .venv-vllm (server)
+# OpenEnv environment servers for the tests (`openenv init` templates served from here): an environment
+# server is a process of its own, and openenv-core pulls gradio, openai and fastmcp that grpoflow needs not.
+$(OPENENV_VENV)/.installed: requirements/openenv.txt
+	$(PY) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/pip install -q -U pip
+	$(OPENENV_VENV)/bin/pip install -q -r requirements/openenv.txt
+	touch $@
+
+install: $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test environment servers)
 
 demo: install  ## install, train the tiny demo through vLLM + Prefect, print the reward curve
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
@@ -92,7 +101,7 @@ models/gemma3-270m: $(BIN)/.installed  ## convert Gemma 3 270M, a base model (th
 	$(BIN)/python -c "from grpoflow.tasks.models import convert_gemma3; print(convert_gemma3('$@'))"
 
 clean:  ## remove virtual environments and the local store
-	rm -rf $(VENV) $(VLLM_VENV) $(ROOT)
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(ROOT)
 
 # What the learner's GPU run (benchmarks/gpu_learner.py) needs on a GPU machine that has torch,
 # transformers, peft, pyarrow and pytest but no network: pydantic's wheels (grpoflow.tasks.config), for CPython 3.12.

@@ -19,8 +19,12 @@ import copy
 from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import
+from grpoflow.flows.launch import is_healthy
+from grpoflow.tasks.config.allowlist import NotAllowedError, check_server
 from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import is_server_url
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, has_reward
+from grpoflow.tasks.rollouts.openenv import OpenEnvServer
 
 
 def _field(name: str | None) -> str:
@@ -28,17 +32,36 @@ def _field(name: str | None) -> str:
 
 
 def environment_factories(cfg: GRPOConfig) -> dict[str | None, Any]:
-    """The factories, resolved, by the name a row's `environment` column gives (None: the one)."""
-    return {
-        name: resolve_import(f, _field(name)) if isinstance(f, str) else f
-        for name, f in cfg.tools.environments().items()
-    }
+    """The factories, resolved, by the name a row's `environment` column gives (None: the one): an
+    OpenEnv server's URL is a factory of sessions with it (tasks/rollouts/openenv.py)."""
+    out = {}
+    for name, f in cfg.tools.environments().items():
+        if is_server_url(f):
+            out[name] = OpenEnvServer(f)
+        else:
+            out[name] = resolve_import(f, _field(name)) if isinstance(f, str) else f
+    return out
+
+
+def _check_server(server: OpenEnvServer, field: str) -> None:
+    """A worker-started run may use it (GRPOFLOW_ALLOWED_SERVERS), and it answers its health check."""
+    try:
+        check_server(server.url, field)
+    except NotAllowedError as e:
+        raise ConfigError(str(e)) from None
+    if not is_healthy(server.url, timeout_s=10.0):
+        raise ConfigError(
+            f"{field}: the OpenEnv server at {server.url} does not answer ({server.url}/health)"
+        )
 
 
 def check_environments(cfg: GRPOConfig) -> None:
     """Every environment can be made and snapshots in isolation: a shallow copy would share state with
-    the pooled instance that the next rollout resets."""
+    the pooled instance that the next rollout resets. An environment server is allowed and answers."""
     for name, factory in environment_factories(cfg).items():
+        if isinstance(factory, OpenEnvServer):
+            _check_server(factory, _field(name))
+            continue
         path = cfg.tools.environments()[name]
         path = path if isinstance(path, str) else getattr(factory, "__qualname__", "environment")
         try:
@@ -82,7 +105,10 @@ def environment_rewards(cfg: GRPOConfig) -> None:
             "reward of it: give each one get_reward(), or set tools.environment_reward: false and score "
             "with `rewards`"
         )
-    classes = {getattr(f, "__name__", type(f).__name__) for f in with_reward.values()}
+    classes = {
+        getattr(f, "reward_name", None) or getattr(f, "__name__", type(f).__name__)
+        for f in with_reward.values()
+    }
     name = classes.pop() if len(classes) == 1 else "environment"
     if any(r.name == name for r in cfg.rewards):
         raise ConfigError(

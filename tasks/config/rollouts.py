@@ -48,6 +48,15 @@ class GenerationConfig(Section):
         return v
 
 
+def is_server_url(spec: Any) -> bool:
+    """An environment given as a server's URL (an OpenEnv server: tasks/rollouts/openenv.py)."""
+    return isinstance(spec, str) and spec.startswith(("http://", "https://", "ws://", "wss://"))
+
+
+def _factory_syntax(spec: Any) -> Any:
+    return check_import_path_syntax(spec) if isinstance(spec, str) and not is_server_url(spec) else spec
+
+
 class ToolsConfig(Section):
     tools: list[str | SkipJsonSchema[Callable[..., Any]]] = Field(
         default_factory=list,
@@ -57,7 +66,8 @@ class ToolsConfig(Section):
         str | SkipJsonSchema[Callable[..., Any]] | dict[str, str | SkipJsonSchema[Callable[..., Any]]] | None
     ) = Field(
         None,
-        description="Environment factory 'module:Class' (from Python also the class), TRL's "
+        description="Environment factory 'module:Class' (from Python also the class), or an OpenEnv "
+        "server's URL 'http://host:port' (each rollout a session of its own, its MCP tools the model's), TRL's "
         "`environment_factory`: each rollout gets an instance, `reset(**row)` first (a string it returns is "
         "added to the prompt; with no dataset, `data.generator: null`, it is the prompt), and its public "
         "methods are the model's tools. A map {name: factory} is TRL's dict form: each row's `environment` "
@@ -103,8 +113,8 @@ class ToolsConfig(Section):
             for name in v:
                 if not (isinstance(name, str) and name.strip()):
                     raise ValueError(f"environment names must be non-empty strings, got {name!r}")
-            return {k: check_import_path_syntax(f) if isinstance(f, str) else f for k, f in v.items()}
-        return check_import_path_syntax(v) if isinstance(v, str) else v
+            return {k: _factory_syntax(f) for k, f in v.items()}
+        return _factory_syntax(v)
 
     def environments(self) -> dict[str | None, Any]:
         """The environment factories by the name a row's `environment` column gives (TRL's dict form);

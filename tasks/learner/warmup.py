@@ -10,6 +10,7 @@ loss at the first and last step); flows cache it per model and settings.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from grpoflow.storage.rollouts import atomic_publish_dir
 from grpoflow.tasks.config.algorithm import WarmupConfig
 from grpoflow.tasks.config.rollouts import ToolsConfig
+from grpoflow.tasks.rollouts.openenv import resolve_environment
 from grpoflow.tasks.rollouts.templates import (
     TemplateError,
     prompt_messages,
@@ -65,7 +67,7 @@ class PromptRenderer:
     def __init__(self, tokenizer, tools: ToolsConfig, parser: ToolCallParser):
         self.tok, self.parser, self.describe = tokenizer, parser, tools.describe_tools
         self.fns = [resolve_callable(t) for t in tools.tools]
-        self.envs = {name: resolve_callable(f)() for name, f in tools.environments().items()}
+        self.envs = {name: resolve_environment(f)() for name, f in tools.environments().items()}
 
     def _env(self, row: dict[str, Any]) -> Any:
         return self.envs.get(None if None in self.envs else row.get("environment"))
@@ -82,7 +84,13 @@ class PromptRenderer:
     def messages(self, row: dict[str, Any], index: int) -> list[dict[str, Any]]:
         history, env = prompt_messages(row, index), self._env(row)
         if env is not None:
-            history = with_reset_note(history, env.reset(**{k: v for k, v in row.items() if k != "reply"}))
+            note = env.reset(**{k: v for k, v in row.items() if k != "reply"})
+            if inspect.isawaitable(note):  # an environment server's session: no prompt to learn on here
+                note.close()
+                raise ValueError(
+                    "warmup: an environment server (tools.environment: a URL) has no warm-up prompts"
+                )
+            history = with_reset_note(history, note)
         schemas = self.schemas(row)
         if self.in_system(schemas):
             history = with_system_text(history, self.parser.instructions(schemas))

@@ -58,7 +58,11 @@ async def generate_groups(
     groups = [
         _group(r, row, i, m, bounded, split) for row, i, m in zip(rows, prompt_indices, messages, strict=True)
     ]
-    return list(await asyncio.gather(*groups))
+    try:
+        return list(await asyncio.gather(*groups))
+    finally:  # environment servers' sessions end with the batch
+        for pool in r.env_pools.values():
+            await pool.aclose_all()
 
 
 async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split: str) -> RolloutGroup:

@@ -7,12 +7,15 @@ the ids we train on, and the behaviour logprobs line up with them one to one.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import inspect
 import time
 from typing import Any
 
 from grpoflow.storage.records import RolloutCompletion, TaggedMessage, TurnRecord
-from grpoflow.tasks.rewards.env_reward import call_get_reward, has_reward
+from grpoflow.tasks.rewards.env_reward import EnvReward, call_get_reward, has_reward
+from grpoflow.tasks.rollouts.openenv import EnvironmentUnavailableError
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
 from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schema
@@ -25,7 +28,14 @@ async def multi_turn_rollout(r: RolloutSettings, row: dict, index: int, sample: 
     remote = dict(r.remote_tools)
     if pool is not None:
         env = await pool.acquire()
-        history = with_reset_note(history, env.reset(**row))
+        try:
+            note = await _reset(env, row, r.tool_timeout_s)
+        except (EnvironmentUnavailableError, TimeoutError) as e:  # a server's session: data, not a bug
+            await pool.retire(env)
+            return _unavailable(
+                r, sample, history, row, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            )
+        history = with_reset_note(history, note)
         if not history[-1]["content"]:  # no dataset, and reset() gave no prompt: a bug of every row
             pool.release(env)
             raise ValueError(
@@ -37,19 +47,47 @@ async def multi_turn_rollout(r: RolloutSettings, row: dict, index: int, sample: 
         remote = {k: v for k, v in remote.items() if k not in methods}
     # Rewards see the prompt in the row's own form, with this sample's reset note in it.
     prompt_input = history[-1]["content"] if isinstance(row["prompt"], str) else [dict(m) for m in history]
-    box, reward_timed_out = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus), False
+    box, reward_timed_out, ok = ToolBox(tools, r.tool_timeout_s, remote, r.tool_cpus), False, False
     try:
-        c = await _run_turns(r, index, sample, history, box)
+        c = await _run_turns(r, index, sample, history, box, env)
         c.prompt_input = prompt_input
         if env is not None and r.env_reward and has_reward(env):  # TRL's get_reward(), on this instance
             c.environment_reward = got = await call_get_reward(env, r.tool_timeout_s)
             reward_timed_out = got.status == "timeout"
         if env is not None:  # snapshot before the slot goes back to the pool and is reset
             c.environment = snapshot(env)
+        ok = True
         return c
     finally:
         if env is not None:  # an instance a hung call may still write to is dropped, never reused
-            (pool.retire if box.timed_out or reward_timed_out else pool.release)(env)
+            if ok and not (box.timed_out or reward_timed_out or getattr(env, "broken", None)):
+                pool.release(env)
+            else:
+                await pool.retire(env)
+
+
+async def _reset(env: Any, row: dict, timeout_s: float) -> Any:
+    """`env.reset(**row)`; an `async def` one (an environment server's session) under `timeout_s`."""
+    out = env.reset(**row)
+    if inspect.isawaitable(out):
+        async with asyncio.timeout(timeout_s):
+            out = await out
+    return out
+
+
+def _unavailable(
+    r: RolloutSettings, sample: int, history: list[dict], row: dict, why: str
+) -> RolloutCompletion:
+    """The rollout of a session that could not start: nothing generated, its environment reward failed."""
+    text = render(r.tok, history, None, True)
+    version = r.version_fn()
+    c = RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[],
+                          truncated=True, truncation_reason="environment_unavailable", finish_reason="abort",
+                          policy_version=version, policy_version_end=version)  # fmt: skip
+    c.prompt, c.prompt_ids = text, r.tok.encode(text, add_special_tokens=False)
+    c.prompt_input = row["prompt"]
+    c.environment_reward = EnvReward(None, "failed", f"the environment's session failed: {why}"[:500])
+    return c
 
 
 def snapshot(env: Any) -> Any:
@@ -60,7 +98,9 @@ def snapshot(env: Any) -> Any:
     return own() if callable(own) else copy.deepcopy(env)
 
 
-async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[dict], box: ToolBox):
+async def _run_turns(
+    r: RolloutSettings, index: int, sample: int, history: list[dict], box: ToolBox, env: Any
+):
     schemas = [tool_schema(f) for f in box.tools.values()]
     if schemas and r.tools_in_system_turn(schemas):
         history[:] = with_system_text(history, r.parser.instructions(schemas))
@@ -105,6 +145,8 @@ async def _run_turns(r: RolloutSettings, index: int, sample: int, history: list[
         ids += glue
         mask += [0] * len(glue)
         lps += [0.0] * len(glue)
+        if getattr(env, "done", False) is True or getattr(env, "broken", None):
+            break  # the environment ended the episode (OpenEnv's `done`), or its session broke
     c.completion_ids, c.completion_mask, c.logprobs = ids[len(prompt_ids) :], mask, lps
     c.completion = r.text(c.completion_ids)
     c.messages, c.turns, c.tool_calls = msgs, turns, calls

@@ -6,6 +6,7 @@ under the version that server serves now).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from grpoflow.storage.ids import row_id_of
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
+from grpoflow.tasks.rollouts.openenv import resolve_environment
 from grpoflow.tasks.rollouts.replicas import Servers
 from grpoflow.tasks.rollouts.templates import tools_in_system_turn
 from grpoflow.tasks.rollouts.tools import ToolCallParser, resolve_callable
@@ -31,7 +33,9 @@ class EnvPool:
     """Environment instances pooled per concurrent slot and reused after `reset`.
 
     A slot whose tool call timed out is retired: the hung call may still be running on its thread and
-    mutating that instance, so it is dropped and a fresh instance takes its place in the pool."""
+    mutating that instance, so it is dropped and a fresh instance takes its place in the pool. An
+    instance with `aclose()` (an environment server's session) is closed as it is dropped, and every
+    pooled one once the batch is done (`aclose_all`)."""
 
     def __init__(self, factory: Callable[[], Any], slots: int):
         self.factory, self.slots, self.made = factory, slots, 0
@@ -46,8 +50,21 @@ class EnvPool:
     def release(self, env: Any) -> None:
         self.free.put_nowait(env)
 
-    def retire(self, env: Any) -> None:
+    async def retire(self, env: Any) -> None:
         self.free.put_nowait(self.factory())  # `env` is dropped: its hung call may still write to it
+        await _aclose(env)
+
+    async def aclose_all(self) -> None:
+        while not self.free.empty():
+            await _aclose(self.free.get_nowait())
+
+
+async def _aclose(env: Any) -> None:
+    close = getattr(env, "aclose", None)
+    if callable(close):
+        with contextlib.suppress(Exception):  # closing a broken session is all that is left to do
+            async with asyncio.timeout(10):
+                await close()
 
 
 class RolloutSettings:
@@ -80,7 +97,7 @@ class RolloutSettings:
         # An instance pool per environment, by the name a row's `environment` column gives (None: the one)
         slots = tools.env_slots or gen.max_in_flight
         self.env_pools = {
-            name: EnvPool(resolve_callable(f), slots) for name, f in tools.environments().items()
+            name: EnvPool(resolve_environment(f), slots) for name, f in tools.environments().items()
         }
         self.env_reward = tools.environment_reward  # call get_reward() where an environment has one
         self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s

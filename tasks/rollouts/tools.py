@@ -82,14 +82,23 @@ class HermesToolParser:
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A tool's JSON schema: the one it carries (`__tool_schema__`: an environment server's tool, as the
+    server gives it), else from its signature and docstring."""
+    own = getattr(fn, "__tool_schema__", None)
+    if own is not None:
+        return own
     from transformers.utils import get_json_schema
 
     return get_json_schema(fn)
 
 
 def environment_tools(env: Any) -> dict[str, Callable[..., Any]]:
-    """Public methods of an environment instance, except its lifecycle/reward methods."""
-    skip = {"reset", "get_reward", "snapshot"}
+    """Public methods of an environment instance, except its lifecycle/reward methods; an environment
+    server's session gives its own (`grpoflow_tools()`, tasks/rollouts/openenv.py)."""
+    own = getattr(env, "grpoflow_tools", None)
+    if callable(own):
+        return own()
+    skip = {"reset", "get_reward", "snapshot", "aclose"}
     out = {}
     for name in dir(env):
         if name.startswith("_") or name in skip:

@@ -1,0 +1,163 @@
+"""An OpenEnv environment server as an environment (issue 48, part 2), with no wrapper class: the
+environment `openenv init` writes (its echo template), served from `.venv-openenv` as its README says,
+with two edits a test needs: every instance the server makes (one per session) appends a line to a file,
+and a step whose message is "hang" sleeps past the tool timeout. The rollouts that call its tool are
+driven by the SCRIPTED FAKE backend (tests/unit/scripted.py) on SmolLM2's real tokenizer and chat
+template, so they do not depend on what a model samples; a short run trains on the real vLLM server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from grpoflow.flows.launch import ServerHandle, free_port
+from grpoflow.tasks.config.rewards import RewardConfig
+from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
+from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD
+from grpoflow.tasks.rewards.score import score_groups
+from tests.support import REPO
+from tests.unit.scripted import ScriptedBackend, one_server
+
+pytestmark = pytest.mark.integration
+OPENENV = REPO / ".venv-openenv" / "bin"
+
+
+class EchoServer:
+    def __init__(self, handle: ServerHandle, sessions: Path):
+        self.handle, self.url, self.sessions_file = handle, handle.url, sessions
+
+    def sessions(self) -> int:
+        return len(self.sessions_file.read_text().splitlines()) if self.sessions_file.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def echo_env(tmp_path_factory):
+    """`openenv init echo_env`, edited (the module doc), served on loopback; stopped with the module."""
+    assert (OPENENV / "openenv").exists(), "no .venv-openenv: `make install` builds it"
+    tmp = tmp_path_factory.mktemp("openenv")
+    subprocess.run([str(OPENENV / "openenv"), "init", "echo_env"], cwd=tmp, check=True, capture_output=True)
+    env_dir = tmp / "echo_env"
+    app = env_dir / "server" / "app.py"
+    app.write_text(_edit(app.read_text(), "max_concurrent_envs=1,", "max_concurrent_envs=16,"))
+    impl = env_dir / "server" / "echo_env_environment.py"
+    src = _edit(impl.read_text(), "        self._reset_count = 0\n",
+                "        self._reset_count = 0\n        with open(os.environ['SESSIONS_FILE'], 'a') as f:\n"
+                "            f.write('session\\n')\n")  # fmt: skip
+    src = _edit(src, "        message = action.message\n",
+                "        message = action.message\n        if message == 'hang':\n            time.sleep(20)\n")  # fmt: skip
+    impl.write_text("import os\nimport time\n" + src)
+    port, sessions = free_port(), tmp / "sessions.txt"
+    cmd = [str(OPENENV / "python"), "-m", "uvicorn", "--app-dir", str(env_dir), "server.app:app",
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = {**os.environ, "SESSIONS_FILE": str(sessions)}
+    handle = ServerHandle(cmd, env, f"http://127.0.0.1:{port}", tmp / "server.log", 120.0).start()
+    try:
+        yield EchoServer(handle, sessions)
+    finally:
+        handle.stop()
+
+
+def _edit(text: str, old: str, new: str) -> str:
+    assert old in text, f"the openenv template changed: {old!r} not found"
+    return text.replace(old, new)
+
+
+def _call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def _generate(tok, url: str, script, rows, **tools):
+    import grpoflow.tasks.rollouts.generate as gen
+
+    return asyncio.run(
+        gen.generate_groups(
+            rows,
+            list(range(len(rows))),
+            servers=one_server(ScriptedBackend(tok, script, 4096)),
+            tokenizer=tok,
+            generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
+            tools=ToolsConfig(environment=url, **tools),
+            seed=0,
+        )
+    )
+
+
+def test_each_rollout_is_a_session_whose_tool_calls_and_reward_are_recorded(echo_env, smollm2_tokenizer_dir):
+    """SmolLM2's template and its tool-call format: the model calls the environment's `step` tool (its
+    action schema) and the step's observation is the tool message; the session's reward (reset's 0.0
+    plus the step's 0.5) is a valid cell; each of the 4 rollouts opened a session of its own."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+    async def script(text, k, seed):  # the tool once, then an answer (its result is in the text then)
+        return _call("step", message="hello") if "hello" not in text else "done"
+
+    before = echo_env.sessions()
+    rows = [{"prompt": [{"role": "user", "content": f"Greet {i}."}], "seed": i} for i in range(2)]
+    groups = _generate(tok, echo_env.url, script, rows, env_slots=4)
+    assert echo_env.sessions() - before == 4
+    score_groups(groups, [RewardConfig(name="openenv", fn=ENVIRONMENT_REWARD)])
+    for g in groups:
+        assert (
+            "Echo Env environment ready!" in g.prompt and '"step"' in g.prompt
+        )  # reset's observation, the tool
+        for c in g.completions:
+            assert [(t.name, t.failed, t.result) for t in c.tool_calls] == [("step", False, "hello")]
+            (cell,) = c.reward_cells
+            assert (cell.name, cell.status, cell.value) == ("openenv", "valid", 0.5)
+            assert c.environment["observations"][-1]["echoed_message"] == "hello"  # the rewards' snapshot
+
+
+def test_a_short_run_on_the_real_server_scores_with_the_environments_reward(
+    echo_env, tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """No reward function and no wrapper: the config names the server; every rollout a session."""
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.train import grpo_train
+    from grpoflow.storage.sql import query
+
+    config = tmp_path / "echo.yaml"
+    config.write_text(f"""
+model: {{path: {tiny_model_dir}}}
+data: {{generator: "grpoflow.examples.envs:letters_rows", prompts_per_step: 2}}
+generation: {{group_size: 2, max_tokens: 16, max_turns: 2}}
+tools: {{environment: "{echo_env.url}"}}
+run: {{steps: 1, run_id: oe}}
+storage: {{root: {tmp_path}}}
+inference: {{url: "{vllm_server.url}", max_model_len: 1024}}
+""")
+    cfg = load_config(config)  # names no reward: the environment's is the run's
+    before = echo_env.sessions()
+    assert grpo_train(config=cfg)["steps_trained"] == 1
+    assert echo_env.sessions() - before == 4
+    _, cells = query(tmp_path, "SELECT reward_name, status, count(*) FROM rewards GROUP BY ALL")
+    assert cells == [("openenv", "valid", 4)]
+
+
+def test_a_hung_step_times_out_and_a_dead_server_fails_the_cells_not_the_run(echo_env, smollm2_tokenizer_dir):
+    """Last in the module: it stops the server."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+    async def hang(text, k, seed):
+        return _call("step", message="hang") if "timed out" not in text else "done"
+
+    rows = [{"prompt": [{"role": "user", "content": "Wait."}]}]
+    (g,) = _generate(tok, echo_env.url, hang, rows, env_slots=2, tool_timeout_s=1.0)
+    score_groups([g], [RewardConfig(name="openenv", fn=ENVIRONMENT_REWARD)])
+    for c in g.completions:
+        assert [(t.failed, t.error) for t in c.tool_calls] == [(True, "tool step timed out after 1.0s")]
+    echo_env.handle.stop()
+    (g,) = _generate(tok, echo_env.url, hang, rows, env_slots=2)
+    score_groups([g], [RewardConfig(name="openenv", fn=ENVIRONMENT_REWARD)])
+    for c in g.completions:
+        (cell,) = c.reward_cells
+        assert cell.status == "failed" and "cannot open a session at" in cell.reason, cell.reason
+        assert c.truncation_reason == "environment_unavailable" and not c.reward_valid
