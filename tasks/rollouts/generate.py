@@ -15,6 +15,7 @@ from grpoflow.storage.ids import row_id_of
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup, TaggedMessage, TurnRecord
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
+from grpoflow.tasks.rollouts.mcp_tools import mcp_tools
 from grpoflow.tasks.rollouts.multi_turn import multi_turn_rollout
 from grpoflow.tasks.rollouts.replicas import Servers
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
@@ -59,7 +60,9 @@ async def generate_groups(
         _group(r, row, i, m, bounded, split) for row, i, m in zip(rows, prompt_indices, messages, strict=True)
     ]
     try:
-        return list(await asyncio.gather(*groups))
+        async with mcp_tools([s for s in r.mcp if not s.per_rollout]) as shared:  # one connection a server
+            r.mcp_shared = shared
+            return list(await asyncio.gather(*groups))
     finally:  # environment servers' sessions end with the batch
         for pool in r.env_pools.values():
             await pool.aclose_all()

@@ -15,6 +15,7 @@ from typing import Any
 
 from grpoflow.storage.records import RolloutCompletion, TaggedMessage, TurnRecord
 from grpoflow.tasks.rewards.env_reward import EnvReward, call_get_reward, has_reward
+from grpoflow.tasks.rollouts.mcp_tools import mcp_tools
 from grpoflow.tasks.rollouts.openenv import EnvironmentUnavailableError
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
@@ -22,8 +23,16 @@ from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schem
 
 
 async def multi_turn_rollout(r: RolloutSettings, row: dict, index: int, sample: int, messages: list[dict]):
+    own = [s for s in r.mcp if s.per_rollout]
+    if not own:
+        return await _rollout(r, row, index, sample, messages, r.mcp_shared)
+    async with mcp_tools(own) as tools:  # MCP servers that keep state per session: a connection of its own
+        return await _rollout(r, row, index, sample, messages, {**r.mcp_shared, **tools})
+
+
+async def _rollout(r: RolloutSettings, row: dict, index: int, sample: int, messages: list[dict], mcp: dict):
     env, pool = None, r.env_pool(row)
-    tools = {f.__name__: f for f in r.tools}
+    tools = {f.__name__: f for f in r.tools} | mcp
     history = [dict(m) for m in messages]
     remote = dict(r.remote_tools)
     if pool is not None:

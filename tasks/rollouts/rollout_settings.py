@@ -100,6 +100,8 @@ class RolloutSettings:
             name: EnvPool(resolve_environment(f), slots) for name, f in tools.environments().items()
         }
         self.env_reward = tools.environment_reward  # call get_reward() where an environment has one
+        # MCP servers (tasks/rollouts/mcp_tools.py); the shared connections' tools, once generate_groups opened them
+        self.mcp, self.mcp_shared = list(tools.mcp), {}
         self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s
         self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
@@ -119,7 +121,7 @@ class RolloutSettings:
 
     @property
     def single_turn(self) -> bool:
-        return not self.tools and not self.env_pools and self.gen.max_turns == 1
+        return not self.tools and not self.env_pools and not self.mcp and self.gen.max_turns == 1
 
     def env_pool(self, row: dict) -> EnvPool | None:
         """The pool of the environment `row`'s rollouts use: the one, or the one its `environment` column

@@ -154,7 +154,7 @@ def test_a_hung_step_times_out_and_a_dead_server_fails_the_cells_not_the_run(ech
     score_groups([g], [RewardConfig(name="openenv", fn=ENVIRONMENT_REWARD)])
     for c in g.completions:
         assert [(t.failed, t.error) for t in c.tool_calls] == [(True, "tool step timed out after 1.0s")]
-    echo_env.handle.stop()
+    echo_env.handle.kill()  # the server dies (SIGKILL)
     (g,) = _generate(tok, echo_env.url, hang, rows, env_slots=2)
     score_groups([g], [RewardConfig(name="openenv", fn=ENVIRONMENT_REWARD)])
     for c in g.completions:

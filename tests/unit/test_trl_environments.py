@@ -225,3 +225,22 @@ def test_a_nan_from_get_reward_is_invalid_not_zero():
 
     assert classify(float("nan"))[1] == "invalid" and classify(math.inf)[1] == "invalid"
     assert classify(3)[0:2] == (3.0, "valid")
+
+
+def test_an_environment_server_that_does_not_answer_or_is_not_allowed_fails_before_the_first_step(
+    monkeypatch,
+):
+    from grpoflow.flows.launch import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ConfigError, match=rf"tools.environment: the OpenEnv server at {url} does not answer"):
+        check_imports(_cfg(tools={"environment": url}))
+    both = {"environment": {"board": url, "counter": "grpoflow.examples.envs:CounterEnv"}}
+    with pytest.raises(
+        ConfigError, match=rf"tools.environment.board: the OpenEnv server at {url} does not answer"
+    ):
+        check_imports(_cfg(tools=both))
+    # a worker-started run: only the servers its worker allows, refused before any request
+    monkeypatch.setenv("GRPOFLOW_ALLOWED_SERVERS", "http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=rf"tools.environment: '{url}' is not in GRPOFLOW_ALLOWED_SERVERS"):
+        check_imports(_cfg(tools={"environment": url}))
