@@ -39,11 +39,9 @@ async def _rollout(r: RolloutSettings, row: dict, index: int, sample: int, messa
         env = await pool.acquire()
         try:
             note = await _reset(env, row, r.tool_timeout_s)
-        except (EnvironmentUnavailableError, TimeoutError) as e:  # a server's session: data, not a bug
+        except EnvironmentUnavailableError as e:  # a server's session: data, not a bug
             await pool.retire(env)
-            return _unavailable(
-                r, sample, history, row, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            )
+            return _unavailable(r, sample, history, row, str(e))
         history = with_reset_note(history, note)
         if not history[-1]["content"]:  # no dataset, and reset() gave no prompt: a bug of every row
             pool.release(env)
@@ -79,8 +77,11 @@ async def _reset(env: Any, row: dict, timeout_s: float) -> Any:
     """`env.reset(**row)`; an `async def` one (an environment server's session) under `timeout_s`."""
     out = env.reset(**row)
     if inspect.isawaitable(out):
-        async with asyncio.timeout(timeout_s):
-            out = await out
+        try:
+            async with asyncio.timeout(timeout_s):
+                out = await out
+        except TimeoutError:
+            raise EnvironmentUnavailableError(f"reset() exceeded {timeout_s}s") from None
     return out
 
 

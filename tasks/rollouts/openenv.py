@@ -118,6 +118,8 @@ class OpenEnvSession:
             self._tools = await self._discover()
         except aiohttp.ClientError as e:
             raise self._lost(f"cannot open a session at {self.url}: {type(e).__name__}: {e}") from e
+        except RuntimeError as e:  # the server refused the reset: this row's session failed (data)
+            raise self._lost(f"{self.url}: {e}") from e
         return _text(obs)
 
     def grpoflow_tools(self) -> dict[str, Any]:
