@@ -23,8 +23,12 @@ from grpoflow.flows.runs import RunState
 from grpoflow.flows.tracking import TRACKERS
 from grpoflow.tasks.rewards.reward_kwargs import RESERVED_METRICS
 from grpoflow.tasks.step_record import StepRecord
+from grpoflow.tasks.threads import call_within
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often, and at the last step
+# An artifact call waits this long for the Prefect API (Prefect's client retries a server that does not
+# answer for minutes); one that fails or takes longer ends the run's artifacts, never its training.
+API_WAIT_S = 20.0
 
 # Columns of the step-metrics table artifact (and of the terminal line), in display order.
 TABLE_KEYS = [
@@ -61,7 +65,9 @@ class StepReporter:
         self.rows: list[dict[str, Any]] = []
         self.total = cfg.run.steps
         self.log = get_run_logger()
-        self.progress_id = create_progress_artifact(
+        self.api_down: str | None = None  # why the run stopped writing artifacts
+        self.progress_id = self._api(
+            create_progress_artifact,
             progress=100.0 * run.start_step / self.total,
             key=artifact_key(f"{run.run_id}-progress"),
             description=f"grpo-train {run.run_id}: steps done",
@@ -116,10 +122,21 @@ class StepReporter:
         if now - self._progress_at < PROGRESS_EVERY_S and step + 1 < self.total:
             return  # an API call per short step costs the API server more than the bar is worth
         self._progress_at = now
+        if self.progress_id is not None:
+            self._api(update_progress_artifact, self.progress_id, progress=100.0 * (step + 1) / self.total)
+
+    def _api(self, fn, /, *args: Any, **kwargs: Any) -> Any:
+        """An artifact call (in this flow run's context), waited for at most API_WAIT_S; once one fails or
+        times out the run makes no more (a Prefect API that stopped answering: the steps go to the store
+        as ever, and the run does not wait on the UI)."""
+        if self.api_down is not None:
+            return None
         try:
-            update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
-        except Exception as e:  # the UI's progress lags; training goes on
-            self.log.warning("progress artifact not updated: %r", e)
+            return call_within(API_WAIT_S, fn, *args, **kwargs)
+        except Exception as e:
+            self.api_down = f"{type(e).__name__}: {e}"
+            self.log.warning("the Prefect API took no artifact (%s); this run writes no more", self.api_down)
+            return None
 
     def flush(self) -> None:
         """Wait until every step line submitted so far is shown."""
@@ -132,12 +149,14 @@ class StepReporter:
         if self.bar is not None:
             self.bar.stop()
         if self.rows:
-            create_table_artifact(
+            self._api(
+                create_table_artifact,
                 table=self.rows,
                 key=artifact_key(f"{self.run.run_id}-steps"),
                 description=f"Step metrics of {self.run.run_id}",
             )
-        create_markdown_artifact(
+        self._api(
+            create_markdown_artifact,
             markdown=self.markdown(links or {}),
             key=artifact_key(f"{self.run.run_id}-summary"),
             description="Run summary",

@@ -1,8 +1,10 @@
-"""Blocking user code (sync tools and reward functions) on daemon threads."""
+"""Blocking calls on daemon threads: user code (sync tools and reward functions), and calls to a
+server that may not answer (`call_within`)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import threading
@@ -36,3 +38,22 @@ async def in_daemon_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any)
     name = f"grpoflow-{getattr(fn, '__name__', 'call')}"
     threading.Thread(target=target, name=name, daemon=True).start()
     return await fut
+
+
+def call_within(timeout_s: float, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on its own daemon thread (this context's copy), waited for at most
+    `timeout_s`: past it, TimeoutError, and the call is abandoned (it blocks no exit)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    ctx = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            done.set_result(ctx.run(fn, *args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+
+    threading.Thread(target=target, name=f"grpoflow-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"{getattr(fn, '__name__', 'call')} took more than {timeout_s:g} s") from None
