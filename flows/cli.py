@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 from grpoflow.flows.cli_flows import add_flow_commands
@@ -31,15 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = _main(argv)
-    api = sys.modules.get("grpoflow.flows.prefect_api")  # imported by the commands that run flows
-    stuck = api.undelivered() if api is not None else None
-    if stuck:  # Prefect would wait at exit for an API that does not answer (flows/prefect_api.py)
+    try:
+        code = _main(argv)
+    except BaseException:  # a bug's traceback, but never an exit that waits on a dead Prefect API
+        if _undelivered() is None:
+            raise
+        traceback.print_exc()
+        code = 1
+    if stuck := _undelivered():  # Prefect would wait at exit for an API that does not answer
         print(f"warning: {stuck}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _undelivered() -> str | None:
+    api = sys.modules.get("grpoflow.flows.prefect_api")  # imported by the commands that run flows
+    return api.undelivered() if api is not None else None
 
 
 def _main(argv: list[str] | None) -> int:

@@ -25,12 +25,18 @@ def cmd_train(args) -> int:
     if args.resume is None and cfg.run.run_id is None:
         cfg.run.run_id = new_run_id()  # named here, so that an interrupted run can be named to resume
     args.interrupted_run = (cfg.storage.root, args.resume or cfg.run.run_id)
-    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.prefect_api import completed_without_api, owned_prefect_api
     from grpoflow.flows.train import grpo_train
 
     quiet_prefect_task_logs(not args.verbose)
     with owned_prefect_api():  # Prefect's temporary API server dies with this process
-        summary = grpo_train(config=cfg, resume=args.resume)
+        try:
+            summary = grpo_train(config=cfg, resume=args.resume)
+        except Exception as e:  # a Prefect API that died after the run's last step: the run is complete
+            if (done := completed_without_api(cfg.storage.root, args.interrupted_run[1], e)) is None:
+                raise
+            print(done)
+            return 0
     print(
         f"run {summary['run_id']}: {summary['steps_trained']} steps, reward "
         f"{summary['first_reward']} -> {summary['last_reward']}; store {summary['store']}"

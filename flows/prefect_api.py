@@ -85,6 +85,25 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
         server.stop()
 
 
+def completed_without_api(root: str | Path, run_id: str, error: BaseException) -> str | None:
+    """What to say of a run whose flow raised `error`, a network error from the Prefect API (its server
+    died), after the run completed (its record says so, every step in the store); None otherwise."""
+    import httpx
+
+    from grpoflow.storage.rollouts import RolloutStore
+
+    if not isinstance(error, httpx.TransportError):
+        return None
+    store = RolloutStore(Path(root))
+    meta = store.read_run_meta(run_id) or {}
+    if meta.get("status") != "completed":
+        return None
+    steps = len(store.steps_written("steps", run_id))
+    print(f"warning: the Prefect API did not record the end of run {run_id}'s flow run ({type(error).__name__}: "
+          f"{error}); the run completed", file=sys.stderr)  # fmt: skip
+    return f"run {run_id}: completed, {steps} steps in the store {Path(root).resolve()}"
+
+
 # How long a command's last logs and events may take to reach a configured Prefect API (module doc).
 EXIT_DRAIN_S = 30.0
 _undelivered: list[str] = []
