@@ -5,8 +5,6 @@ chat template and tool-call format, so nothing depends on what a model samples."
 
 from __future__ import annotations
 
-import asyncio
-import json
 import subprocess
 import sys
 
@@ -14,9 +12,9 @@ import pytest
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
 from grpoflow.flows.launch import free_port
-from grpoflow.tasks.config.rollouts import GenerationConfig, McpServerConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import McpServerConfig, ToolsConfig
 from tests.support import REPO, wait_for
-from tests.unit.scripted import ScriptedBackend, one_server
+from tests.unit.scripted import scripted_groups, tool_call
 
 pytestmark = pytest.mark.integration
 STDIO = [sys.executable, "-m", "tests.integration.mcp_server"]
@@ -61,25 +59,9 @@ def tok(smollm2_tokenizer_dir):
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
 
 
-def _call(name: str, **arguments) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
 def _generate(tok, script, mcp: list[McpServerConfig], rows=2, group_size=2):
-    import grpoflow.tasks.rollouts.generate as gen
-
     rows = [{"prompt": [{"role": "user", "content": f"Task {i}."}]} for i in range(rows)]
-    return asyncio.run(
-        gen.generate_groups(
-            rows,
-            list(range(len(rows))),
-            servers=one_server(ScriptedBackend(tok, script, 4096)),
-            tokenizer=tok,
-            generation=GenerationConfig(group_size=group_size, max_tokens=64, max_turns=4),
-            tools=ToolsConfig(mcp=mcp),
-            seed=0,
-        )
-    )
+    return scripted_groups(tok, script, rows, ToolsConfig(mcp=mcp), group_size=group_size, max_turns=4)
 
 
 def _turn(text: str) -> int:
@@ -88,7 +70,7 @@ def _turn(text: str) -> int:
 
 
 async def _tally_twice(text, k, seed):
-    return _call("tally", n=2) if _turn(text) < 2 else "done"
+    return tool_call("tally", n=2) if _turn(text) < 2 else "done"
 
 
 def test_an_mcp_servers_tools_are_the_models_and_their_calls_are_recorded(tok, http_server):
@@ -96,7 +78,7 @@ def test_an_mcp_servers_tools_are_the_models_and_their_calls_are_recorded(tok, h
     tool that fails is a failed call, not a failed rollout."""
 
     async def script(text, k, seed):
-        return [_call("add", a=2, b=3), _call("fail", why="nope"), "done"][min(_turn(text), 2)]
+        return [tool_call("add", a=2, b=3), tool_call("fail", why="nope"), "done"][min(_turn(text), 2)]
 
     groups = _generate(tok, script, [McpServerConfig(name="calc", url=http_server)])
     for g in groups:

@@ -7,8 +7,6 @@ template, so they do not depend on what a model samples; a short run trains on t
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -17,11 +15,11 @@ import pytest
 
 from grpoflow.flows.launch import ServerHandle, free_port
 from grpoflow.tasks.config.rewards import RewardConfig
-from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
+from grpoflow.tasks.config.rollouts import ToolsConfig
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD
 from grpoflow.tasks.rewards.score import score_groups
 from tests.support import REPO
-from tests.unit.scripted import ScriptedBackend, one_server
+from tests.unit.scripted import scripted_groups, tool_call
 
 pytestmark = pytest.mark.integration
 OPENENV = REPO / ".venv-openenv" / "bin"
@@ -67,24 +65,8 @@ def _edit(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def _call(name: str, **arguments) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
 def _generate(tok, url: str, script, rows, **tools):
-    import grpoflow.tasks.rollouts.generate as gen
-
-    return asyncio.run(
-        gen.generate_groups(
-            rows,
-            list(range(len(rows))),
-            servers=one_server(ScriptedBackend(tok, script, 4096)),
-            tokenizer=tok,
-            generation=GenerationConfig(group_size=2, max_tokens=64, max_turns=3),
-            tools=ToolsConfig(environment=url, **tools),
-            seed=0,
-        )
-    )
+    return scripted_groups(tok, script, rows, ToolsConfig(environment=url, **tools))
 
 
 def test_each_rollout_is_a_session_whose_tool_calls_and_reward_are_recorded(echo_env, smollm2_tokenizer_dir):
@@ -96,7 +78,7 @@ def test_each_rollout_is_a_session_whose_tool_calls_and_reward_are_recorded(echo
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
 
     async def script(text, k, seed):  # the tool once, then an answer (its result is in the text then)
-        return _call("step", message="hello") if "hello" not in text else "done"
+        return tool_call("step", message="hello") if "hello" not in text else "done"
 
     before = echo_env.sessions()
     rows = [{"prompt": [{"role": "user", "content": f"Greet {i}."}], "seed": i} for i in range(2)]
@@ -147,7 +129,7 @@ def test_a_hung_step_times_out_and_a_dead_server_fails_the_cells_not_the_run(ech
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
 
     async def hang(text, k, seed):
-        return _call("step", message="hang") if "timed out" not in text else "done"
+        return tool_call("step", message="hang") if "timed out" not in text else "done"
 
     rows = [{"prompt": [{"role": "user", "content": "Wait."}]}]
     (g,) = _generate(tok, echo_env.url, hang, rows, env_slots=2, tool_timeout_s=1.0)

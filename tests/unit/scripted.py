@@ -148,3 +148,28 @@ class ScriptedBackend:
 def one_server(backend, version: int = 0) -> Servers:
     """The run's servers: one, answered by the FAKE `backend`, serving weights `version`."""
     return Servers(ReplicaSet([Replica(0, "http://scripted.invalid")], version=version), [backend])
+
+
+def tool_call(name: str, **arguments) -> str:
+    """What a model writes to call a tool (the Hermes format HermesToolParser reads)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def scripted_groups(tok, script, rows: list[dict], tools, *, group_size: int = 2, max_turns: int = 3) -> list:
+    """`generate_groups` over `rows` with `tools` (a ToolsConfig), answered by the FAKE backend's `script`."""
+    import asyncio
+
+    import grpoflow.tasks.rollouts.generate as gen
+    from grpoflow.tasks.config.rollouts import GenerationConfig
+
+    return asyncio.run(
+        gen.generate_groups(
+            rows,
+            list(range(len(rows))),
+            servers=one_server(ScriptedBackend(tok, script, 4096)),
+            tokenizer=tok,
+            generation=GenerationConfig(group_size=group_size, max_tokens=64, max_turns=max_turns),
+            tools=tools,
+            seed=0,
+        )
+    )
