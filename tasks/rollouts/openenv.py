@@ -68,10 +68,13 @@ class OpenEnvServer:
 
 
 def _text(obs: dict[str, Any]) -> str:
-    """An observation as the model reads it: its one text field, else its fields as JSON."""
-    fields = {k: v for k, v in obs.items() if k != "metadata"}
+    """An observation as the model reads it: its one text field, else its fields as JSON (its metadata
+    when it has nothing else; nothing at all when that is empty too)."""
+    fields = {k: v for k, v in obs.items() if k != "metadata"} or obs.get("metadata") or {}
     texts = [v for v in fields.values() if isinstance(v, str)]
-    return texts[0] if len(texts) == 1 else json.dumps(fields, sort_keys=True, default=str)
+    if len(texts) == 1:
+        return texts[0]
+    return json.dumps(fields, sort_keys=True, default=str) if fields else ""
 
 
 def _tool_result(obs: dict[str, Any]) -> str:
@@ -116,10 +119,10 @@ class OpenEnvSession:
             self.sessions += 1
             obs = await self._send({"type": "reset", "data": json.loads(json.dumps(data, default=str))})
             self._tools = await self._discover()
-        except aiohttp.ClientError as e:
-            raise self._lost(f"cannot open a session at {self.url}: {type(e).__name__}: {e}") from e
-        except RuntimeError as e:  # the server refused the reset: this row's session failed (data)
-            raise self._lost(f"{self.url}: {e}") from e
+        except (aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: the server refused the reset
+            await self.aclose()
+            why = f"cannot open a session at {self.url}: {type(e).__name__}: {e}"
+            raise self._lost(why if isinstance(e, aiohttp.ClientError) else f"{self.url}: {e}") from e
         return _text(obs)
 
     def grpoflow_tools(self) -> dict[str, Any]:
@@ -167,7 +170,9 @@ class OpenEnvSession:
         if answer.get("type") == "error":
             raise RuntimeError(f"the environment refused {message['type']}: {answer['data'].get('message')}")
         data = answer.get("data", {})
-        obs = data.get("observation", {})
+        obs = dict(data.get("observation", {}))
+        if data.get("metadata") and not obs.get("metadata"):  # OpenEnv sends it beside the observation too
+            obs["metadata"] = data["metadata"]
         self.observations.append(obs)
         if data.get("reward") is not None:
             self.rewards.append(float(data["reward"]))

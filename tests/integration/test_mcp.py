@@ -73,7 +73,7 @@ async def _tally_twice(text, k, seed):
     return tool_call("tally", n=2) if _turn(text) < 2 else "done"
 
 
-def test_an_mcp_servers_tools_are_the_models_and_their_calls_are_recorded(tok, http_server):
+def test_an_mcp_servers_tools_are_the_models_and_their_calls_are_recorded(tok, http_server, tmp_path):
     """Streamable HTTP, one connection for the batch: `add` as the server describes it, a result, and a
     tool that fails is a failed call, not a failed rollout."""
 
@@ -88,6 +88,13 @@ def test_an_mcp_servers_tools_are_the_models_and_their_calls_are_recorded(tok, h
             assert got[0] == ("add", False, "5"), got
             assert got[1][:2] == ("fail", True) and "fail" in got[1][2]
             assert all(t.node for t in c.tool_calls)  # where it was called from: this process's node
+    # stored as a run stores its rollouts: the calls are rows of the tool_calls view
+    from grpoflow.storage.rollouts import RolloutStore
+    from grpoflow.storage.sql import query
+
+    RolloutStore(tmp_path).write_rollouts("mcp", 0, groups)
+    _, rows = query(tmp_path, "SELECT name, failed, count(*) FROM tool_calls GROUP BY ALL ORDER BY name")
+    assert rows == [("add", False, 4), ("fail", True, 4)]
 
 
 def test_per_rollout_gives_each_rollout_its_own_session(tok):

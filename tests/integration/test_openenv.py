@@ -60,6 +60,64 @@ def echo_env(tmp_path_factory):
         handle.stop()
 
 
+CALC_ENV = """
+from fastmcp import FastMCP
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+from openenv.core.env_server.types import Observation, State
+
+
+class TaskObservation(Observation):
+    task: str = ""
+
+
+class CalcEnv(MCPEnvironment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        mcp = FastMCP("calc")
+
+        @mcp.tool()
+        def add(a: int, b: int) -> int:
+            \"\"\"Add two integers.\"\"\"
+            return a + b
+
+        super().__init__(mcp)
+        self._state = State(episode_id="calc", step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return TaskObservation(done=False, reward=0.0, task=f"Add the numbers of task {seed}.")
+
+    def _step_impl(self, action, timeout_s=None, **kwargs):
+        return Observation(done=False, reward=0.0)
+
+    @property
+    def state(self):
+        return self._state
+
+
+app = create_app(CalcEnv, CallToolAction, CallToolObservation, env_name="calc", max_concurrent_envs=8)
+"""
+
+
+@pytest.fixture(scope="module")
+def calc_env(tmp_path_factory):
+    """An environment with MCP tools (OpenEnv's MCPEnvironment, as its docs write one), served on loopback."""
+    tmp = tmp_path_factory.mktemp("openenv-mcp")
+    (tmp / "calc_env.py").write_text(CALC_ENV)
+    port = free_port()
+    cmd = [str(OPENENV / "python"), "-m", "uvicorn", "--app-dir", str(tmp), "calc_env:app", "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    handle = ServerHandle(
+        cmd, dict(os.environ), f"http://127.0.0.1:{port}", tmp / "server.log", 120.0
+    ).start()
+    try:
+        yield handle.url
+    finally:
+        handle.stop()
+
+
 def _edit(text: str, old: str, new: str) -> str:
     assert old in text, f"the openenv template changed: {old!r} not found"
     return text.replace(old, new)
@@ -94,6 +152,23 @@ def test_each_rollout_is_a_session_whose_tool_calls_and_reward_are_recorded(echo
             (cell,) = c.reward_cells
             assert (cell.name, cell.status, cell.value) == ("openenv", "valid", 0.5)
             assert c.environment["observations"][-1]["echoed_message"] == "hello"  # the rewards' snapshot
+
+
+def test_an_environment_with_mcp_tools_gives_them_to_the_model(calc_env, smollm2_tokenizer_dir):
+    """The environment's MCP tool list is the model's tools (the server's schema), each call a
+    `call_tool` step; reset's observation is the prompt's note."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+    async def once(text, k, seed):  # the tool, then an answer
+        return tool_call("add", a=2, b=3) if text.count("<|im_start|>assistant") == 1 else "done"
+
+    rows = [{"prompt": [{"role": "user", "content": "Calculate."}], "seed": 7}]
+    (g,) = _generate(tok, calc_env, once, rows, env_slots=2)
+    assert '"add"' in g.prompt and "Add the numbers of task 7." in g.prompt and '"step"' not in g.prompt
+    for c in g.completions:
+        assert [(t.name, t.failed, t.result) for t in c.tool_calls] == [("add", False, "5")]
 
 
 def test_a_short_run_on_the_real_server_scores_with_the_environments_reward(
