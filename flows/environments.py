@@ -16,8 +16,6 @@ the rows of an environment that owns its data.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
 import copy
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from grpoflow.tasks.config.rollouts import McpServerConfig, is_server_url
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, has_reward
 from grpoflow.tasks.rollouts.openenv import OpenEnvServer
 from grpoflow.tasks.rollouts.tools import environment_tools
+from grpoflow.tasks.threads import run_blocking
 
 
 def _field(name: str | None) -> str:
@@ -172,7 +171,7 @@ def check_mcp(cfg: GRPOConfig) -> None:
         field = f"tools.mcp[{i}] ({server.name})"
         _confine_mcp(server, field)
         try:
-            listed = run_async(tool_names(server))
+            listed = run_blocking(tool_names(server))
         except McpMissingError as e:
             raise ConfigError(f"{field}: {e}") from None
         except Exception as e:  # unreachable, refused, not an MCP server: one line, naming it
@@ -204,13 +203,3 @@ def _confine_mcp(server: McpServerConfig, field: str) -> None:
             check_import_path(f"{cmd[2]}:main")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None
-
-
-def run_async(coro):
-    """`coro`'s result, from sync code inside or outside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with cf.ThreadPoolExecutor(max_workers=1) as ex:
-        return ex.submit(asyncio.run, coro).result()

@@ -57,3 +57,13 @@ def call_within(timeout_s: float, fn: Callable[..., Any], /, *args: Any, **kwarg
         return done.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"{getattr(fn, '__name__', 'call')} took more than {timeout_s:g} s") from None
+
+
+def run_blocking(coro: Any) -> Any:
+    """`coro`'s result, from sync code, also inside a running event loop (then on a helper thread's own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ex:
+        return ex.submit(asyncio.run, coro).result()

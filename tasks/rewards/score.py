@@ -11,7 +11,6 @@ value is imputed with its group's mean (neutral for the advantage), the cell kee
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import dataclasses
 import functools
 import inspect
@@ -38,7 +37,7 @@ from grpoflow.tasks.rewards.reward_kwargs import (
     completion_messages,
     is_conversational,
 )
-from grpoflow.tasks.threads import in_daemon_thread
+from grpoflow.tasks.threads import in_daemon_thread, run_blocking
 
 
 class RewardImportError(ImportError):
@@ -365,9 +364,4 @@ def score_groups(
     groups: list[RolloutGroup], specs: list[RewardConfig], state: TrainerState | None = None
 ) -> dict[str, float | None]:
     """Sync entry point; works inside a running event loop too (runs on a helper thread's loop)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(score_groups_async(groups, specs, state))
-    with cf.ThreadPoolExecutor(max_workers=1) as ex:
-        return ex.submit(asyncio.run, score_groups_async(groups, specs, state)).result()
+    return run_blocking(score_groups_async(groups, specs, state))

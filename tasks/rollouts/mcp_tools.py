@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from grpoflow.tasks.config.rollouts import McpServerConfig
+from grpoflow.tasks.rollouts.tools import served_tool
 
 MCP_EXTRA = "pip install 'grpoflow[mcp]'"
 
@@ -74,11 +75,7 @@ def session_tools(server: McpServerConfig, session: Any, listed: list[Any]) -> d
                 raise RuntimeError(_text(result) or f"{spec.name} reported an error")
             return _text(result)
 
-        call.__name__ = spec.name
-        call.__tool_schema__ = {"type": "function", "function": {
-            "name": spec.name, "description": spec.description or "",
-            "parameters": spec.input_schema or {"type": "object", "properties": {}}}}  # fmt: skip
-        return call
+        return served_tool(call, spec.name, spec.description, spec.input_schema)
 
     return {t.name: tool(t) for t in listed}
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from grpoflow.tasks.config.rollouts import is_server_url
-from grpoflow.tasks.rollouts.tools import resolve_callable
+from grpoflow.tasks.rollouts.tools import resolve_callable, served_tool
 
 OPEN_TIMEOUT_S = 30.0  # opening a session: connect, and the server making its environment
 
@@ -200,11 +200,9 @@ class OpenEnvSession:
                                                              "arguments": arguments}})  # fmt: skip
             return _tool_result(obs)
 
-        call.__name__ = spec["name"]
-        call.__tool_schema__ = {"type": "function", "function": {
-            "name": spec["name"], "description": spec.get("description") or "",
-            "parameters": spec.get("inputSchema") or spec.get("input_schema") or {"type": "object", "properties": {}}}}  # fmt: skip
-        return call
+        return served_tool(
+            call, spec["name"], spec.get("description"), spec.get("inputSchema") or spec.get("input_schema")
+        )
 
     def _action_tool(self, action: dict[str, Any]):
         async def step(**arguments: Any) -> str:
@@ -212,7 +210,5 @@ class OpenEnvSession:
 
         params = {k: v for k, v in action.items() if k in ("type", "properties", "required")}
         params["properties"] = {k: v for k, v in params.get("properties", {}).items() if k != "metadata"}
-        step.__tool_schema__ = {"type": "function", "function": {
-            "name": "step", "description": action.get("description") or "Act in the environment.",
-            "parameters": {"type": "object", **params}}}  # fmt: skip
-        return step
+        description = action.get("description") or "Act in the environment."
+        return served_tool(step, "step", description, {"type": "object", **params})

@@ -81,6 +81,18 @@ class HermesToolParser:
         return calls
 
 
+def served_tool(
+    fn: Callable[..., Any], name: str, description: str | None, parameters: dict[str, Any] | None
+) -> Callable[..., Any]:
+    """`fn` as the tool `name`, with the schema a server gives (an MCP or OpenEnv tool) instead of one
+    read from its signature (`tool_schema`)."""
+    fn.__name__ = name
+    fn.__tool_schema__ = {"type": "function", "function": {
+        "name": name, "description": description or "",
+        "parameters": parameters or {"type": "object", "properties": {}}}}  # fmt: skip
+    return fn
+
+
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """A tool's JSON schema: the one it carries (`__tool_schema__`: an environment server's tool, as the
     server gives it), else from its signature and docstring."""
