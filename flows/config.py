@@ -356,7 +356,11 @@ def check_imports(cfg: GRPOConfig) -> None:
         from grpoflow.flows.environments import check_mcp
 
         check_mcp(cfg)
-    if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None:
+    if cfg.tools.verifiers is not None:
+        from grpoflow.flows.environments import check_verifiers
+
+        check_verifiers(cfg)  # its rewards: reward entries of their own
+    if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None and cfg.tools.verifiers is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):
         resolve_import(cfg.warmup.examples, "warmup.examples")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import, where_searched
-from grpoflow.flows.environments import environment_rows, owns_its_data
+from grpoflow.flows.environments import environment_rows, owns_its_data, verifiers_rows
 from grpoflow.storage.ids import held_out, row_id_of
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_path
 from grpoflow.tasks.config.data import DatasetConfig
@@ -202,6 +202,8 @@ def load_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
         rows = _read_rows(cfg.data.path, "data.path", cfg)
     elif cfg.data.dataset is not None:
         rows = _load_dataset(cfg, cfg.data.dataset.split, "data.dataset.split")
+    elif cfg.tools.verifiers is not None:
+        return verifiers_rows(cfg)
     elif owns_its_data(cfg):
         return environment_rows(cfg)
     else:

@@ -9,6 +9,9 @@ the rows of an environment that owns its data.
   replaces the default one.
 - `check_environment_rows`: in the dict form every row names one of the environments.
 - `check_mcp`: `tools.mcp` servers allowed, reachable, and their tool names unique.
+- `check_verifiers` (`tools.verifiers`): the extra installed, the environment loads, nothing else
+  claims the rows or the tools; its rewards become reward entries (tasks/rewards/vf_reward.py), and
+  `verifiers_rows` are its taskset's tasks.
 - `environment_rows`: no dataset (`data.generator: null`): `run.steps x data.prompts_per_step` rows
   whose prompt is what `reset(**row)` returns; each carries `seed`, the same for a group's samples, so
   an environment that draws its task from it gives the group one task.
@@ -203,3 +206,66 @@ def _confine_mcp(server: McpServerConfig, field: str) -> None:
             check_import_path(f"{cmd[2]}:main")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None
+
+
+VERIFIERS_MAX_TURNS = 10  # generation.max_turns of a verifiers run that sets none: its episodes end them
+
+
+def check_verifiers(cfg: GRPOConfig) -> None:
+    """`tools.verifiers` (the module doc): one `error:` line naming the field when it cannot run; then
+    its rewards join `rewards` (idempotent: preflight runs twice for a CLI run)."""
+    from grpoflow.tasks.rewards.vf_reward import VERIFIERS_REWARD
+    from grpoflow.tasks.rollouts import verifiers_env
+
+    block, t, d = cfg.tools.verifiers, cfg.tools, cfg.data
+    if block is None:
+        return
+    others = [
+        f
+        for f, on in (("tools.tools", t.tools), ("tools.environment", t.environment), ("tools.mcp", t.mcp))
+        if on
+    ]
+    if others:
+        raise ConfigError(
+            f"tools.verifiers: its environment brings its own tools; remove {', '.join(others)}"
+        )
+    if d.path or d.dataset is not None or ("generator" in d.model_fields_set and d.generator):
+        raise ConfigError(
+            "tools.verifiers: the rows come from its taskset; remove data.path / dataset / generator"
+        )
+    taskset = (block.get("taskset") or {}).get("id") if isinstance(block.get("taskset"), dict) else None
+    if not taskset:
+        raise ConfigError(
+            "tools.verifiers.taskset.id: name the taskset (its package or module, as `vf eval` takes it)"
+        )
+    try:
+        check_import_path(f"{taskset.replace('-', '_').rsplit('/', 1)[-1]}:taskset")
+        specs = verifiers_env.reward_specs(block)
+    except verifiers_env.VerifiersMissingError as e:
+        raise ConfigError(str(e)) from None
+    except NotAllowedError as e:
+        raise ConfigError(f"tools.verifiers.taskset.id: {e}") from None
+    except Exception as e:  # the package missing, a bad field, its load() failing: one line, naming it
+        raise ConfigError(f"tools.verifiers: cannot load the environment: {_reason(e)}") from None
+    if "max_turns" not in cfg.generation.model_fields_set:
+        cfg.generation.max_turns = VERIFIERS_MAX_TURNS
+    if any(r.fn == VERIFIERS_REWARD for r in cfg.rewards):
+        return
+    if not specs:
+        raise ConfigError(f"tools.verifiers: taskset {taskset!r} records no reward (no @vf.reward, no judge)")
+    clash = sorted({n for n, _ in specs} & {r.name for r in cfg.rewards if "rewards" in cfg.model_fields_set})
+    if clash:
+        raise ConfigError(f"rewards: {clash} are names of the verifiers environment's rewards; rename yours")
+    mine = [RewardConfig(name=n, fn=VERIFIERS_REWARD, weight=w) for n, w in specs]
+    cfg.rewards = [*cfg.rewards, *mine] if "rewards" in cfg.model_fields_set else mine
+
+
+def verifiers_rows(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """The verifiers taskset's tasks as rows (all of a bounded one; `run.steps x data.prompts_per_step`
+    of an infinite one)."""
+    from grpoflow.tasks.rollouts.verifiers_env import task_rows
+
+    rows = task_rows(cfg.tools.verifiers, cfg.run.steps * cfg.data.prompts_per_step)
+    if not rows:
+        raise ConfigError("tools.verifiers: the taskset has no task")
+    return rows

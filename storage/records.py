@@ -106,6 +106,8 @@ class RolloutCompletion:
     environment: Any = None  # snapshot of the environment when the completion finished; not persisted
     # Its get_reward()'s outcome (tasks/rewards/env_reward.py: EnvReward), scored as a cell; not persisted
     environment_reward: Any = None
+    # Its verifiers episode's outcome (tasks/rewards/vf_reward.py: VerifiersOutcome), scored as cells; not persisted
+    verifiers: Any = None
     # The prompt this completion was generated from. Samples of one group differ when an environment's
     # reset note differs per sample; None (hand-built records) means the group's prompt.
     prompt_ids: list[int] | None = None  # [P]

@@ -33,6 +33,7 @@ from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.push.push import PushStats, WeightPush, push_version
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, broken_rewards
 from grpoflow.tasks.rewards.reward_kwargs import TrainerState
+from grpoflow.tasks.rewards.vf_reward import episode_metrics
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
 from grpoflow.tasks.rollouts.reproducible import save_kept
 from grpoflow.tasks.rollouts.sampling import NO_SIGNAL, DynamicSampling, select
@@ -177,7 +178,7 @@ def _generation_metrics(groups: list[RolloutGroup], seconds: float) -> dict[str,
         "gen/truncated_frac": sum(c.truncated for c in comps) / max(1, len(comps)),
         "gen/tool_calls": float(len(calls)),
         "gen/tool_failures": float(sum(tc.failed for tc in calls)),
-    }
+    } | episode_metrics([c.verifiers for c in comps if c.verifiers is not None])
 
 
 def _server_metrics(groups: list[RolloutGroup], replicas: ReplicaSet, seconds: float) -> dict[str, float]:

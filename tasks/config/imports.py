@@ -30,7 +30,8 @@ def search_dirs() -> list[str]:
     return [*_SEARCH_DIRS, os.getcwd()]
 
 
-def _extend_sys_path() -> None:
+def extend_sys_path() -> None:
+    """Make the search dirs importable by a plain `import` too (a verifiers environment's package)."""
     for d in search_dirs():
         if d not in sys.path:
             sys.path.append(d)
@@ -42,7 +43,7 @@ def import_object(path: str) -> Any:
     if not sep or not module or not attr:
         raise ValueError(f"expected an import path 'module:attribute', got {path!r}")
     check_import_path(path)  # a worker-started run: allowed modules only, checked before importing
-    _extend_sys_path()
+    extend_sys_path()
     try:
         obj = pkgutil.resolve_name(path)
     except ModuleNotFoundError as e:

@@ -117,6 +117,13 @@ class ToolsConfig(Section):
         description="MCP servers whose tools join the model's tools, with the schemas the servers give; their "
         "calls are recorded like any tool's. Needs pip install 'grpoflow[mcp]'.",
     )
+    verifiers: dict[str, Any] | None = Field(
+        None,
+        description="A verifiers environment (verifiers 0.4, `verifiers.v1`): its `[env]` block as verifiers' TOML "
+        "has it, e.g. {taskset: {id: 'my_env', num_tasks: 64}}. Rows come from its taskset, each episode runs "
+        "through verifiers with every model turn on grpoflow's servers, and each of its rewards is a reward "
+        "cell (tasks/rollouts/verifiers_env.py). Needs pip install 'grpoflow[verifiers]'.",
+    )
     env_slots: int | None = Field(None, ge=1, description="Pooled environment instances (None: in-flight).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Timeout of one tool call.")
     executor: Literal["thread", "ray"] = Field(

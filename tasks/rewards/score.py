@@ -37,6 +37,7 @@ from grpoflow.tasks.rewards.reward_kwargs import (
     completion_messages,
     is_conversational,
 )
+from grpoflow.tasks.rewards.vf_reward import VERIFIERS_REWARD, cell_of
 from grpoflow.tasks.threads import in_daemon_thread, run_blocking
 
 
@@ -130,6 +131,16 @@ def _environment_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[R
     return out
 
 
+def _verifiers_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
+    """The cells of a verifiers reward (tasks/rewards/vf_reward.py): each rollout's episode's score."""
+    node = this_node()
+    cells = (cell_of(c.verifiers, spec.name) for g in groups for c in g.completions)
+    return [
+        RewardCell(spec.name, v, status, reason[:500], spec.weight, 0.0, node=node)
+        for v, status, reason in cells
+    ]
+
+
 def _error_cells(
     spec: RewardConfig,
     status: RewardStatus,
@@ -174,6 +185,8 @@ async def _run_one(
 async def _score_one(spec: RewardConfig, groups, messages, text, state) -> tuple[list[RewardCell], RewardLog]:
     if spec.fn == ENVIRONMENT_REWARD:  # an environment's get_reward(), called by each rollout
         return _environment_cells(spec, groups), RewardLog(len(text["completions"]))
+    if spec.fn == VERIFIERS_REWARD:  # scored by verifiers in each rollout's episode
+        return _verifiers_cells(spec, groups), RewardLog(len(text["completions"]))
     return await _run_one(spec, messages if spec.completions == "messages" else text, state)
 
 

@@ -7,6 +7,7 @@ templates in templates.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from grpoflow.tasks.rollouts.replicas import Servers
 from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import plain_text_ids, prompt_messages, render
 from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser
+from grpoflow.tasks.rollouts.verifiers_env import gather_episodes
 
 
 async def generate_groups(
@@ -60,12 +62,31 @@ async def generate_groups(
         _group(r, row, i, m, bounded, split) for row, i, m in zip(rows, prompt_indices, messages, strict=True)
     ]
     try:
-        async with mcp_tools([s for s in r.mcp if not s.per_rollout]) as shared:  # one connection a server
+        async with (
+            mcp_tools([s for s in r.mcp if not s.per_rollout]) as shared,  # one connection a server
+            _verifiers(r),
+        ):
             r.mcp_shared = shared
             return list(await asyncio.gather(*groups))
     finally:  # environment servers' sessions end with the batch
         for pool in r.env_pools.values():
             await pool.aclose_all()
+
+
+@contextlib.asynccontextmanager
+async def _verifiers(r: RolloutSettings):
+    """A verifiers environment serving the batch (tools.verifiers), set on `r` for its rollouts."""
+    if r.verifiers is None:
+        yield
+        return
+    from grpoflow.tasks.rollouts.verifiers_env import serving
+
+    async with serving(r.verifiers) as env:
+        r.verifiers_env = env
+        try:
+            yield
+        finally:
+            r.verifiers_env = None
 
 
 async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split: str) -> RolloutGroup:
@@ -89,6 +110,8 @@ async def _group(r: RolloutSettings, row: dict, index: int, msgs, bounded, split
 
 async def _completions(r: RolloutSettings, row: dict, index: int, msgs, bounded) -> list[RolloutCompletion]:
     G = r.gen.group_size
+    if r.verifiers_env is not None:  # G episodes of the row's verifiers task
+        return await gather_episodes(r, r.verifiers_env, row, index, bounded)
     if r.single_turn:
         return await _one_prompt_group(r, row, index, msgs, G, bounded)
     return list(

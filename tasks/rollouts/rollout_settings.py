@@ -102,6 +102,8 @@ class RolloutSettings:
         self.env_reward = tools.environment_reward  # call get_reward() where an environment has one
         # MCP servers (tasks/rollouts/mcp_tools.py); the shared connections' tools, once generate_groups opened them
         self.mcp, self.mcp_shared = list(tools.mcp), {}
+        # A verifiers environment's [env] block (tasks/rollouts/verifiers_env.py); the batch's env, serving
+        self.verifiers, self.verifiers_env = tools.verifiers, None
         self.parser, self.tool_timeout_s = parser, tools.tool_timeout_s
         self.describe_tools, self._tools_in_system = tools.describe_tools, None
         self.eos_text = tokenizer.eos_token or ""
@@ -121,7 +123,13 @@ class RolloutSettings:
 
     @property
     def single_turn(self) -> bool:
-        return not self.tools and not self.env_pools and not self.mcp and self.gen.max_turns == 1
+        return (
+            not self.tools
+            and not self.env_pools
+            and not self.mcp
+            and not self.verifiers
+            and self.gen.max_turns == 1
+        )
 
     def env_pool(self, row: dict) -> EnvPool | None:
         """The pool of the environment `row`'s rollouts use: the one, or the one its `environment` column

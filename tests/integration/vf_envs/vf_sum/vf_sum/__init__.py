@@ -1,0 +1,3 @@
+from vf_sum.taskset import SumTaskset
+
+__all__ = ["SumTaskset"]

@@ -1,0 +1,34 @@
+"""What is a + b? One turn; `correct` when the reply holds the sum, `odd_only` scored on odd tasks only."""
+
+import verifiers.v1 as vf
+
+
+class SumData(vf.TaskData):
+    answer: int
+
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward
+    async def correct(self, trace: vf.Trace) -> float:
+        return float(str(self.data.answer) in (trace.last_reply or ""))
+
+    @vf.reward(weight=0.5)
+    async def odd_only(self, trace: vf.Trace) -> float | None:
+        """Not computed (None) on even tasks: a cell grpoflow must mask, never score 0."""
+        return 1.0 if self.data.idx % 2 else None
+
+    @vf.metric
+    async def reply_chars(self, trace: vf.Trace) -> float:
+        return float(len(trace.last_reply or ""))
+
+
+class SumConfig(vf.TasksetConfig):
+    num_tasks: int = 8
+
+
+class SumTaskset(vf.Taskset[SumTask, SumConfig]):
+    def load(self) -> list[SumTask]:
+        return [
+            SumTask(SumData(idx=i, prompt=f"What is {i} + {i + 1}?", answer=2 * i + 1), self.config.task)
+            for i in range(self.config.num_tasks)
+        ]
