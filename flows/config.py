@@ -273,7 +273,10 @@ def _names_its_task(raw: dict[str, Any], path: str | Path) -> None:
     """A config file (with its --set overrides) must name its rewards and its data: the defaults are the
     tiny demo's, which a user's model must never silently train on. `grpoflow train` with no config
     file still runs the demo."""
-    env = isinstance(raw.get("tools"), dict) and raw["tools"].get("environment")
+    tools = raw.get("tools") if isinstance(raw.get("tools"), dict) else {}
+    if tools.get("verifiers"):  # a verifiers environment brings its rows and rewards (flows/environments.py)
+        return
+    env = tools.get("environment")
     if not raw.get("rewards") and not env:  # an environment's get_reward() may be its reward
         raise ConfigError(
             f"{path}: rewards: the config names no reward; a config file says what it trains for "

@@ -15,8 +15,9 @@ become the rollout's `VerifiersOutcome`, scored as cells (tasks/rewards/vf_rewar
 What grpoflow uses of verifiers, and what breaks when it moves (docs/environments.md):
 `load_environment` / `resolve_env_config`, `Env.serving` and `Env.run_slot`, `Task.hooks('reward')`,
 `vf.Client`, `ModelContext`, `TrainClientConfig`, the `Response`/`TurnTokens` types and
-`serialize_completion`, and one internal: the interception server's `clients` map (keyed by the client
-config's JSON), where each rollout's client is placed, since verifiers builds clients from configs only.
+`serialize_completion`, and two internals: the interception server's `clients` map (keyed by the client
+config's JSON), where each rollout's client is placed, since verifiers builds clients from configs only;
+and the subprocess runtime's class-level setup locks, made per event loop (`_LocksPerLoop`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +127,7 @@ def task_rows(block: dict[str, Any], n: int) -> list[dict[str, Any]]:
     carries the task's data (`vf_task`, its JSON), its key as `id`, and its prompt as grpoflow shows it."""
     with ENVS.take(block) as env:
         taskset = env.taskset
-        tasks = list(taskset if taskset.bounded else taskset.head(n))
+        tasks = list(taskset if taskset.bounded else taskset.take(n))
     rows = []
     for task in tasks:
         data = task.data
@@ -138,7 +140,7 @@ def reward_specs(block: dict[str, Any]) -> list[tuple[str, float]]:
     """(name, weight) of each reward the taskset's tasks record: their `@vf.reward` methods, plugged
     rewards and judges, as verifiers scores them."""
     with ENVS.take(block) as env:
-        task = next(iter(env.taskset.head(1)), None)
+        task = next(iter(env.taskset.take(1)), None)
     if task is None:
         raise ValueError("tools.verifiers: the taskset has no task")
     out = [(fn.__name__, float(getattr(fn, "_vf_weight", 1.0))) for fn in task.hooks("reward")]
@@ -174,11 +176,33 @@ def _child_paths() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([p for p in have if p] + add)
 
 
+class _LocksPerLoop(dict):
+    """verifiers' subprocess runtime keeps the locks of its harness programs' setup in one class-level dict
+    shared by every event loop of the process, while grpoflow runs each batch on a loop of its own (two at
+    once when generation runs ahead): an `asyncio.Lock` bound to one loop fails on another. Here each
+    loop gets its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def setdefault(self, key, default=None):
+        return self.loops.setdefault(asyncio.get_running_loop(), {}).setdefault(key, default)
+
+
+def _locks_per_loop() -> None:
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    if not isinstance(SubprocessRuntime._locks, _LocksPerLoop):  # noqa: SLF001 - the second internal (module doc)
+        SubprocessRuntime._locks = _LocksPerLoop()  # noqa: SLF001
+
+
 @contextlib.asynccontextmanager
 async def serving(block: dict[str, Any]):
     """One batch's environment, serving (its shared tool servers and interception server up)."""
     _ensure_uv()
     _child_paths()
+    _locks_per_loop()
     with ENVS.take(block) as env:
         async with env.serving():
             yield env

@@ -7,7 +7,16 @@ class SumData(vf.TaskData):
     answer: int
 
 
-class SumTask(vf.Task[SumData]):
+class SumTaskConfig(vf.TaskConfig):
+    explode: bool = False
+    """Every episode's setup raises: an environment that fails on every episode."""
+
+
+class SumTask(vf.Task[SumData, vf.State, SumTaskConfig]):
+    async def setup(self, trace: vf.Trace, runtime) -> None:
+        if self.config.explode:
+            raise RuntimeError("vf_sum: explode is set")
+
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
         return float(str(self.data.answer) in (trace.last_reply or ""))
@@ -24,6 +33,7 @@ class SumTask(vf.Task[SumData]):
 
 class SumConfig(vf.TasksetConfig):
     num_tasks: int = 8
+    task: SumTaskConfig = SumTaskConfig()
 
 
 class SumTaskset(vf.Taskset[SumTask, SumConfig]):
