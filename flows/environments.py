@@ -23,6 +23,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import
 from grpoflow.flows.launch import is_healthy
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_import_path, check_server, enforced
@@ -245,7 +247,11 @@ def check_verifiers(cfg: GRPOConfig) -> None:
         raise ConfigError(str(e)) from None
     except NotAllowedError as e:
         raise ConfigError(f"tools.verifiers.taskset.id: {e}") from None
-    except Exception as e:  # the package missing, a bad field, its load() failing: one line, naming it
+    except ValidationError as e:  # a field verifiers' config does not have, or a bad value
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"tools.verifiers.{field}: {first['msg']}") from None
+    except Exception as e:  # the package missing, its load() failing: one line, naming it
         raise ConfigError(f"tools.verifiers: cannot load the environment: {_reason(e)}") from None
     if "max_turns" not in cfg.generation.model_fields_set:
         cfg.generation.max_turns = VERIFIERS_MAX_TURNS

@@ -46,6 +46,7 @@ from grpoflow.tasks.rollouts.templates import glue_ids, render, with_system_text
 
 SUPPORTED = ("0.4.",)  # the verifiers releases this adapter was written against and tested with
 EXTRA = "pip install 'grpoflow[verifiers]'"
+EPISODE_TIMEOUT_S = 600.0  # verifiers' `timeout.episode` where the block sets none (verifiers: no limit)
 
 
 class VerifiersMissingError(ImportError):
@@ -71,7 +72,8 @@ def env_config(block: dict[str, Any]) -> Any:
     """The verifiers `[env]` config of `tools.verifiers`, with grpoflow's defaults where the block sets
     none: one interception server (grpoflow answers its model turns), every seat's harness program in a
     local subprocess, and the tool-less `null` chat loop for a taskset that ships no harness (verifiers'
-    own default, `bash`, runs the model's shell commands on this host)."""
+    own default, `bash`, runs the model's shell commands on this host); and an episode deadline
+    (`timeout.episode`, EPISODE_TIMEOUT_S; verifiers has none)."""
     require()
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.runtimes import SubprocessConfig
@@ -86,6 +88,8 @@ def env_config(block: dict[str, Any]) -> Any:
             "leave it out (or type: server)"
         )
     cfg = resolve_env_config(block)
+    if cfg.timeout.episode is None:  # a hung harness or tool fails its episode, never the batch
+        cfg.timeout.episode = EPISODE_TIMEOUT_S
     default = default_harness_id(cfg.taskset.id)
     for spec in agent_config_fields(cfg).values():
         if "runtime" not in spec.model_fields_set:
@@ -104,6 +108,7 @@ class _Envs:
 
     @contextlib.contextmanager
     def take(self, block: dict[str, Any]):
+        require()
         key = json.dumps(block, sort_keys=True, default=str)
         with self.lock:
             pool = self.free.setdefault(key, [])

@@ -45,7 +45,9 @@ inference: {{url: "{server}", max_model_len: 1024}}
     return grpo_train(config=load_config(config))
 
 
-def test_a_single_turn_environment_trains_on_the_real_server(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+def test_a_single_turn_environment_trains_on_the_real_server(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
     """Rows from the taskset, the policy's tokens and logprobs, each verifiers reward a cell with its weight,
     a None reward masked (never 0), verifiers' metric in `steps`."""
     from grpoflow.storage.sql import query
@@ -74,7 +76,9 @@ def test_a_single_turn_environment_trains_on_the_real_server(tmp_path, vllm_serv
     assert set(by) <= {("correct", 1.0, "valid", True), ("correct", 1.0, "valid", False),
                        ("odd_only", 0.5, "invalid", True), ("odd_only", 0.5, "valid", False)}  # fmt: skip
     assert by.get(("odd_only", 0.5, "invalid", True), 0) + by.get(("odd_only", 0.5, "valid", False), 0) == 8
-    assert by.get(("odd_only", 0.5, "invalid", True), 0) > 0 and by.get(("correct", 1.0, "valid", True), 0) > 0
+    assert (
+        by.get(("odd_only", 0.5, "invalid", True), 0) > 0 and by.get(("correct", 1.0, "valid", True), 0) > 0
+    )
     _, masked = query(
         tmp_path,
         "SELECT bool_or(o.reward_valid) FROM rollouts o JOIN rewards r USING (run_id, split, step, group_id, "
@@ -85,13 +89,17 @@ def test_a_single_turn_environment_trains_on_the_real_server(tmp_path, vllm_serv
     assert len(steps) == 2 and all(chars is not None and failed == 0.0 for chars, failed in steps)
 
 
-def test_a_multi_turn_environment_trains_on_the_real_server(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+def test_a_multi_turn_environment_trains_on_the_real_server(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
     """The environment's own `Env.run` adds a user turn after the model's answer: every rollout has two
     model turns in one token sequence, the user's turn between them untrained (mask 0)."""
     from grpoflow.storage.sql import query
 
     block = {"taskset": {"id": "vf_tally", "num_tasks": 2}}
-    assert _train(tmp_path, "vftally", block, model=tiny_model_dir, server=vllm_server.url)["steps_trained"] == 1
+    assert (
+        _train(tmp_path, "vftally", block, model=tiny_model_dir, server=vllm_server.url)["steps_trained"] == 1
+    )
     _, rows = query(
         tmp_path,
         "SELECT num_turns, list_min(completion_mask), [m.role FOR m IN messages], [m.content FOR m IN messages] "
@@ -126,7 +134,9 @@ def test_tool_calls_with_smollm2s_template_are_one_sequence_with_the_results_mas
     async def script(text, k, seed):
         return said[text.count("<|im_start|>assistant") - 1]
 
-    (group,) = scripted_groups(smollm2, script, task_rows(block, 1), ToolsConfig(verifiers=block), max_turns=5)
+    (group,) = scripted_groups(
+        smollm2, script, task_rows(block, 1), ToolsConfig(verifiers=block), max_turns=5
+    )
     for c in group.completions:
         assert [(t.name, t.arguments, t.result, t.failed) for t in c.tool_calls] == [
             ("tally_toolset_tally", '{"n": 2}', "||", False)
@@ -143,12 +153,19 @@ def test_tool_calls_with_smollm2s_template_are_one_sequence_with_the_results_mas
         assert [lp for lp, m in zip(c.logprobs, c.completion_mask, strict=True) if not m] == [0.0] * (
             len(c.completion_mask) - len(trained)
         )
-        untrained = smollm2.decode([t for t, m in zip(c.completion_ids, c.completion_mask, strict=True) if not m])
+        untrained = smollm2.decode(
+            [t for t, m in zip(c.completion_ids, c.completion_mask, strict=True) if not m]
+        )
         assert "||" in untrained and "Thanks. Now reply with the word done." in untrained
-        assert [cell_of(c.verifiers, n)[:2] for n in ("called_tally", "said_done")] == [(1.0, "valid"), (1.0, "valid")]
+        assert [cell_of(c.verifiers, n)[:2] for n in ("called_tally", "said_done")] == [
+            (1.0, "valid"),
+            (1.0, "valid"),
+        ]
 
 
-def test_an_environment_failing_every_episode_stops_the_run(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+def test_an_environment_failing_every_episode_stops_the_run(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
     """Every episode's setup raises: every cell `failed` with verifiers' error, and the run stops loudly
     after `run.max_failed_reward_steps` (2) such steps (the broken-reward rule), never trained on a 0."""
     from grpoflow.storage.sql import query
@@ -157,5 +174,33 @@ def test_an_environment_failing_every_episode_stops_the_run(tmp_path, vllm_serve
     block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"explode": True}}}
     with pytest.raises(BrokenRewardError, match="correct"):
         _train(tmp_path, "vfboom", block, model=tiny_model_dir, server=vllm_server.url, steps=3)
-    _, cells = query(tmp_path, "SELECT status, bool_and(reason LIKE '%explode is set%'), count(*) FROM rewards GROUP BY 1")
+    _, cells = query(
+        tmp_path, "SELECT status, bool_and(reason LIKE '%explode is set%'), count(*) FROM rewards GROUP BY 1"
+    )
     assert cells == [("failed", True, 16)]  # two steps (run.max_failed_reward_steps) x 4 episodes x 2 rewards
+
+
+def test_a_hung_episode_fails_its_cells_at_the_deadline_and_the_others_score(smollm2):
+    """One task's episodes hang (in its setup): at `timeout.episode` they fail (cells `failed`, naming the
+    deadline), the other task's episodes are scored, and no process of the hung ones is left."""
+    import os
+
+    import psutil
+
+    from grpoflow.tasks.rewards.vf_reward import cell_of
+    from grpoflow.tasks.rollouts.verifiers_env import task_rows
+
+    block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"hang_on": [0]}}, "timeout": {"episode": 3}}
+
+    async def script(text, k, seed):
+        return "3"  # task 1's sum (1 + 2)
+
+    before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    g0, g1 = scripted_groups(smollm2, script, task_rows(block, 2), ToolsConfig(verifiers=block))
+    for c in g0.completions:
+        value, status, reason = cell_of(c.verifiers, "correct")
+        assert (value, status) == (None, "failed") and "deadline" in reason, reason
+        assert c.completion_ids == [] and c.truncation_reason == "no_model_turn"
+    assert [cell_of(c.verifiers, "correct")[:2] for c in g1.completions] == [(1.0, "valid")] * 2
+    left = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)} - before
+    assert not left, f"processes left behind: {left}"

@@ -1,5 +1,7 @@
 """What is a + b? One turn; `correct` when the reply holds the sum, `odd_only` scored on odd tasks only."""
 
+import asyncio
+
 import verifiers.v1 as vf
 
 
@@ -10,12 +12,16 @@ class SumData(vf.TaskData):
 class SumTaskConfig(vf.TaskConfig):
     explode: bool = False
     """Every episode's setup raises: an environment that fails on every episode."""
+    hang_on: list[int] = []
+    """The tasks (idx) whose episodes hang in setup: a hung environment."""
 
 
 class SumTask(vf.Task[SumData, vf.State, SumTaskConfig]):
     async def setup(self, trace: vf.Trace, runtime) -> None:
         if self.config.explode:
             raise RuntimeError("vf_sum: explode is set")
+        if self.data.idx in self.config.hang_on:
+            await asyncio.sleep(3600)
 
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
