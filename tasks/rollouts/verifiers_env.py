@@ -198,8 +198,8 @@ class _LocksPerLoop(dict):
 def _locks_per_loop() -> None:
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
-    if not isinstance(SubprocessRuntime._locks, _LocksPerLoop):  # noqa: SLF001 - the second internal (module doc)
-        SubprocessRuntime._locks = _LocksPerLoop()  # noqa: SLF001
+    if not isinstance(SubprocessRuntime._locks, _LocksPerLoop):  # the second internal (module doc)
+        SubprocessRuntime._locks = _LocksPerLoop()
 
 
 @contextlib.asynccontextmanager

@@ -57,12 +57,12 @@ def test_a_single_turn_environment_trains_on_the_real_server(
     assert out["steps_trained"] == 2
     _, rows = query(
         tmp_path,
-        "SELECT row_id, prompt, len(prompt_ids), len(completion_ids), len(logprobs), num_turns, reward_valid, "
+        "SELECT row_id, prompt, len(prompt_ids), len(completion_ids), len(logprobs), num_turns, "
         "list_min(completion_mask), -list_sum(logprobs) FROM rollouts "
         "WHERE split = 'train' ORDER BY step, group_id, sample_index",
     )
     assert len(rows) == 8  # 2 steps x 2 tasks x 2 episodes
-    for row_id, prompt, p, c, lp, turns, valid, min_mask, lp_mass in rows:
+    for row_id, prompt, p, c, lp, turns, min_mask, lp_mass in rows:
         assert row_id.startswith("vf-") and "What is" in prompt
         assert p > 0 and c == lp and c > 0 and turns == 1 and min_mask == 1 and lp_mass > 0
     _, cells = query(

@@ -3,6 +3,7 @@
 import asyncio
 
 import verifiers.v1 as vf
+from pydantic import Field
 
 
 class SumData(vf.TaskData):
@@ -12,7 +13,7 @@ class SumData(vf.TaskData):
 class SumTaskConfig(vf.TaskConfig):
     explode: bool = False
     """Every episode's setup raises: an environment that fails on every episode."""
-    hang_on: list[int] = []
+    hang_on: list[int] = Field(default_factory=list)
     """The tasks (idx) whose episodes hang in setup: a hung environment."""
 
 
