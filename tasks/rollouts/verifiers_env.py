@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -195,12 +196,60 @@ def _locks_per_loop() -> None:
         SubprocessRuntime._locks = _LocksPerLoop()
 
 
+# Runs beside this process: once it is gone (a kill -9 runs no cleanup), every process that carries its
+# mark goes too. verifiers starts harness programs and tool servers in sessions of their own, which
+# outlive their parent; they inherit this process's environment, and so the mark.
+_WATCHDOG = """
+import os, sys, time
+os.setsid()
+parent, mark = int(sys.argv[1]), sys.argv[2].encode()
+def alive(pid):  # a zombie (killed, not yet reaped) is dead
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while alive(parent):
+    time.sleep(0.5)
+for pid in [int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            marked = mark in f.read().split(b"\\0")
+    except OSError:
+        continue
+    if marked:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, 9)
+            except OSError:
+                pass
+"""
+MARK = "GRPOFLOW_VF_OWNER"
+_watching = threading.Lock()
+
+
+def _watch_children() -> None:
+    """Start the watchdog once per process (the comment above)."""
+    with _watching:
+        if os.environ.get(MARK) == str(os.getpid()):
+            return
+        os.environ[MARK] = str(os.getpid())
+        # Started through a shell that exits at once, so it is no child of ours (it leaves no zombie, and
+        # no test counts it among this process's children).
+        subprocess.run(
+            ["sh", "-c", '"$0" -c "$1" "$2" "$3" </dev/null >/dev/null 2>&1 &', sys.executable, _WATCHDOG,
+             str(os.getpid()), f"{MARK}={os.getpid()}"],
+            check=True, start_new_session=True,
+        )  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def serving(block: dict[str, Any]):
     """One batch's environment, serving (its shared tool servers and interception server up)."""
     _ensure_uv()
     _child_paths()
     _locks_per_loop()
+    _watch_children()
     with ENVS.take(block) as env:
         async with env.serving():
             yield env

@@ -204,3 +204,65 @@ def test_a_hung_episode_fails_its_cells_at_the_deadline_and_the_others_score(smo
     assert [cell_of(c.verifiers, "correct")[:2] for c in g1.completions] == [(1.0, "valid")] * 2
     left = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
+
+
+KILLED_CHILD = """
+import asyncio, sys
+from transformers import AutoTokenizer
+from grpoflow.tasks.config.rollouts import ToolsConfig
+from grpoflow.tasks.rollouts.verifiers_env import task_rows
+from tests.unit.scripted import scripted_groups, tool_call
+
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+block = {"taskset": {"id": "vf_tally", "num_tasks": 1}}
+
+
+async def script(text, k, seed):
+    if text.count("<|im_start|>assistant") == 1:
+        return tool_call("tally_toolset_tally", n=2)
+    print("mid-episode", flush=True)  # the harness and the tool server are up
+    await asyncio.sleep(3600)
+
+
+scripted_groups(tok, script, task_rows(block, 1), ToolsConfig(verifiers=block), group_size=1)
+"""
+
+
+def test_a_run_killed_mid_episode_leaves_no_process_of_verifiers_behind(smollm2_tokenizer_dir):
+    """verifiers starts its harness programs and tool servers in sessions of their own, which outlive a
+    parent killed with SIGKILL; grpoflow's watchdog kills every process that carries the run's mark."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD, str(smollm2_tokenizer_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "mid-episode"
+        mark = f"GRPOFLOW_VF_OWNER={child.pid}".encode()
+
+        def marked() -> list[int]:
+            out = []
+            for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        if mark in f.read().split(b"\0") and pid != child.pid:
+                            out.append(pid)
+                except OSError:
+                    continue
+            return out
+
+        assert len(marked()) >= 2  # the harness program and the tool server (and the watchdog's shell gone)
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while marked() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marked() == []
+    finally:
+        child.kill()
