@@ -28,20 +28,20 @@ def vf_packages(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ":".join(paths))
 
 
-def _train(tmp_path, run_id: str, block: dict, *, model: str, server: str, steps: int = 1, extra: str = ""):
+def _train(tmp_path, run_id: str, block: dict, *, model: str, server: str, steps: int = 1, template=None):
     from grpoflow.flows.config import load_config
     from grpoflow.flows.train import grpo_train
 
     config = tmp_path / f"{run_id}.yaml"
     config.write_text(f"""
-model: {{path: {model}}}
+model: {json.dumps({"path": str(model), "chat_template": template and str(template)})}
 generation: {{group_size: 2, max_tokens: 8}}
 data: {{prompts_per_step: 2}}
 tools: {{verifiers: {json.dumps(block)}}}
 run: {{steps: {steps}, run_id: {run_id}}}
 storage: {{root: {tmp_path}}}
 inference: {{url: "{server}", max_model_len: 1024}}
-{extra}""")
+""")
     return grpo_train(config=load_config(config))
 
 
@@ -89,26 +89,30 @@ def test_a_single_turn_environment_trains_on_the_real_server(
     assert len(steps) == 2 and all(chars is not None and failed == 0.0 for chars, failed in steps)
 
 
-def test_a_multi_turn_environment_trains_on_the_real_server(
-    tmp_path, vllm_server, tiny_model_dir, prefect_api
+def test_a_multi_turn_environment_trains_on_the_real_server_with_smollm2s_template(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api, smollm2
 ):
     """The environment's own `Env.run` adds a user turn after the model's answer: every rollout has two
-    model turns in one token sequence, the user's turn between them untrained (mask 0)."""
+    model turns in one token sequence, the user's turn between them untrained (mask 0); the prompt is
+    rendered with SmolLM2's chat template (`model.chat_template`), its MCP tool in the system turn."""
     from grpoflow.storage.sql import query
 
+    template = tmp_path / "smollm2.jinja"
+    template.write_text(smollm2.chat_template)
     block = {"taskset": {"id": "vf_tally", "num_tasks": 2}}
-    assert (
-        _train(tmp_path, "vftally", block, model=tiny_model_dir, server=vllm_server.url)["steps_trained"] == 1
-    )
+    out = _train(tmp_path, "vftally", block, model=tiny_model_dir, server=vllm_server.url, template=template)
+    assert out["steps_trained"] == 1
     _, rows = query(
         tmp_path,
-        "SELECT num_turns, list_min(completion_mask), [m.role FOR m IN messages], [m.content FOR m IN messages] "
-        "FROM rollouts",
+        "SELECT num_turns, list_min(completion_mask), [m.role FOR m IN messages], [m.content FOR m IN messages], "
+        "prompt FROM rollouts",
     )
     assert len(rows) == 4
-    for turns, min_mask, roles, contents in rows:
+    for turns, min_mask, roles, contents, prompt in rows:
         assert turns >= 2 and min_mask == 0 and "user" in roles
         assert "Thanks. Now reply with the word done." in contents
+        assert prompt.startswith("<|im_start|>system") and "tally_toolset_tally" in prompt
+        assert prompt.endswith("<|im_start|>assistant\n")
     _, cells = query(tmp_path, "SELECT DISTINCT reward_name FROM rewards ORDER BY 1")
     assert cells == [("called_tally",), ("said_done",)]
 
