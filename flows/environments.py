@@ -220,8 +220,6 @@ def check_verifiers(cfg: GRPOConfig) -> None:
     from grpoflow.tasks.rollouts import verifiers_env
 
     block, t, d = cfg.tools.verifiers, cfg.tools, cfg.data
-    if block is None:
-        return
     others = [
         f
         for f, on in (("tools.tools", t.tools), ("tools.environment", t.environment), ("tools.mcp", t.mcp))
@@ -235,7 +233,7 @@ def check_verifiers(cfg: GRPOConfig) -> None:
         raise ConfigError(
             "tools.verifiers: the rows come from its taskset; remove data.path / dataset / generator"
         )
-    taskset = (block.get("taskset") or {}).get("id") if isinstance(block.get("taskset"), dict) else None
+    taskset = block["taskset"].get("id") if isinstance(block.get("taskset"), dict) else None
     if not taskset:
         raise ConfigError(
             "tools.verifiers.taskset.id: name the taskset (its package or module, as `vf eval` takes it)"

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpoflow.storage.faults import failpoint
-from grpoflow.storage.records import RewardCell, RewardStatus, RolloutGroup
+from grpoflow.storage.records import RewardCell, RewardStatus, RolloutCompletion, RolloutGroup
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.remote import call_on_ray, this_node
@@ -116,28 +116,34 @@ def classify(v: Any) -> tuple[float | None, RewardStatus, str]:
     return float(v), "valid", ""
 
 
-def _environment_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
-    """The cells of an environment's get_reward() (tasks/rewards/env_reward.py): each rollout's outcome."""
-    node, out = this_node(), []
-    for c in (c for g in groups for c in g.completions):
-        got: EnvReward | None = c.environment_reward
-        if got is None:
-            value, status, reason, dt = None, "invalid", "the rollout recorded no get_reward()", 0.0
-        elif got.status is not None:
-            value, status, reason, dt = None, got.status, got.reason, got.seconds
-        else:
-            (value, status, reason), dt = classify(got.value), got.seconds
-        out.append(RewardCell(spec.name, value, status, reason[:500], spec.weight, dt, node=node))
-    return out
+def _environment_cell(
+    c: RolloutCompletion, spec: RewardConfig
+) -> tuple[float | None, RewardStatus, str, float]:
+    """An environment's get_reward() cell (tasks/rewards/env_reward.py): the outcome its rollout recorded."""
+    got: EnvReward | None = c.environment_reward
+    if got is None:
+        return None, "invalid", "the rollout recorded no get_reward()", 0.0
+    if got.status is not None:
+        return None, got.status, got.reason, got.seconds
+    return (*classify(got.value), got.seconds)
 
 
-def _verifiers_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
-    """The cells of a verifiers reward (tasks/rewards/vf_reward.py): each rollout's episode's score."""
-    node = this_node()
-    cells = (cell_of(c.verifiers, spec.name) for g in groups for c in g.completions)
+def _verifiers_cell(
+    c: RolloutCompletion, spec: RewardConfig
+) -> tuple[float | None, RewardStatus, str, float]:
+    """A verifiers reward's cell (tasks/rewards/vf_reward.py): its score in the rollout's episode."""
+    return (*cell_of(c.verifiers, spec.name), 0.0)
+
+
+# Rewards whose cells each rollout recorded as it ran (never called): the cell of one completion.
+RECORDED = {ENVIRONMENT_REWARD: _environment_cell, VERIFIERS_REWARD: _verifiers_cell}
+
+
+def _recorded_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
+    node, cell = this_node(), RECORDED[spec.fn]
     return [
-        RewardCell(spec.name, v, status, reason[:500], spec.weight, 0.0, node=node)
-        for v, status, reason in cells
+        RewardCell(spec.name, value, status, reason[:500], spec.weight, dt, node=node)
+        for value, status, reason, dt in (cell(c, spec) for g in groups for c in g.completions)
     ]
 
 
@@ -183,10 +189,8 @@ async def _run_one(
 
 
 async def _score_one(spec: RewardConfig, groups, messages, text, state) -> tuple[list[RewardCell], RewardLog]:
-    if spec.fn == ENVIRONMENT_REWARD:  # an environment's get_reward(), called by each rollout
-        return _environment_cells(spec, groups), RewardLog(len(text["completions"]))
-    if spec.fn == VERIFIERS_REWARD:  # scored by verifiers in each rollout's episode
-        return _verifiers_cells(spec, groups), RewardLog(len(text["completions"]))
+    if isinstance(spec.fn, str) and spec.fn in RECORDED:  # get_reward(), a verifiers episode: recorded
+        return _recorded_cells(spec, groups), RewardLog(len(text["completions"]))
     return await _run_one(spec, messages if spec.completions == "messages" else text, state)
 
 

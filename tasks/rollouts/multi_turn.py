@@ -13,11 +13,11 @@ import inspect
 import time
 from typing import Any
 
-from grpoflow.storage.records import RolloutCompletion, TaggedMessage, TurnRecord
+from grpoflow.storage.records import RolloutCompletion, TaggedMessage
 from grpoflow.tasks.rewards.env_reward import EnvReward, call_get_reward, has_reward
 from grpoflow.tasks.rollouts.mcp_tools import mcp_tools
 from grpoflow.tasks.rollouts.openenv import EnvironmentUnavailableError
-from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
+from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, request_turn, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
 from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schema
 
@@ -127,7 +127,7 @@ async def _run_turns(
         if limit <= 0:
             c.truncated, c.truncation_reason = True, "token_budget" if len(mask) else "prompt_too_long"
             break
-        ch = await _turn(r, ids, limit, sample_seed(r.seed, index, sample, turn), turns)
+        ch, _ = await request_turn(r, ids, limit, sample_seed(r.seed, index, sample, turn), turns)
         ids += ch.token_ids
         mask += [1] * len(ch.token_ids)
         lps += list(ch.logprobs)
@@ -162,21 +162,3 @@ async def _run_turns(
     c.messages, c.turns, c.tool_calls = msgs, turns, calls
     c.policy_version_end, c.gen_seconds = r.version_fn(), time.perf_counter() - t_start
     return c
-
-
-async def _turn(r: RolloutSettings, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]):
-    """One generation request of a multi-turn rollout, recorded in `turns`."""
-    t0 = time.perf_counter()
-    # Each turn reads the version anew: the server's weights may have changed in between.
-    (ch,), _ = await complete_served(r, ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
-    turns.append(
-        TurnRecord(
-            len(ids),
-            len(ch.token_ids),
-            time.perf_counter() - t0,
-            ch.finish_reason,
-            list(ch.token_ids),
-            list(ch.logprobs),
-        )
-    )
-    return ch

@@ -9,10 +9,12 @@ import asyncio
 import contextlib
 import copy
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
 from grpoflow.storage.ids import row_id_of
+from grpoflow.storage.records import TurnRecord
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
@@ -186,3 +188,16 @@ async def complete_served(r: RolloutSettings, ids: list[int], **params: Any) -> 
 
 def strip_eos(text: str, eos: str) -> str:
     return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
+async def request_turn(
+    r: RolloutSettings, ids: list[int], limit: int, seed: int | None, turns: list[TurnRecord]
+) -> tuple[Choice, int]:
+    """One generation request of a multi-turn rollout (grpoflow's own, or a verifiers episode's), recorded
+    in `turns`, and the version that served it."""
+    t0 = time.perf_counter()
+    # Each turn reads the version anew: the server's weights may have changed in between.
+    (ch,), version = await complete_served(r, ids, max_tokens=limit, n=1, seed=seed, **r.sample_kwargs())
+    ids_out, lps = list(ch.token_ids), list(ch.logprobs)
+    turns.append(TurnRecord(len(ids), len(ids_out), time.perf_counter() - t0, ch.finish_reason, ids_out, lps))
+    return ch, version

@@ -20,7 +20,7 @@ from typing import Any
 from grpoflow.storage.records import TaggedMessage, ToolCallRecord, TurnRecord
 from grpoflow.tasks.remote import this_node
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
-from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
+from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, request_turn, sample_seed, strip_eos
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_system_text
 
 
@@ -84,20 +84,16 @@ class PolicyClient:
             s.truncation = s.truncation or (
                 "max_turns" if len(s.turns) >= r.gen.max_turns else "token_budget"
             )
-            return _response(body["model"], "", [], "length", len(s.ids), [], [])
+            return _response(body["model"], "", [], "length", s.ids, None)
         before = list(s.ids)
-        t0 = time.perf_counter()
+        seed = sample_seed(r.seed, self.index, self.sample, len(s.turns))
         try:
-            (ch,), version = await complete_served(
-                r, s.ids, max_tokens=limit, n=1, seed=sample_seed(r.seed, self.index, self.sample, len(s.turns)),
-                **r.sample_kwargs(),
-            )  # fmt: skip
+            ch, version = await request_turn(r, s.ids, limit, seed, s.turns)
         except InferenceUnavailableError as e:  # no server left: the group goes to another (generate.py)
             self.unavailable = e
             raise
         s.version = version if s.version is None else s.version
         ids, lps = list(ch.token_ids), list(ch.logprobs)
-        s.turns.append(TurnRecord(len(s.ids), len(ids), time.perf_counter() - t0, ch.finish_reason, ids, lps))
         s.ids += ids
         s.mask += [1] * len(ids)
         s.lps += lps
@@ -113,7 +109,7 @@ class PolicyClient:
             s.truncation = "max_tokens"
         finish = "tool_calls" if calls else ("length" if ch.finish_reason == "length" else "stop")
         content = _without_calls(text) if calls else text
-        return _response(body["model"], content, calls, finish, len(before), before, (ids, lps))
+        return _response(body["model"], content, calls, finish, before, (ids, lps))
 
     def _extend(self, s: Session, wire: list[dict[str, Any]], schemas: list[dict[str, Any]] | None) -> None:
         """`s` brought up to the harness's conversation `wire`: rendered whole on the first turn, after
@@ -171,7 +167,9 @@ def _without_calls(text: str) -> str | None:
     return _CALL_MARKUP.sub("", text).strip() or None
 
 
-def _response(model: str, content, calls, finish: str, prompt_len: int, prompt_ids, sampled) -> Any:
+def _response(model: str, content, calls, finish: str, prompt_ids: list[int], sampled) -> Any:
+    """The harness's answer: the message, and the turn's tokens (`sampled`: ids and logprobs; None when
+    nothing was generated)."""
     from verifiers.v1.clients.train import serialize_completion
     from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage
 
@@ -182,7 +180,7 @@ def _response(model: str, content, calls, finish: str, prompt_len: int, prompt_i
         model=model,
         message=AssistantMessage(content=content or None, tool_calls=calls or None),
         finish_reason=finish,
-        usage=Usage(prompt_tokens=prompt_len, completion_tokens=len(ids)),
+        usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
         tokens=TurnTokens.model_construct(
             prompt_ids=list(prompt_ids), completion_ids=list(ids), completion_logprobs=list(lps)
         ),

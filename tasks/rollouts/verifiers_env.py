@@ -72,7 +72,6 @@ def env_config(block: dict[str, Any]) -> Any:
     local subprocess, and the tool-less `null` chat loop for a taskset that ships no harness (verifiers'
     own default, `bash`, runs the model's shell commands on this host); and an episode deadline
     (`timeout.episode`, EPISODE_TIMEOUT_S; verifiers has none)."""
-    require()
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.runtimes import SubprocessConfig
     from verifiers.v1.utils.loaders import default_harness_id, harness_config_type, resolve_env_config
