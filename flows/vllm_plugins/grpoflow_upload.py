@@ -16,19 +16,22 @@ by its path: the server's workers share its host's disk.
   instead, its files overwritten in place (the pusher names one it is about to drop). Stale uploads are swept here, the one rule being "one writer per name": an
   unfinished upload of the same name (a pusher that died and tries again), one idle for an hour, and
   any staging dir no upload of this process owns (a restarted server's leftovers) are removed.
-- `PUT /grpoflow/uploads/<id>/<file path>?offset=K`, the raw bytes as the body -> {"written": n}:
-  streamed to the file at offset K as `receive()` yields it (at most WRITE_BATCH bytes held, each
-  write on a thread: this runs on vLLM's API server event loop). A write past the file's declared
-  size is 413, an unknown upload or file 404, a body shorter or longer than its Content-Length 400.
-  A PUT is idempotent, so a client retries a failed chunk as it is.
-- `POST /grpoflow/uploads/<id>/commit` {"sha256": {"<file path>": "<hex>", ...}} (every declared file)
-  -> {"path": the version's absolute path}. Every file's size and sha256 are checked (the digest is
-  kept while in-order chunks arrive; a file written out of order is read again), the files fsynced,
-  a manifest `.grpoflow-upload.json` written, and the staging dir renamed to `<dir>/<name>` (a version
-  already there is renamed aside first, then deleted). A mismatch is 422 naming the file, and the
-  staging dir is deleted: nothing half-written is ever at a committed name. The digests come with the
-  commit rather than the create so that the client reads each file once, hashing as it sends. A
-  commit already running answers 503 (a retry waits for it); one that succeeded answers its path again.
+- `PUT /grpoflow/uploads/<id>/<file path>?offset=K&crc32=C`, the raw bytes as the body, C their CRC-32
+  as 8 hex digits -> {"written": n}: streamed to the file at offset K as `receive()` yields it (at
+  most about WRITE_BATCH bytes held, each batch written with one pwritev on a thread, its writeback
+  started at once: this runs on vLLM's API server event loop), summed as it comes. A write past the
+  file's declared size is 413, an unknown upload or file 404, a body shorter or longer than its
+  Content-Length 400, a body whose CRC-32 is not C 422 (naming the file and the bytes), bytes another
+  PUT of this upload is writing 503. A PUT is idempotent, so a client retries a failed chunk as it is,
+  and several may run at once over distinct ranges, in any order.
+- `POST /grpoflow/uploads/<id>/commit` (any body) -> {"path": the version's absolute path}. Every
+  file must have its declared size and every byte of it must have come in a PUT that matched its
+  CRC-32 and was not written over since (a 422 naming the file and the first range not covered; the
+  staging dir is deleted: nothing half-written is ever at a committed name). Then the files are
+  fsynced, a manifest `.grpoflow-upload.json` (sizes, and each chunk's range and CRC-32) written, and
+  the staging dir renamed to `<dir>/<name>` (a version already there is renamed aside first, then
+  deleted). A commit already running, or one while a PUT of the upload runs, answers 503 (a retry
+  waits for it); one that succeeded answers its path again.
 - `POST /grpoflow/probe` {"path": "/abs/dir/.grpoflow-probe-<32 hex>"} -> {"sha256": hex or null,
   "uploads": bool}: whether this server's host can read a file the pusher just wrote beside its
   weights (the digest of its content, null when it cannot be read) and whether uploads are on. Answered
@@ -124,7 +127,8 @@ class WeightUpload:
         if method == "PUT" and rest:
             return await self._put(self._live(upload_id), rest, scope, body)
         if method == "POST" and rest == "commit":
-            return await self._commit(upload_id, await _read_json(body))
+            await body.drain()  # nothing in it is needed: the chunks came with their checksums
+            return await self._commit(upload_id)
         if method == "DELETE" and not rest:
             return await self._abort(self._live(upload_id))
         raise Refused(404, f"no upload route {method} {path}")
@@ -164,51 +168,43 @@ class WeightUpload:
         return {"upload": up.id}
 
     async def _put(self, up: Upload, rel: str, scope, body: _Body) -> dict:
-        f = up.files.get(rel)
-        if f is None:
+        if rel not in up.files:
             raise Refused(404, f"upload {up.id} ({up.name}) declared no file {rel!r}")
-        offset, length = _offset(scope), _content_length(scope)
-        if offset + (length or 0) > f.size:
+        size = up.files[rel].size
+        offset, length = _query(scope, "offset", "0"), _content_length(scope)
+        want = store.crc32_hex(_query(scope, "crc32", None, number=False), f"{rel}: query field 'crc32'")
+        if offset + (length or 0) > size:
             raise Refused(
-                413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {f.size}"
+                413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {size}"
             )
-        written, batch, held = 0, [], 0
-        writing = None  # the batch being written on a thread while the next one arrives (in order)
+        end = size if length is None else offset + length
+        f = store.begin_chunk(up, rel, offset, end)
+        checked = None  # (end, CRC-32) of the chunk, once it has arrived whole and matched the sender's
         try:
-            while not body.done:
-                message = await body()
-                if message["type"] != "http.request":
-                    raise _Gone
-                batch.append(message.get("body", b""))
-                held += len(batch[-1])
-                if offset + written + held > f.size:
-                    raise Refused(413, f"{rel}: the body runs past its declared size {f.size}")
-                if held >= WRITE_BATCH or (body.done and held):
-                    if writing is not None:
-                        await writing
-                    data, at = b"".join(batch), offset + written
-                    writing = asyncio.ensure_future(asyncio.to_thread(store.write, up, rel, at, data))
-                    written, batch, held = written + held, [], 0
-                up.touched = time.monotonic()
-            if writing is not None:
-                await writing
+            written, crc = await _receive(up, rel, offset, size, body)
+            if length is not None and written != length:
+                raise Refused(400, f"{rel}: {written} bytes received, Content-Length said {length}")
+            if (got := f"{crc:08x}") != want:
+                raise Refused(
+                    422,
+                    f"{rel}: bytes {offset}..{offset + written} arrived with crc32 {got}, the sender's {want}",
+                )
+            checked = (offset + written, got)
         finally:
-            if writing is not None and not writing.done():  # failed mid-body: let its write end first
-                await asyncio.wait([writing])
-        if length is not None and written != length:
-            raise Refused(400, f"{rel}: {written} bytes received, Content-Length said {length}")
+            store.end_chunk(f, offset, end, checked)
         return {"path": rel, "offset": offset, "written": written}
 
-    async def _commit(self, upload_id: str, req: dict) -> dict:
+    async def _commit(self, upload_id: str) -> dict:
         if upload_id in self.committed:
             return {"path": self.committed[upload_id]}
         up = self._live(upload_id)
         if up.committing:
             raise Refused(503, f"upload {upload_id} ({up.name}) is being committed: try again")
-        sha256 = store.digests(req.get("sha256"), up)
+        if up.writing():
+            raise Refused(503, f"upload {upload_id} ({up.name}) has a chunk still being written: try again")
         up.committing = True
         try:
-            await asyncio.to_thread(store.verify, up, sha256)
+            await asyncio.to_thread(store.verify, up)
             path = await asyncio.to_thread(store.publish, self.root, up)
         except BaseException as e:
             up.committing = False
@@ -245,6 +241,36 @@ class _Body:
         """Read (and drop) what is left of the body."""
         while not self.done:
             await self()
+
+
+async def _receive(up: Upload, rel: str, offset: int, size: int, body: _Body) -> tuple[int, int]:
+    """Write the body at `offset` of `rel` as it arrives, in batches of about WRITE_BATCH, each on a
+    thread while the next arrives; (bytes written, their CRC-32)."""
+    written, batch, held, crc = 0, [], 0, 0
+    writing = None  # the batch being written (in order: the next waits for it)
+    try:
+        while not body.done:
+            message = await body()
+            if message["type"] != "http.request":
+                raise _Gone
+            batch.append(message.get("body", b""))
+            held += len(batch[-1])
+            if offset + written + held > size:
+                raise Refused(413, f"{rel}: the body runs past its declared size {size}")
+            if held >= WRITE_BATCH or (body.done and held):
+                if writing is not None:
+                    crc = await writing
+                writing = asyncio.ensure_future(
+                    asyncio.to_thread(store.write, up, rel, offset + written, batch, crc)
+                )
+                written, batch, held = written + held, [], 0
+            up.touched = time.monotonic()
+        if writing is not None:
+            crc = await writing
+    finally:
+        if writing is not None and not writing.done():  # failed mid-body: let its write end first
+            await asyncio.wait([writing])
+    return written, crc
 
 
 async def _read_json(body: _Body) -> dict:
@@ -287,10 +313,14 @@ async def _probe(req: dict) -> str | None:
     return await asyncio.to_thread(read)
 
 
-def _offset(scope) -> int:
-    value = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("offset", ["0"])[0]
+def _query(scope, field: str, default: str | None, *, number: bool = True):
+    """The query string's `field` (`default` when absent): a non-negative integer if `number`, else
+    the text; a 400 if it is not one."""
+    value = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(field, [default])[0]
+    if not number:
+        return value
     if not (value.isascii() and value.isdigit()):
-        raise Refused(400, f"offset must be a non-negative integer, not {value!r}")
+        raise Refused(400, f"{field} must be a non-negative integer, not {value!r}")
     return int(value)
 
 

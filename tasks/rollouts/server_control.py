@@ -183,24 +183,24 @@ class ServerControl:
         text = await self._request("POST", "/grpoflow/uploads", json_body=body, retry_status=_NOT_500)
         return json_object(text, f"POST {self.base_url}/grpoflow/uploads", ("upload",))["upload"]
 
-    async def upload_chunk(self, upload_id: str, path: str, offset: int, data: bytes) -> None:
-        """Write `data` at `offset` of the upload's file `path` (idempotent: retried as it is)."""
+    async def upload_chunk(self, upload_id: str, path: str, offset: int, data: bytes, crc32: str) -> None:
+        """Write `data` at `offset` of the upload's file `path`; `crc32` (8 hex digits) is its CRC-32,
+        which the server checks (a mismatch is an InferenceHTTPError 422). Idempotent: retried as it is."""
         await self._request(
             "PUT",
             f"/grpoflow/uploads/{upload_id}/{quote(path)}",
             data=data,
-            params={"offset": str(offset)},
+            params={"offset": str(offset), "crc32": crc32},
             retry_status=_NOT_500,
         )
 
-    async def upload_commit(self, upload_id: str, sha256: dict[str, str], *, timeout_s: float) -> str:
-        """Check every file against `sha256` ({path: hex}) and publish the version; its path on the
-        server's host. A mismatch is an InferenceHTTPError 422 naming the file (the upload is gone)."""
+    async def upload_commit(self, upload_id: str, *, timeout_s: float) -> str:
+        """Publish the version once every byte of every file has come in a chunk that matched its
+        CRC-32; its path on the server's host. A file not covered is an InferenceHTTPError 422 naming it
+        (the upload is gone)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
         where = f"/grpoflow/uploads/{upload_id}/commit"
-        text = await self._request(
-            "POST", where, json_body={"sha256": sha256}, timeout=timeout, retry_status=_NOT_500
-        )
+        text = await self._request("POST", where, json_body={}, timeout=timeout, retry_status=_NOT_500)
         return json_object(text, f"POST {self.base_url}{where}", ("path",))["path"]
 
     async def upload_abort(self, upload_id: str, *, retries: int = 1) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import importlib
 import json
 import os
 import sys
 import threading
+import zlib
 
 import pytest
 
@@ -72,19 +72,33 @@ def call(app, method, path, body=b"", *, query=b"", parts=None, length=None, aut
     return sent[0]["status"], (json.loads(out) if out != b"vllm" else "vllm")
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def crc(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
 
 
-def send_version(app, name: str, files: dict[str, bytes], digests: dict[str, str] | None = None):
-    """Create, PUT each file whole, commit: the commit's (status, answer)."""
+def put(app, upload: str, rel: str, data: bytes, at: int = 0, *, crc32: str | None = None, **kw):
+    """PUT `data` at `at` of `rel` with its CRC-32 (or `crc32`): (status, answer)."""
+    query = f"offset={at}&crc32={crc32 or crc(data)}".encode()
+    return call(app, "PUT", f"/grpoflow/uploads/{upload}/{rel}", data, query=query, **kw)
+
+
+def create(app, name: str, sizes: dict[str, int]) -> str:
     status, out = call(app, "POST", "/grpoflow/uploads", {"name": name, "files": [
-        {"path": p, "size": len(b)} for p, b in files.items()]})  # fmt: skip
+        {"path": p, "size": n} for p, n in sizes.items()]})  # fmt: skip
     assert status == 200, out
+    return out["upload"]
+
+
+def commit(app, upload: str):
+    return call(app, "POST", f"/grpoflow/uploads/{upload}/commit", b"")
+
+
+def send_version(app, name: str, files: dict[str, bytes]):
+    """Create, PUT each file whole (its body in two parts), commit: the commit's (status, answer)."""
+    upload = create(app, name, {p: len(b) for p, b in files.items()})
     for p, b in files.items():
-        assert call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/{p}", parts=[b[:5], b[5:]])[0] == 200
-    digests = digests or {p: sha(b) for p, b in files.items()}
-    return call(app, "POST", f"/grpoflow/uploads/{out['upload']}/commit", {"sha256": digests})
+        assert put(app, upload, p, b, parts=[b[:5], b[5:]])[0] == 200
+    return commit(app, upload)
 
 
 def listing(root) -> list[str]:
@@ -135,8 +149,6 @@ def test_a_version_goes_over_http_in_chunks_and_is_committed_whole(mod, tmp_path
     for rel, data in files.items():
         (local / rel).parent.mkdir(parents=True, exist_ok=True)
         (local / rel).write_bytes(data)
-    # In-order chunks: the server's digest follows them, no file is read again to check it.
-    monkeypatch.setattr(sys.modules["grpoflow_upload_store"], "file_sha256", lambda p: pytest.fail(p))
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     with served(stacked_as_served(mod)) as url:
         path = asyncio.run(upload_dir(url, local, "run/v000003", chunk_bytes=65536, api_key=KEY))
@@ -150,10 +162,10 @@ def test_a_version_goes_over_http_in_chunks_and_is_committed_whole(mod, tmp_path
     for rel, data in files.items():
         assert (tmp_path / "uploads" / "run" / "v000003" / rel).read_bytes() == data
     manifest = json.loads((tmp_path / "uploads/run/v000003/.grpoflow-upload.json").read_text())
-    assert manifest["files"]["model.safetensors"] == {
-        "size": 200_003,
-        "sha256": sha(files["model.safetensors"]),
-    }
+    model = files["model.safetensors"]  # four chunks of 64 KiB, three on their way at once
+    assert manifest["files"]["model.safetensors"] == {"size": 200_003, "chunks": [
+        [at, min(at + 65536, 200_003), crc(model[at : at + 65536])] for at in range(0, 200_003, 65536)]}  # fmt: skip
+    assert manifest["files"]["empty.txt"] == {"size": 0, "chunks": []}
     assert listing(tmp_path / "uploads") == ["run", "run/v000003", *sorted(
         f"run/v000003/{p}" for p in [*files, "tokenizer", ".grpoflow-upload.json"])]  # fmt: skip
 
@@ -161,8 +173,8 @@ def test_a_version_goes_over_http_in_chunks_and_is_committed_whole(mod, tmp_path
 def test_a_body_is_written_in_batches_as_it_arrives(mod, tmp_path, monkeypatch):
     store = sys.modules["grpoflow_upload_store"]
     writes, write = [], store.write
-    monkeypatch.setattr(store, "write", lambda up, rel, at, data: (writes.append((at, len(data))),
-                                                                   write(up, rel, at, data)))  # fmt: skip
+    monkeypatch.setattr(store, "write", lambda up, rel, at, pieces, c: (writes.append((at, sum(map(len, pieces)))),
+                                                                        write(up, rel, at, pieces, c))[1])  # fmt: skip
     monkeypatch.setattr(mod, "WRITE_BATCH", 4096)
     app = mod.WeightUpload(inner)
     data = os.urandom(20_000)
@@ -170,8 +182,10 @@ def test_a_body_is_written_in_batches_as_it_arrives(mod, tmp_path, monkeypatch):
         app, "POST", "/grpoflow/uploads", {"name": "r/v1", "files": [{"path": "w", "size": 20_000}]}
     )
     parts = [data[i : i + 1000] for i in range(0, 20_000, 1000)]
-    assert call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/w", parts=parts) == (
-        200, {"path": "w", "offset": 0, "written": 20_000})  # fmt: skip
+    assert put(app, out["upload"], "w", data, parts=parts) == (
+        200,
+        {"path": "w", "offset": 0, "written": 20_000},
+    )
     assert writes == [(0, 5000), (5000, 5000), (10000, 5000), (15000, 5000)]  # 1000-byte parts, >= 4096 held
 
 
@@ -182,45 +196,58 @@ def test_a_cut_off_upload_leaves_nothing_and_the_name_can_be_sent_again(mod, tmp
         app, "POST", "/grpoflow/uploads", {"name": "r/v1", "files": [{"path": "w", "size": 10_000}]}
     )
     # The client sends half of the body it announced, then goes away: nobody to answer.
-    assert (
-        call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/w", parts=[data[:5000]], length=10_000, cut=True)
-        is None
-    )
+    assert put(app, out["upload"], "w", data, parts=[data[:5000]], length=10_000, cut=True) is None
     assert listing(tmp_path / "uploads") == [f".incoming-{out['upload']}", f".incoming-{out['upload']}/w"]
     assert call(app, "GET", "/grpoflow/versions")[1]["versions"] == []
     assert send_version(app, "r/v1", {"w": data})[0] == 200  # the next upload of the name sweeps it
     assert listing(tmp_path / "uploads") == ["r", "r/v1", "r/v1/.grpoflow-upload.json", "r/v1/w"]
     assert (tmp_path / "uploads/r/v1/w").read_bytes() == data
-    status, err = call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/w", data[:10])
+    status, err = put(app, out["upload"], "w", data[:10])
     assert status == 404 and "no upload" in err["error"]
 
 
-def test_a_wrong_sha256_is_refused_naming_the_file_and_nothing_stays(mod, tmp_path):
+def test_a_chunk_that_fails_its_crc32_is_refused_and_the_commit_names_what_never_arrived(mod, tmp_path):
     app = mod.WeightUpload(inner)
-    files = {"a.safetensors": b"weights", "b.json": b"{}"}
-    status, err = send_version(app, "r/v1", files, {"a.safetensors": sha(b"weights"), "b.json": sha(b"[]")})
-    assert status == 422 and "b.json" in err["error"] and "r/v1" in err["error"]
-    assert listing(tmp_path / "uploads") == []
+    data = os.urandom(3000)
+    upload = create(app, "r/v1", {"a.safetensors": 3000, "b.json": 2})
+    assert put(app, upload, "b.json", b"{}")[0] == 200
+    assert put(app, upload, "a.safetensors", data[:1000])[0] == 200
+    status, err = put(app, upload, "a.safetensors", data[1000:], 1000, crc32=crc(b"other bytes"))
+    assert status == 422 and "a.safetensors" in err["error"] and "bytes 1000..3000" in err["error"]
+    status, err = put(app, upload, "b.json", b"{}", crc32="12345678z")
+    assert status == 400 and "crc32" in err["error"]
+    status, err = commit(app, upload)
+    assert status == 422 and "r/v1" in err["error"] and "a.safetensors's bytes 1000..3000" in err["error"]
+    assert listing(tmp_path / "uploads") == []  # the upload is over: nothing of it stays
     assert call(app, "GET", "/grpoflow/versions")[1] == {"root": str(tmp_path / "uploads"), "versions": []}
 
 
-def test_a_file_written_out_of_order_is_checked_by_reading_it_again(mod, tmp_path):
+def test_chunks_go_in_any_order_and_bytes_written_over_must_be_checked_again(mod, tmp_path):
+    store = sys.modules["grpoflow_upload_store"]
     app = mod.WeightUpload(inner)
     data, junk = os.urandom(3000), b"x" * 1000
-    # Chunks out of order; and a chunk written again over other bytes after the file was whole.
-    for name, order in (("r/v1", [2000, 0, 1000]), ("r/v2", [0, -1000, 2000, 1000])):
-        _, out = call(
-            app, "POST", "/grpoflow/uploads", {"name": name, "files": [{"path": "w", "size": 3000}]}
-        )
-        for at in order:
-            body = junk if at < 0 else data[at : at + 1000]
-            call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/w", body, query=f"offset={abs(at)}".encode())
-        commit = f"/grpoflow/uploads/{out['upload']}/commit"
-        assert call(app, "POST", commit, {"sha256": {"w": sha(data)}})[0] == 200, name
-    assert call(app, "POST", commit, {"sha256": {"w": sha(data)}}) == (
-        200,
-        {"path": str(tmp_path / "uploads/r/v2")},
-    )
+    upload = create(app, "r/v1", {"w": 3000})
+    for at in (2000, 0, 1000):
+        assert put(app, upload, "w", data[at : at + 1000], at)[0] == 200
+    # Bytes written over by a PUT that never ended well are checked no more, until sent again.
+    assert put(app, upload, "w", junk, 1000, parts=[junk[:500]], length=1000, cut=True) is None
+    status, err = commit(app, upload)
+    assert status == 422 and "bytes 1000..2000" in err["error"]
+    upload = create(app, "r/v1", {"w": 3000})
+    for at in (0, 1000, 2000):
+        assert put(app, upload, "w", data[at : at + 1000], at)[0] == 200
+    assert put(app, upload, "w", junk, 500, crc32=crc(b"no"))[0] == 422
+    assert put(app, upload, "w", data[:2000])[0] == 200  # one chunk over two: each byte checked again
+    # Two requests writing the same bytes at once (a retry of one not ended yet): the second waits.
+    f = store.begin_chunk(app.uploads[upload], "w", 2500, 3000)
+    status, err = put(app, upload, "w", data[2000:], 2000)
+    assert status == 503 and "being written" in err["error"]
+    assert commit(app, upload)[0] == 503  # nor is a version committed while a chunk is being written
+    store.end_chunk(f, 2500, 3000, None)
+    assert put(app, upload, "w", data[2000:], 2000)[0] == 200
+    assert commit(app, upload) == (200, {"path": str(tmp_path / "uploads/r/v1")})
+    assert commit(app, upload) == (200, {"path": str(tmp_path / "uploads/r/v1")})  # a retried commit
+    assert (tmp_path / "uploads/r/v1/w").read_bytes() == data
     assert send_version(app, "r/v1", {"w": b"new"})[0] == 200  # a version of the same name is replaced
     assert (tmp_path / "uploads/r/v1/w").read_bytes() == b"new" and not list(
         (tmp_path / "uploads").glob(".*")
@@ -254,22 +281,26 @@ def test_names_that_could_leave_the_upload_dir_are_refused(mod, tmp_path):
 
 def test_writes_outside_what_was_declared_are_refused(mod):
     app = mod.WeightUpload(inner)
-    _, out = call(app, "POST", "/grpoflow/uploads", {"name": "r/v1", "files": [{"path": "w", "size": 10}]})
-    put = f"/grpoflow/uploads/{out['upload']}/w"
-    assert call(app, "PUT", put, b"abcd", query=b"offset=8")[0] == 413  # by its Content-Length
-    assert call(app, "PUT", put, parts=[b"abcdef", b"ghijk"], length=0)[0] == 413  # by what came
-    status, err = call(app, "PUT", put, parts=[b"abc"], length=5)
+    upload = create(app, "r/v1", {"w": 10})
+    assert put(app, upload, "w", b"abcd", 8)[0] == 413  # by its Content-Length
+    assert (
+        put(app, upload, "w", b"abcdefghijk", parts=[b"abcdef", b"ghijk"], length=0)[0] == 413
+    )  # by what came
+    status, err = put(app, upload, "w", b"abc", parts=[b"abc"], length=5)
     assert status == 400 and "Content-Length" in err["error"]
-    assert call(app, "PUT", put, b"ab", query=b"offset=-1")[0] == 400
-    assert call(app, "PUT", f"/grpoflow/uploads/{out['upload']}/other", b"ab")[0] == 404
-    assert call(app, "PUT", "/grpoflow/uploads/feedbeef/w", b"ab")[0] == 404
-    assert call(app, "POST", f"/grpoflow/uploads/{out['upload']}/commit", {"sha256": {}})[0] == 400
-    assert call(app, "PUT", put, b"0123456789")[0] == 200
-    assert call(app, "DELETE", f"/grpoflow/uploads/{out['upload']}")[1] == {
-        "aborted": out["upload"],
-        "name": "r/v1",
-    }
-    assert call(app, "PUT", put, b"0123456789")[0] == 404
+    assert (
+        call(app, "PUT", f"/grpoflow/uploads/{upload}/w", b"ab", query=b"offset=-1&crc32=00000000")[0] == 400
+    )
+    status, err = call(app, "PUT", f"/grpoflow/uploads/{upload}/w", b"ab")  # no checksum
+    assert status == 400 and "crc32" in err["error"]
+    assert put(app, upload, "other", b"ab")[0] == 404
+    assert put(app, "feedbeef", "w", b"ab")[0] == 404
+    status, err = commit(app, upload)
+    assert status == 422 and "w has 3 bytes, 10 were declared" in err["error"]
+    upload = create(app, "r/v1", {"w": 10})
+    assert put(app, upload, "w", b"0123456789")[0] == 200
+    assert call(app, "DELETE", f"/grpoflow/uploads/{upload}")[1] == {"aborted": upload, "name": "r/v1"}
+    assert put(app, upload, "w", b"0123456789")[0] == 404
 
 
 def test_the_total_size_limit_and_the_free_space(mod, monkeypatch):
@@ -355,12 +386,13 @@ def test_a_failed_chunk_is_sent_again(mod, tmp_path):
 
     async def go(url):
         async with VLLMClient(url, backoff_s=0.01) as client:
-            return await upload_dir(client, local, "r/v1", chunk_bytes=65536)
+            return await upload_dir(client, local, "r/v1", chunk_bytes=65536, streams=1)
 
     with served(flaky) as url:
         path = asyncio.run(go(url))
     # config.json in one chunk, then the model's three, its first sent twice
-    assert puts == [b"offset=0", b"offset=0", b"offset=0", b"offset=65536", b"offset=131072"]
+    offsets = [q.decode().split("&")[0] for q in puts]
+    assert offsets == ["offset=0", "offset=0", "offset=0", "offset=65536", "offset=131072"]
     assert (tmp_path / "uploads/r/v1/model.safetensors").read_bytes() == data and path.endswith("/r/v1")
 
 
@@ -371,10 +403,10 @@ def test_a_failed_upload_is_aborted_and_its_error_names_the_server_and_the_file(
     store = sys.modules["grpoflow_upload_store"]
     write = store.write
 
-    def full_disk(up, rel, at, data):
+    def full_disk(up, rel, at, pieces, c):
         if at > 0:
             raise OSError(28, "No space left on device")
-        write(up, rel, at, data)
+        return write(up, rel, at, pieces, c)
 
     monkeypatch.setattr(store, "write", full_disk)
     with served(mod.WeightUpload(inner)) as url, pytest.raises(WeightUploadError) as e:
