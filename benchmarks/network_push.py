@@ -7,13 +7,18 @@ stores: the "near" one the server can read (`sync.transport` auto picks `path`),
 cannot (auto picks `network`: the version's files go over HTTP into the server's own disk). The same
 server takes both, so the two transports differ only in how the version reaches it. Per model:
 
-- `--repeats` full pushes (`checkpoint`: safetensors save + [upload] + pause / reload_weights / resume)
-  by path, then over the network;
-- `--repeats` rank-`--rank` adapter pushes (`lora`) by path, then over the network;
+- `--warmup` + `--repeats` full pushes (`checkpoint`: safetensors save + [upload] + pause /
+  reload_weights / resume) by path, then over the network; medians of the last `--repeats` (the
+  steady state: from a run's third push on, each overwrites the files of the version retention
+  drops next, on both ends);
+- the same for rank-`--rank` adapter pushes (`lora`: a new dir per version);
 - a cut-off upload: a process sending a version is SIGKILLed after its second chunk (the
   `upload_chunk` failpoint), then the next network push, which must go through;
 - what compression would save: zlib level 1 on the version's weights file, its ratio and MB/s,
-  against the upload's MB/s.
+  against the upload's MB/s;
+- the HTTP floor: the seconds to carry the same weights file to a sink on the server's host through
+  the same HTTP stack as vLLM's API server (uvicorn, httptools, uvloop) and the same client (aiohttp,
+  8 MiB chunks, three at once), with no disk write or check.
 
 Prints one JSON line per model with the medians. Root only (namespaces), like the hosts tests.
 
@@ -53,13 +58,19 @@ HERE = Path(__file__).resolve().parent
 KEY, PORT = "bench-network-push", 8000
 
 
-def pushes(url: str, root: Path, run: str, backend: str, write, repeats: int) -> dict:
+def pushes(url: str, root: Path, run: str, backend: str, write, repeats: int, warmup: int) -> dict:
+    """`warmup` pushes, then `repeats` timed ones (medians): a run's pushes from its third on (with
+    keep_last 2) overwrite the files of the version retention drops next, on both ends, while its
+    first ones fill new files, whose cost depends on how much free memory the machine has."""
     pusher = weight_push(root, run, SyncConfig(backend=backend), InferenceConfig(api_key=KEY))
     replicas = ReplicaSet([Replica(0, url)])
-    stats = [push_version(pusher, write, v + 1, replicas) for v in range(repeats)]
+    first = [push_version(pusher, write, v + 1, replicas) for v in range(warmup)]
+    stats = [push_version(pusher, write, warmup + v + 1, replicas) for v in range(repeats)]
     (transport,) = set(pusher.transport.chosen().values())
     return {
         "transport": transport,
+        "first_push_seconds": [round(s.total_seconds, 4) for s in first],
+        "push_seconds": [round(s.total_seconds, 4) for s in stats],
         "push_seconds_median": round(statistics.median(s.total_seconds for s in stats), 4),
         "save_seconds_median": round(statistics.median(s.save_seconds for s in stats), 4),
         "upload_seconds_median": round(statistics.median(s.upload_seconds for s in stats), 4),
@@ -73,6 +84,55 @@ async def forget_all(url: str, prefix: str) -> None:
         for name in await c.uploaded_versions():
             if name.startswith(prefix):
                 await c.delete_uploaded_version(name)
+
+
+# The same HTTP stack as vLLM's API server (uvicorn, httptools, uvloop), answering every PUT once its
+# body is read and dropped: what the bytes cost to carry before any disk write or check.
+SINK = """
+import sys, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+uvicorn.run(app, host=sys.argv[1], port=int(sys.argv[2]), loop="uvloop", http="httptools", log_level="warning")
+"""
+
+
+def http_floor(host, python: str, path: Path, repeats: int) -> dict:
+    """Seconds to carry `path`'s bytes to a sink on the server's host as the upload does (8 MiB
+    chunks, three at once, aiohttp), median of `repeats`: the part of a network push no change to
+    grpoflow's upload code can remove."""
+    import aiohttp
+
+    from grpoflow.tasks.push.upload import CHUNK_BYTES, STREAMS
+
+    proc = host.run([python, "-c", SINK, host.address, str(PORT + 1)], stdout=subprocess.DEVNULL)
+    try:
+        host.wait_port(PORT + 1, timeout_s=60, proc=proc)
+        data = memoryview(path.read_bytes())
+        url = f"http://{host.address}:{PORT + 1}/sink"
+
+        async def carry() -> float:
+            async with aiohttp.ClientSession() as session:
+                left = iter(range(0, len(data), CHUNK_BYTES))
+
+                async def stream() -> None:
+                    for at in left:
+                        async with session.put(url, data=data[at : at + CHUNK_BYTES]) as r:
+                            await r.read()
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(stream() for _ in range(STREAMS)))
+                return time.perf_counter() - t0
+
+        seconds = [asyncio.run(carry()) for _ in range(repeats)]
+    finally:
+        proc.kill()
+        proc.wait()
+    return {"http_floor_seconds": round(statistics.median(seconds), 4), "http_floor_bytes": len(data)}
 
 
 def compression(version_dir: Path) -> dict:
@@ -112,7 +172,9 @@ def cut_off_then_push(url: str, far: Path, write) -> dict:
             "next_push_recovered": "bench-cut/v000002" in asyncio.run(versions())}  # fmt: skip
 
 
-def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, extra: tuple[str, ...]) -> dict:
+def measure(
+    label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, warmup: int, extra: tuple[str, ...]
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -139,10 +201,12 @@ def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, ext
 
         asyncio.run(healthy())
         full = lambda d: save_weights(model, d)  # noqa: E731
-        row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats)
+        row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats, warmup)
         shutil.rmtree(near / "weights")  # disk: 1.5B versions are 6 GB each
-        row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats)
-        row |= compression(max((far / "weights" / "full-far").glob("v*")))
+        row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats, warmup)
+        latest = max((far / "weights" / "full-far").glob("v*"))
+        row |= compression(latest)
+        row |= http_floor(host, cmd[0], latest / "model.safetensors", repeats)
         shutil.rmtree(far / "weights")  # disk, on both sides
         asyncio.run(forget_all(url, "full-far/"))
         row["cut_off"] = cut_off_then_push(url, far, full)
@@ -153,8 +217,8 @@ def measure(label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, ext
                     p.normal_(0.0, 0.01)
         adapter = lambda d: write_adapter(peft_model, d)  # noqa: E731
         shutil.rmtree(far / "weights")
-        row["adapter_path"] = pushes(url, near, "lora-near", "lora", adapter, repeats)
-        row["adapter_network"] = pushes(url, far, "lora-far", "lora", adapter, repeats)
+        row["adapter_path"] = pushes(url, near, "lora-near", "lora", adapter, repeats, warmup)
+        row["adapter_network"] = pushes(url, far, "lora-far", "lora", adapter, repeats, warmup)
         log.close()
     full_mb = row["full_network"]["upload_bytes"] / 1e6
     row["upload_mb_per_s"] = round(full_mb / max(row["full_network"]["upload_seconds_median"], 1e-9), 1)
@@ -169,13 +233,20 @@ def main() -> None:
     ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
     ap.add_argument("--random", nargs="*", default=[], choices=["0.5b", "1.5b"], help="random-model shapes")
     ap.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
-    ap.add_argument("--repeats", type=int, default=3, help="pushes of each kind (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed pushes of each kind (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed pushes first (default 2: keep_last's)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="grpoflow-network-push-"))
     try:
         if args.smollm2:
             row = measure(
-                "SmolLM2-135M", Path(args.smollm2).resolve(), tmp / "smollm2", args.rank, args.repeats, ()
+                "SmolLM2-135M",
+                Path(args.smollm2).resolve(),
+                tmp / "smollm2",
+                args.rank,
+                args.repeats,
+                args.warmup,
+                (),
             )
             print(json.dumps(row), flush=True)
         learner_bench = runpy.run_path(str(HERE / "learner.py"), run_name="learner_bench")
@@ -183,7 +254,13 @@ def main() -> None:
             model_dir = tmp / f"random-{size}"
             learner_bench["save_random_model"](size, model_dir)
             row = measure(
-                f"random:{size}", model_dir, tmp / size, args.rank, args.repeats, ("--skip-tokenizer-init",)
+                f"random:{size}",
+                model_dir,
+                tmp / size,
+                args.rank,
+                args.repeats,
+                args.warmup,
+                ("--skip-tokenizer-init",),
             )
             print(json.dumps(row), flush=True)
             shutil.rmtree(model_dir)

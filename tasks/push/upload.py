@@ -31,6 +31,7 @@ from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceUnavailableError
 
 CHUNK_BYTES = 8 << 20
+_BLOCK = 64 << 10  # a chunk cut smaller than CHUNK_BYTES is whole blocks of this
 STREAMS = 3  # chunks on their way at once (BENCHMARKS.md: 2-3 beat 1 on two cores; 3 by a little)
 COMMIT_TIMEOUT_S = 600.0  # the server may read a file again to check it (one written out of order)
 
@@ -64,7 +65,7 @@ async def upload_dir(
                                     commit_timeout_s=commit_timeout_s, recycle=recycle)  # fmt: skip
     local = Path(local_dir)
     files = await asyncio.to_thread(local_files, local)
-    sending = None  # the file on its way, for the error
+    sending: list[str] = []  # the file of the chunk that failed, for the error
     try:
         upload_id = await server.upload_begin(
             name, [{"path": rel, "size": size} for rel, size in files], recycle
@@ -72,15 +73,12 @@ async def upload_dir(
     except InferenceError as e:
         raise _failed(server, local, name, None, e) from e
     try:
-        for rel, size in files:
-            sending = rel
-            await _send_file(server, upload_id, local / rel, rel, size, chunk_bytes, streams)
-        sending = None
+        await _send_chunks(server, upload_id, local, chunks(files, chunk_bytes, streams), streams, sending)
         return await server.upload_commit(upload_id, timeout_s=commit_timeout_s)
     except BaseException as e:  # cancelled too: the server drops what it got
         await _abort(server, upload_id, e)
         if isinstance(e, InferenceError | OSError | WeightUploadError):
-            raise _failed(server, local, name, sending, e) from e
+            raise _failed(server, local, name, sending[0] if sending else None, e) from e
         raise
 
 
@@ -98,25 +96,45 @@ def local_files(local_dir: Path) -> list[tuple[str, int]]:
     return out
 
 
-async def _send_file(
-    client: VLLMClient, upload_id: str, path: Path, rel: str, size: int, chunk_bytes: int, streams: int
-) -> None:
-    """Send `path`'s first `size` bytes in chunks, `streams` at once, each with its CRC-32; the first
-    failure cancels the others and is raised."""
+def chunks(files: list[tuple[str, int]], chunk_bytes: int, streams: int) -> list[tuple[str, int, int]]:
+    """(file, offset, length) of every chunk to send, file after file. A file of under `streams`
+    chunks is cut into `streams` even ones (whole 64 KiB blocks), so that a small version (an adapter)
+    is on its way at once over every stream rather than waiting for its one long chunk."""
+    out = []
+    for rel, size in files:
+        even = -(-size // streams)  # rounded up, then to whole blocks
+        step = min(chunk_bytes, max(_BLOCK, -(-even // _BLOCK) * _BLOCK))
+        out += [(rel, at, min(step, size - at)) for at in range(0, size, step)]
+    return out
 
-    async def stream(offsets: range) -> None:
-        for offset in offsets:
-            n = min(chunk_bytes, size - offset)
-            data, crc = await asyncio.to_thread(_read_summed, path, offset, n)
-            if len(data) < n:
-                raise WeightUploadError(
-                    f"{path} shrank to {offset + len(data)} bytes while it was being sent ({size})"
-                )
-            await client.upload_chunk(upload_id, rel, offset, data, f"{crc:08x}")
+
+async def _send_chunks(
+    client: VLLMClient,
+    upload_id: str,
+    local: Path,
+    todo: list[tuple[str, int, int]],
+    streams: int,
+    failed_at: list[str],
+) -> None:
+    """Send `todo`'s chunks, `streams` at once (each stream takes the next chunk left), each with its
+    CRC-32; the first failure cancels the others and is raised, its file put in `failed_at`."""
+    left = iter(todo)
+
+    async def stream() -> None:
+        for rel, offset, n in left:
+            try:
+                data, crc = await asyncio.to_thread(_read_summed, local / rel, offset, n)
+                if len(data) < n:
+                    raise WeightUploadError(
+                        f"{local / rel} shrank to {offset + len(data)} bytes while it was being sent"
+                    )
+                await client.upload_chunk(upload_id, rel, offset, data, f"{crc:08x}")
+            except BaseException:
+                failed_at.append(rel)
+                raise
             failpoint("upload_chunk")
 
-    step = chunk_bytes * streams
-    tasks = [asyncio.ensure_future(stream(range(k * chunk_bytes, size, step))) for k in range(streams)]
+    tasks = [asyncio.ensure_future(stream()) for _ in range(streams)]
     try:
         await asyncio.gather(*tasks)
     finally:

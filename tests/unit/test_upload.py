@@ -422,3 +422,21 @@ def test_a_failed_upload_is_aborted_and_its_error_names_the_server_and_the_file(
     port = free_port("127.0.0.1")
     with pytest.raises(WeightUploadUnavailableError, match=f"127.0.0.1:{port}"):
         asyncio.run(nobody_there(port))
+
+
+def test_a_version_is_cut_into_chunks_that_keep_every_stream_busy():
+    from grpoflow.tasks.push.upload import chunks
+
+    mib = 1 << 20
+    todo = chunks([("adapter_config.json", 900), ("adapter.safetensors", 19_594_269), ("empty", 0),
+                   ("model.safetensors", 28 * mib)], 8 * mib, 3)  # fmt: skip
+    # A small file in one chunk; a 19.6 MB adapter in three even ones of whole 64 KiB blocks, not 8+8+3.6
+    # MiB; an empty file in none; a large one in 8 MiB chunks.
+    assert todo == [("adapter_config.json", 0, 900), ("adapter.safetensors", 0, 6_553_600),
+                    ("adapter.safetensors", 6_553_600, 6_553_600), ("adapter.safetensors", 13_107_200, 6_487_069),
+                    ("model.safetensors", 0, 8 * mib), ("model.safetensors", 8 * mib, 8 * mib),
+                    ("model.safetensors", 16 * mib, 8 * mib), ("model.safetensors", 24 * mib, 4 * mib)]  # fmt: skip
+    for rel, size in (("a", 1), ("b", 65_537), ("c", 123_456_789)):  # the chunks tile each file
+        parts = chunks([(rel, size)], 8 * mib, 3)
+        assert [at for _, at, _ in parts] == [sum(n for *_, n in parts[:i]) for i in range(len(parts))]
+        assert sum(n for *_, n in parts) == size and all(0 < n <= 8 * mib for *_, n in parts)
