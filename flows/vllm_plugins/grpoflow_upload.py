@@ -237,6 +237,13 @@ class _Body:
         self.done = message["type"] != "http.request" or not message.get("more_body", False)
         return message
 
+    async def part(self) -> bytes:
+        """The body's next piece; _Gone when the client went away instead."""
+        message = await self()
+        if message["type"] != "http.request":
+            raise _Gone
+        return message.get("body", b"")
+
     async def drain(self) -> None:
         """Read (and drop) what is left of the body."""
         while not self.done:
@@ -250,10 +257,7 @@ async def _receive(up: Upload, rel: str, offset: int, size: int, body: _Body) ->
     writing = None  # the batch being written (in order: the next waits for it)
     try:
         while not body.done:
-            message = await body()
-            if message["type"] != "http.request":
-                raise _Gone
-            batch.append(message.get("body", b""))
+            batch.append(await body.part())
             held += len(batch[-1])
             if offset + written + held > size:
                 raise Refused(413, f"{rel}: the body runs past its declared size {size}")
@@ -276,10 +280,7 @@ async def _receive(up: Upload, rel: str, offset: int, size: int, body: _Body) ->
 async def _read_json(body: _Body) -> dict:
     chunks, held = [], 0
     while not body.done:
-        message = await body()
-        if message["type"] != "http.request":
-            raise _Gone
-        chunks.append(message.get("body", b""))
+        chunks.append(await body.part())
         held += len(chunks[-1])
         if held > MAX_JSON_BYTES:
             raise Refused(413, f"a JSON body over {MAX_JSON_BYTES} bytes")
