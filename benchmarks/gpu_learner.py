@@ -143,12 +143,15 @@ def variants(shapes: list[str], largest_micro_batches: list[int]) -> list[dict]:
 
 
 def parse_variant(spec: str) -> dict:
-    """SHAPE:MODE:GC:MB[:SHARE], e.g. 1.5b:full:on:32 or 1.5b:lora16:off:8:on (share_prompt on; left
-    out: the learner's default, off on a GPU)."""
-    shape, mode, gc, mb, *share = spec.split(":")
+    """SHAPE:MODE:GC:MB[:SHARE][:compile], e.g. 1.5b:full:on:32, 1.5b:lora16:off:8:on (share_prompt
+    on; left out: the learner's default, off on a GPU) or 1.5b:full:off:8:compile (`learner.compile`:
+    each decoder layer torch.compiled)."""
+    shape, mode, gc, mb, *rest = spec.split(":")
+    share = [r for r in rest if r in ("on", "off")]
     return {"shape": shape, "lora": int(mode.removeprefix("lora")) if mode != "full" else None,
             "gradient_checkpointing": gc == "on", "micro_batch_size": int(mb),
-            "share_prompt": {"on": True, "off": False}[share[0]] if share else None}  # fmt: skip
+            "share_prompt": {"on": True, "off": False}[share[0]] if share else None,
+            "compile": "compile" in rest}  # fmt: skip
 
 
 def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int) -> dict:
@@ -157,7 +160,7 @@ def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int)
     args = types.SimpleNamespace(device=device, repeats=repeats, lora=v["lora"])
     spec = {"share_prompt": v.get("share_prompt"), "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
             "num_iterations": 1, "mini_batches": 1, "dtype": "auto",
-            "gradient_checkpointing": v["gradient_checkpointing"]}  # fmt: skip
+            "gradient_checkpointing": v["gradient_checkpointing"], "compile": v.get("compile", False)}  # fmt: skip
     return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
 
 
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.add("steps", v | {"mode": "skipped", "error": "time budget spent"})
                 continue
             shape = v["shape"]
-            mode = f"lora{v['lora']}" if v["lora"] else "full"
+            mode = (f"lora{v['lora']}" if v["lora"] else "full") + ("+compile" if v.get("compile") else "")
             vocab = bench.MODEL_SHAPES[shape][1]
             samples = bench.random_samples(vocab, prompts, group, (prompt, prompt), (completion, completion))
             try:

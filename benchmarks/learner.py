@@ -161,6 +161,7 @@ def make_configs(
     torch_threads: int | None = None,
     lora_rank: int | None = None,
     prefer_pydantic: bool = True,
+    compile_layers: bool = False,
 ):
     """(learner config, algorithm config, "pydantic" | "namespace"): tasks.config's classes when they
     import (pydantic present) and `prefer_pydantic`, else SimpleNamespaces with the same values."""
@@ -170,6 +171,7 @@ def make_configs(
         "share_prompt": share_prompt,
         "gradient_checkpointing": gradient_checkpointing,
         "device": device,
+        "compile": compile_layers,  # learner.compile: the warm-up step compiles
     }
     if torch_threads is not None:
         learner["torch_threads"] = torch_threads
@@ -429,6 +431,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         num_iterations=v["num_iterations"],
         torch_threads=v.get("threads"),
         lora_rank=args.lora,
+        compile_layers=v.get("compile", False),
     )
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # as the Learner resolves "auto"
     memory_kind = reset_peak_memory(torch.device(auto if args.device == "auto" else args.device))

@@ -54,6 +54,12 @@ class LearnerConfig(Section):
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (the first step compiles them; the shared prompt "
+        "is then off). On one H200, 1.5B full fine-tuning: 1.47 s a step eager, 1.08-1.10 s compiled (30% "
+        "-> 41% MFU). Off by default: compiling takes a while and rarely pays on a CPU.",
+    )
     device: Device = Field("auto", description="Learner device.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: leave torch's default)."

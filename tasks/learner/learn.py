@@ -105,7 +105,9 @@ class Learner:
         # them: 1.5B on an H100, 1.95 s a step with it, 1.68 s without (BENCHMARKS.md). None: auto.
         auto = self.num_parameters >= 20_000_000 and self.device.type == "cpu"
         share = auto if learner.share_prompt is None else learner.share_prompt
-        self.share_prompt = share and not learner.gradient_checkpointing
+        # Gradient checkpointing recomputes blocks the cache would span; compiled layers would be
+        # traced again for each layer's cache state.
+        self.share_prompt = share and not learner.gradient_checkpointing and not learner.compile
 
     def _load_models(self, device: str, dtype: str, ref_path: str | Path, adapter: str | Path | None) -> None:
         """The policy (with `learner.lora`: the base model plus a trainable adapter, new or the one
@@ -147,6 +149,8 @@ class Learner:
         if self.world_size > 1:
             for m in filter(None, (self.model, self.ref_model)):
                 shard(m, self.device, self.world_size)
+        if self.config.compile:  # after sharding, so that dynamo traces the layers FSDP2 wraps
+            compile_layers(self.model)
         # After sharding: FSDP2 replaces the parameters (the optimizer must hold the sharded ones).
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -375,3 +379,20 @@ class Learner:
             world_size=self.world_size,
             lr=self.config.lr,
         )
+
+
+def compile_layers(model) -> int:
+    """torch.compile each decoder layer of `model` in place (`learner.compile`); how many. The layers,
+    not the whole model: each layer is the same code, compiled once and run N times, and what lies
+    around them (the LM head's log-softmax, the loss) stays as it is. Fusing each layer's RMSNorm, RoPE
+    and SwiGLU elementwise work with its casts is where a GPU step's non-matmul time went
+    (BENCHMARKS.md, "The learner on an H100")."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise ValueError(
+            f"learner.compile: {type(model).__name__} has no module named *DecoderLayer to compile; "
+            "set learner.compile false"
+        )
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -39,7 +39,9 @@ def logprobs_from(model, input_ids, attention_mask, temperature: float, first: i
     share of a CPU train step."""
     L = input_ids.shape[1]
     kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    # No KV cache: nothing reuses it, yet transformers builds one by default, and under torch.compile
+    # its per-layer state makes dynamo recompile each decoder layer until it gives up on them.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     return picked_logprobs(logits[:, -(L - first) : -1], input_ids[:, first + 1 :], temperature)
 
 

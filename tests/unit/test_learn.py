@@ -344,3 +344,29 @@ def test_the_lr_decay_ends_at_the_last_step_when_steps_take_fewer_updates_or_non
     assert m["train/optimizer_steps"] == 3 and learner.scheduler.last_epoch == 4
     assert learner.train_step([])["train/skipped"] == 1.0
     assert learner.scheduler.last_epoch == 8 and learner.optimizer.param_groups[0]["lr"] == 0.0
+
+
+def test_compiled_layers_give_the_update_eager_ones_give(tiny_model_dir):
+    from grpoflow.tasks.learner.learn import compile_layers
+
+    grads, losses = [], []
+    for compiled in (False, True):
+        learner = make_learner(
+            tiny_model_dir,
+            lr=1e-3,
+            total_steps=10,
+            loss_type="grpo",
+            compile=compiled,
+            share_prompt=True,
+            seed=0,
+        )
+        layers = [m for m in learner.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        assert layers and all((m._compiled_call_impl is not None) == compiled for m in layers)
+        assert learner.share_prompt is not compiled  # compiled layers run the padded forward
+        learner.optimizer.step = lambda: None
+        losses.append(learner.train_step(samples())["train/loss"])
+        grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="learner.compile: Linear has no module named"):
+        compile_layers(torch.nn.Linear(2, 2))
