@@ -171,8 +171,9 @@ class WeightUpload:
         if rel not in up.files:
             raise Refused(404, f"upload {up.id} ({up.name}) declared no file {rel!r}")
         size = up.files[rel].size
-        offset, length = _query(scope, "offset", "0"), _content_length(scope)
-        want = store.crc32_hex(_query(scope, "crc32", None, number=False), f"{rel}: query field 'crc32'")
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        offset, length = _offset(query.get("offset", ["0"])[0]), _content_length(scope)
+        want = store.crc32_hex(query.get("crc32", [None])[0], f"{rel}: query field 'crc32'")
         if offset + (length or 0) > size:
             raise Refused(
                 413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {size}"
@@ -314,14 +315,9 @@ async def _probe(req: dict) -> str | None:
     return await asyncio.to_thread(read)
 
 
-def _query(scope, field: str, default: str | None, *, number: bool = True):
-    """The query string's `field` (`default` when absent): a non-negative integer if `number`, else
-    the text; a 400 if it is not one."""
-    value = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(field, [default])[0]
-    if not number:
-        return value
+def _offset(value: str) -> int:
     if not (value.isascii() and value.isdigit()):
-        raise Refused(400, f"{field} must be a non-negative integer, not {value!r}")
+        raise Refused(400, f"offset must be a non-negative integer, not {value!r}")
     return int(value)
 
 
