@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from grpoflow.storage.faults import ENV as FAULTS_ENV
 from grpoflow.storage.processes import guarded_children, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,13 +108,20 @@ def random_kill_drill(
     env: dict | None = None,
     timeout_s: float = 600,
     config: str | None = None,
+    step_sleep_s: float | None = None,
 ) -> dict:
     """`kills` SIGKILLs of `grpoflow train` (then `--resume RUN`) at moments drawn uniformly from
-    `window_s` seconds after each launch, then one last resume that must finish. Returns the figures."""
+    `window_s` seconds after each launch, then one last resume that must finish. Returns the figures.
+
+    `step_sleep_s`: every train step sleeps this long first (the `train:sleep` failpoint, a slow
+    learner), so that a run of N steps lasts at least N x that on any host, and a kill drawn before
+    then lands in it rather than after a run that has already ended."""
     rng = random.Random(seed)
     set_args = [a for s in [f"storage.root={root}", *sets] for a in ("--set", s)]
     set_args = ["--config", str(config), *set_args] if config else set_args
     env = {**os.environ, **(env or {})}
+    if step_sleep_s is not None:
+        env[FAULTS_ENV] = ",".join(filter(None, [env.get(FAULTS_ENV), f"train:sleep={step_sleep_s}"]))
     first = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", run_id, *set_args]
     again = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", run_id, *set_args]
     figures = {"kills": 0, "orphans": 0, "finished_early": 0, "kill_moments_s": [], "statuses_after_kill": []}

@@ -35,11 +35,10 @@ def test_random_moment_kills_then_resume_leave_every_table_exactly_once(
         "storage.compact_every=2",  # a background compaction after every checkpoint: kills land in them too
     ]
     try:
-        # Each train step sleeps 1 s first (a slow learner): 8 s of them at least, so the first kill
-        # (10.2 s after launch, seed 5) lands before the run can end, however fast the host is.
+        # 8 steps of at least 1 s: the first kill (10.2 s after launch, seed 5) lands before the run ends.
         fig = random_kill_drill(
-            tmp_path, "drill", sets, kills=3, seed=5, window_s=(4.0, 14.0),
-            env={"PREFECT_API_URL": str(PREFECT_API_URL.value()), "GRPOFLOW_FAULTS": "train:sleep=1.0"},
+            tmp_path, "drill", sets, kills=3, seed=5, window_s=(4.0, 14.0), step_sleep_s=1.0,
+            env={"PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip
     finally:  # a kill mid-push leaves the shared server paused; later tests need it serving
         unpause(vllm_server.url)

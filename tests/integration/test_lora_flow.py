@@ -36,10 +36,9 @@ def test_a_lora_run_killed_at_random_moments_resumes_with_every_table_exactly_on
         "algorithm.max_staleness=1",
         "learner.lora={rank: 8, alpha: 16}",
     ]
-    # Each train step sleeps 1 s first (a slow learner): 6 s of them at least, so the first kill (5.9 s
-    # after launch, seed 3) lands before the run can end, however fast the host is.
-    env = {"PREFECT_API_URL": str(PREFECT_API_URL.value()), "GRPOFLOW_FAULTS": "train:sleep=1.0"}
-    fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=3, window_s=(4.0, 12.0), env=env)
+    # 6 steps of at least 1 s: the first kill (5.9 s after launch, seed 3) lands before the run ends.
+    fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=3, window_s=(4.0, 12.0), step_sleep_s=1.0,
+                            env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
     assert fig["completed"], fig["final_output"]
     assert fig["kills"] >= 1 and fig["orphans"] == 0  # a run that finished before its kill drilled nothing
     assert store_check(tmp_path, "lora-drill", steps, per_step) == clean_store(steps), fig
