@@ -255,18 +255,12 @@ class DistributedLearner:
 
 
 def _interface_of(address: str) -> str | None:
-    """The name of this host's network interface that holds IPv4 `address` (Linux), None if none does."""
-    import fcntl
-    import struct
+    """The name of this host's network interface that holds IPv4 `address`, None if none does."""
+    import psutil
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address
-                continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
     return None
 
 
