@@ -25,11 +25,13 @@ def cmd_train(args) -> int:
     if args.resume is None and cfg.run.run_id is None:
         cfg.run.run_id = new_run_id()  # named here, so that an interrupted run can be named to resume
     args.interrupted_run = (cfg.storage.root, args.resume or cfg.run.run_id)
-    from grpoflow.flows.prefect_api import completed_without_api, owned_prefect_api
+    from grpoflow.flows.prefect_api import completed_without_api, owned_prefect_api, settle_flow_runs
     from grpoflow.flows.train import grpo_train
 
     quiet_prefect_task_logs(not args.verbose)
-    with owned_prefect_api():  # Prefect's temporary API server dies with this process
+    with owned_prefect_api() as own_url:  # Prefect's temporary API server dies with this process
+        if own_url is None:  # a configured API may still show runs that ended while it was down
+            settle_flow_runs(cfg.storage.root)
         try:
             summary = grpo_train(config=cfg, resume=args.resume)
         except Exception as e:  # a Prefect API that died after the run's last step: the run is complete

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from grpoflow.flows.launch import ServerHandle, free_port, guarded_command
 
@@ -102,6 +103,54 @@ def completed_without_api(root: str | Path, run_id: str, error: BaseException) -
     print(f"warning: the Prefect API did not record the end of run {run_id}'s flow run ({type(error).__name__}: "
           f"{error}); the run completed", file=sys.stderr)  # fmt: skip
     return f"run {run_id}: completed, {steps} steps in the store {Path(root).resolve()}"
+
+
+def settle_flow_runs(root: str | Path) -> list[str]:
+    """Flow runs that the configured Prefect API still shows Running although the store says their run
+    ended (the API's server was down when it did, so no final state reached it), set to what the store
+    knows: the run's last flow run to its ending (completed, failed, cancelled), an earlier one, which a
+    resume took over, to Crashed. Returns the ids settled. Best effort: an API that does not answer
+    leaves them as they are, and the next command tries again."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled, Completed, Crashed, Failed
+
+    from grpoflow.storage.rollouts import RolloutStore
+
+    endings = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}
+    ended: dict[str, tuple[str, Any]] = {}  # flow run id -> (run id, the state it should have)
+    store = RolloutStore(Path(root))
+    for run_id in store.runs():
+        meta = store.read_run_meta(run_id) or {}
+        ending, flow_runs = endings.get(meta.get("status")), meta.get("flow_runs") or []
+        if ending is not None:
+            ended.update({f: (run_id, Crashed) for f in flow_runs[:-1]})
+            ended.update({f: (run_id, ending) for f in flow_runs[-1:]})
+    if not ended:
+        return []
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    settled = []
+    try:
+        with get_client(sync_client=True) as client:
+            ids = FlowRunFilterId(any_=[UUID(f) for f in ended])
+            for fr in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=ids, state=running)):
+                run_id, state = ended[str(fr.id)]
+                message = (
+                    f"grpoflow's store records that run {run_id} ended while this API could not be reached"
+                )
+                client.set_flow_run_state(fr.id, state(message=message), force=True)
+                settled.append(str(fr.id))
+    except Exception as e:  # an API that is down again: nothing is lost, the store is the record
+        print(f"warning: could not settle stale flow runs on the Prefect API: {e}", file=sys.stderr)
+    return settled
 
 
 # How long a command's last logs and events may take to reach a configured Prefect API (module doc).
