@@ -36,8 +36,10 @@ def rollout_sql(
         title = f"canned query {canned}"
     else:
         raise ValueError("give sql, sql_file or canned")
-    table = [dict(zip(cols, (v if isinstance(v, int | float | str | None) else str(v) for v in r), strict=True))
-             for r in rows[:max_rows]]  # fmt: skip
+    table = [
+        dict(zip(cols, (v if isinstance(v, int | float | str | None) else str(v) for v in r), strict=True))
+        for r in rows[:max_rows]
+    ]
     create_table_artifact(
         table=table, key="rollout-sql", description=f"{title} over {root} ({len(rows)} rows)"
     )

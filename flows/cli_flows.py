@@ -111,12 +111,28 @@ def cmd_retrain(args) -> int:
     from grpoflow.flows.retrain import grpo_retrain
 
     cfg = cli_config(args)
-    out = grpo_retrain(lineage=args.lineage, extra_steps=args.steps, config=cfg, eval_prompts=args.eval_prompts,
-                       server_url=args.server, gate_metric=args.metric, gate_margin=args.margin,
-                       eval_greedy=args.greedy)  # fmt: skip
+    out = grpo_retrain(
+        lineage=args.lineage,
+        extra_steps=args.steps,
+        config=cfg,
+        eval_prompts=args.eval_prompts,
+        server_url=args.server,
+        gate_metric=args.metric,
+        gate_margin=args.margin,
+        eval_greedy=args.greedy,
+    )
     d = out["decision"]
-    print(json.dumps({"decision": d["decision"], "reason": d["reason"], "eval": out["eval"],
-                      "incumbent_eval": out["incumbent_eval"]}, default=str))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "decision": d["decision"],
+                "reason": d["reason"],
+                "eval": out["eval"],
+                "incumbent_eval": out["incumbent_eval"],
+            },
+            default=str,
+        )
+    )
     return 0
 
 
@@ -138,8 +154,15 @@ def cmd_promote(args) -> int:
     try:
         candidate = checkpoint_version(root, run, args.step)
         incumbent = serving_version(root, lineage) or base_version(root, run)
-        row = promote(root, lineage, candidate, incumbent=incumbent, server_url=args.server,
-                      inference=_server_inference(args), reason=args.reason)  # fmt: skip
+        row = promote(
+            root,
+            lineage,
+            candidate,
+            incumbent=incumbent,
+            server_url=args.server,
+            inference=_server_inference(args),
+            reason=args.reason,
+        )
     except (PromotionError, WeightPushError) as e:
         raise ConfigError(str(e)) from None
     print(
@@ -157,8 +180,12 @@ def cmd_rollback(args) -> int:
     from grpoflow.tasks.push.push import WeightPushError
 
     try:
-        row = rollback(store_root(args), validate_run_id(args.lineage), server_url=args.server,
-                       inference=_server_inference(args))  # fmt: skip
+        row = rollback(
+            store_root(args),
+            validate_run_id(args.lineage),
+            server_url=args.server,
+            inference=_server_inference(args),
+        )
     except (PromotionError, WeightPushError) as e:
         raise ConfigError(str(e)) from None
     print(f"{args.lineage}: {row['reason']}" + (f" on {args.server}" if args.server else ""))
@@ -174,8 +201,14 @@ def cmd_evaluate(args) -> int:
     cfg = cli_config(args)
     if args.run:
         validate_run_id(args.run)  # before the flow run: a bad id is one line, not a failed flow run
-    result = grpo_evaluate(config=cfg, run_id=args.run, checkpoint=args.checkpoint, prompts=args.prompts,
-                           greedy=args.greedy, server_url=args.server)  # fmt: skip
+    result = grpo_evaluate(
+        config=cfg,
+        run_id=args.run,
+        checkpoint=args.checkpoint,
+        prompts=args.prompts,
+        greedy=args.greedy,
+        server_url=args.server,
+    )
     print(json.dumps(result))
     return 0
 
@@ -197,16 +230,24 @@ def _config_options(p: argparse.ArgumentParser) -> None:
 
 def _live_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", help="live policy server to load the version into (default: record only)")
-    p.add_argument("--api-key", default=api_key_from_env(),
-                   help="bearer key of --server (default: $GRPOFLOW_API_KEY)")  # fmt: skip
+    p.add_argument(
+        "--api-key", default=api_key_from_env(), help="bearer key of --server (default: $GRPOFLOW_API_KEY)"
+    )
     p.add_argument("--root", help=ROOT_HELP)
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
 
 def add_flow_commands(sub) -> None:
     """The commands that run a Prefect flow: train, serve, evaluate, retrain, promote, rollback, report."""
-    for add in (_train_parser, _serve_parser, _evaluate_parser, _retrain_parser, _promote_parser,
-                _rollback_parser, _report_parser):  # fmt: skip
+    for add in (
+        _train_parser,
+        _serve_parser,
+        _evaluate_parser,
+        _retrain_parser,
+        _promote_parser,
+        _rollback_parser,
+        _report_parser,
+    ):
         add(sub)
 
 
@@ -273,8 +314,12 @@ def _retrain_parser(sub) -> None:
     rt.add_argument("--lineage", required=True, help="the lineage (a run id) to continue")
     rt.add_argument("--steps", type=int, default=10, help="steps to train (default: 10)")
     rt.add_argument("--server", help="live policy server the promoted weights go into")
-    rt.add_argument("--metric", default="reward_mean", choices=get_args(GateMetric),
-                    help="gate metric (default: reward_mean)")  # fmt: skip
+    rt.add_argument(
+        "--metric",
+        default="reward_mean",
+        choices=get_args(GateMetric),
+        help="gate metric (default: reward_mean)",
+    )
     rt.add_argument("--margin", type=float, default=0.0, help="the candidate must beat the incumbent by more")
     rt.add_argument("--eval-prompts", type=int, help="at most this many eval rows (default: the eval split)")
     rt.add_argument("--greedy", action="store_true", help="evaluate one greedy completion per row")

@@ -164,8 +164,16 @@ def cmd_config_docs(args) -> int:
 def add_store_commands(sub) -> None:
     """The commands that read the store or the config: sql, ui, runs, compare, compact, export, config,
     make-tiny-model."""
-    for add in (_sql_parser, _ui_parser, _runs_parser, _compare_parser, _compact_parser, _export_parser,
-                _config_parser, _make_tiny_model_parser):  # fmt: skip
+    for add in (
+        _sql_parser,
+        _ui_parser,
+        _runs_parser,
+        _compare_parser,
+        _compact_parser,
+        _export_parser,
+        _config_parser,
+        _make_tiny_model_parser,
+    ):
         add(sub)
 
 
@@ -212,8 +220,11 @@ def _compare_parser(sub) -> None:
 def _compact_parser(sub) -> None:
     k = sub.add_parser("compact", help="merge runs' closed steps into few Parquet files (SQL gets faster)")
     k.add_argument("run", nargs="?", help="run id (default: every run in the store)")
-    k.add_argument("--every", type=int,
-                   help="compaction unit in steps (default: the run's storage.compact_every, else 100)")  # fmt: skip
+    k.add_argument(
+        "--every",
+        type=int,
+        help="compaction unit in steps (default: the run's storage.compact_every, else 100)",
+    )
     k.add_argument("--root", help=ROOT_HELP)
     k.set_defaults(fn=cmd_compact)
 
@@ -222,8 +233,11 @@ def _export_parser(sub) -> None:
     e = sub.add_parser("export", help="a run's checkpoint as a model dir (or LoRA adapter) other tools load")
     e.add_argument("run", help="run id")
     e.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    e.add_argument("--merge", action="store_true",
-                   help="LoRA runs: merge the adapter into the base model (a standalone model dir)")  # fmt: skip
+    e.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: merge the adapter into the base model (a standalone model dir)",
+    )
     e.add_argument("--out", required=True, help="output directory (new, or empty)")
     e.add_argument("--root", help=ROOT_HELP)
     e.set_defaults(fn=cmd_export)

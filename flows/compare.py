@@ -20,13 +20,27 @@ from typing import Any
 from grpoflow.storage.sql import query
 
 ROLLOUT_KEY = ("split", "step", "group_id", "sample_index")
-ROLLOUT_COLUMNS = ("completion_ids", "logprobs", "completion_mask", "policy_version",
-                   "policy_version_end", "prompt_ids", "finish_reason", "truncated")  # fmt: skip
+ROLLOUT_COLUMNS = (
+    "completion_ids",
+    "logprobs",
+    "completion_mask",
+    "policy_version",
+    "policy_version_end",
+    "prompt_ids",
+    "finish_reason",
+    "truncated",
+)
 ADVANTAGE_COLUMNS = ("reward", "reward_valid", "advantage", "trained", "drop_reason")
 REWARD_COLUMNS = ("value", "status")
 # Steps columns that measure the machine, not the run.
-MACHINE_COLUMNS = {"run_id", "step", "created_at", "gen/servers_up", "server_restarts",
-                   "prefect_overhead_frac"}  # fmt: skip
+MACHINE_COLUMNS = {
+    "run_id",
+    "step",
+    "created_at",
+    "gen/servers_up",
+    "server_restarts",
+    "prefect_overhead_frac",
+}
 
 
 def same(x: Any, y: Any) -> bool:
@@ -55,8 +69,9 @@ def keyed_rows(root: Path, table: str, run: str, key: tuple[str, ...], columns: 
     return {r[: len(key)]: dict(zip(cols[len(key) :], r[len(key) :], strict=True)) for r in rows}
 
 
-def compare_rows(root: Path, run_a: str, run_b: str, table: str, key: tuple[str, ...],
-                 columns: tuple[str, ...]) -> dict:  # fmt: skip
+def compare_rows(
+    root: Path, run_a: str, run_b: str, table: str, key: tuple[str, ...], columns: tuple[str, ...]
+) -> dict:
     """Row by row over the union of both runs' keys (earliest step first): how many rows are equal in
     every one of `columns`, and the first difference (a line naming table, key, the first column that
     differs with both values, and the row's other differing columns) or None."""
@@ -110,8 +125,15 @@ def compare_steps(root: Path, run_a: str, run_b: str) -> dict:
     def numeric(v: Any) -> bool:
         return isinstance(v, int | float)
 
-    columns = sorted({c for rows in (a, b) for row in rows.values() for c, v in row.items()
-                      if numeric(v) and not machine_dependent(c)})  # fmt: skip
+    columns = sorted(
+        {
+            c
+            for rows in (a, b)
+            for row in rows.values()
+            for c, v in row.items()
+            if numeric(v) and not machine_dependent(c)
+        }
+    )
     first, max_diff = None, {}
     for step in sorted(set(a) | set(b)):
         if step not in a or step not in b:
@@ -162,8 +184,14 @@ def compare_weights(root: Path, run_a: str, run_b: str) -> dict:
         diffs[name] = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
         bitwise = bitwise and raw_bytes(x).equal(raw_bytes(y))
     worst = max(diffs, key=diffs.get) if diffs else None
-    return {"steps": (step_a, step_b), "tensors": len(diffs), "max_abs_diff": diffs.get(worst, 0.0),
-            "worst": worst, "differing": sum(d > 0 for d in diffs.values()), "bitwise_equal": bitwise}  # fmt: skip
+    return {
+        "steps": (step_a, step_b),
+        "tensors": len(diffs),
+        "max_abs_diff": diffs.get(worst, 0.0),
+        "worst": worst,
+        "differing": sum(d > 0 for d in diffs.values()),
+        "bitwise_equal": bitwise,
+    }
 
 
 def compare_environments(root: Path, run_a: str, run_b: str) -> list[str]:
@@ -180,26 +208,41 @@ def report(root: Path, run_a: str, run_b: str) -> dict:
     """Print every comparison; return the summary of the final JSON line."""
 
     def line(n: int, what: str, result: dict, counts: str) -> None:
-        print(f"{n}. {what}: {counts}: " + (f"FIRST DIFFERENCE {result['first']}" if result["first"]
-                                          else "identical"), flush=True)  # fmt: skip
+        print(
+            f"{n}. {what}: {counts}: "
+            + (f"FIRST DIFFERENCE {result['first']}" if result["first"] else "identical"),
+            flush=True,
+        )
 
     ro = compare_rollouts(root, run_a, run_b)
-    line(1, "rollouts", ro, f"{ro['equal']}/{ro['total']} rows identical, "
-         f"{ro['same_completion_ids']}/{ro['total']} identical completions")  # fmt: skip
+    line(
+        1,
+        "rollouts",
+        ro,
+        f"{ro['equal']}/{ro['total']} rows identical, "
+        f"{ro['same_completion_ids']}/{ro['total']} identical completions",
+    )
     rw = compare_rewards(root, run_a, run_b)
     line(2, "rewards", rw, f"{rw['equal']}/{rw['total']} cells equal")
     adv = compare_advantages(root, run_a, run_b)
     line(3, "reward/advantage/trained", adv, f"{adv['equal']}/{adv['total']} rows equal")
     st = compare_steps(root, run_a, run_b)
-    line(4, "steps", st, f"{st['columns']} numeric columns over {st['steps']} steps, "
-         f"{len(st['max_abs_diff'])} differ")  # fmt: skip
+    line(
+        4,
+        "steps",
+        st,
+        f"{st['columns']} numeric columns over {st['steps']} steps, {len(st['max_abs_diff'])} differ",
+    )
     for c, d in sorted(st["max_abs_diff"].items(), key=lambda kv: -kv[1]):
         print(f"     max |A-B| {d:.6g}  {c}")
     w = compare_weights(root, run_a, run_b)
-    print(f"5. weights: checkpoints at steps {w['steps'][0]} / {w['steps'][1]}, {w['tensors']} tensors, "
-          f"{w['differing']} differ; max |A-B| {w['max_abs_diff']:.6g}"
-          + (f" (worst: {w['worst']})" if w["differing"] else "")
-          + f"; bitwise {'equal' if w['bitwise_equal'] else 'NOT equal'}", flush=True)  # fmt: skip
+    print(
+        f"5. weights: checkpoints at steps {w['steps'][0]} / {w['steps'][1]}, {w['tensors']} tensors, "
+        f"{w['differing']} differ; max |A-B| {w['max_abs_diff']:.6g}"
+        + (f" (worst: {w['worst']})" if w["differing"] else "")
+        + f"; bitwise {'equal' if w['bitwise_equal'] else 'NOT equal'}",
+        flush=True,
+    )
     env = compare_environments(root, run_a, run_b)
     print("6. ran on: " + ("the same seed, machine, threads and versions" if not env else "; ".join(env)))
     return {
@@ -216,5 +259,10 @@ def report(root: Path, run_a: str, run_b: str) -> dict:
 
 def identical(summary: dict) -> bool:
     """Whether `report`'s summary says the runs are the same, bit for bit."""
-    return (summary["rollouts_identical"] == summary["rollouts_total"] and summary["rewards_equal"]
-            and summary["advantages_equal"] and summary["steps_equal"] and summary["weights_bitwise_equal"])  # fmt: skip
+    return (
+        summary["rollouts_identical"] == summary["rollouts_total"]
+        and summary["rewards_equal"]
+        and summary["advantages_equal"]
+        and summary["steps_equal"]
+        and summary["weights_bitwise_equal"]
+    )

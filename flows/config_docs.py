@@ -209,8 +209,12 @@ def _comment(text: str | None, indent: int, width: int) -> list[str]:
     if not text:
         return []
     pad = " " * indent
-    return textwrap.wrap(" ".join(text.split()), max(40, width - indent - 2), initial_indent=pad + "# ",
-                         subsequent_indent=pad + "# ")  # fmt: skip
+    return textwrap.wrap(
+        " ".join(text.split()),
+        max(40, width - indent - 2),
+        initial_indent=pad + "# ",
+        subsequent_indent=pad + "# ",
+    )
 
 
 def _mapping_lines(obj: BaseModel, indent: int, width: int) -> list[str]:

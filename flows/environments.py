@@ -203,8 +203,10 @@ def _confine_mcp(server: McpServerConfig, field: str) -> None:
         elif enforced():
             cmd = server.command or []
             if len(cmd) < 3 or Path(cmd[0]).name not in ("python", "python3") or cmd[1] != "-m":
-                raise NotAllowedError(f"{field}: a worker-started run starts a stdio MCP server only as "
-                                      f"`python -m <module>`, not {cmd}")  # fmt: skip
+                raise NotAllowedError(
+                    f"{field}: a worker-started run starts a stdio MCP server only as "
+                    f"`python -m <module>`, not {cmd}"
+                )
             check_import_path(f"{cmd[2]}:main")
     except NotAllowedError as e:
         raise ConfigError(str(e)) from None

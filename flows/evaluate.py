@@ -182,8 +182,16 @@ def grpo_evaluate(
         ray_cluster(cfg.scale, cfg.config_dir, ray_log),
         inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{eval_run}", lora) as server,
     ):
-        groups = evaluate_model(cfg, model, step, eval_run, rows, server.url,
-                                load=server_url is not None or lora is not None, tokenizer=base)  # fmt: skip
+        groups = evaluate_model(
+            cfg,
+            model,
+            step,
+            eval_run,
+            rows,
+            server.url,
+            load=server_url is not None or lora is not None,
+            tokenizer=base,
+        )
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 
 
@@ -231,8 +239,9 @@ def scores(groups, threshold: float) -> dict[str, Any]:
 def _publish(groups, eval_run: str, step: int, threshold: float, root: str, source: str) -> dict[str, Any]:
     result = {"eval_run": eval_run, "step": step, "rows": source, **scores(groups, threshold)}
     rows = "held-out eval" if source == "eval" else "training"
-    create_table_artifact(table=[result], key=artifact_key(f"{eval_run}-{step}"),
-                          description="grpo-evaluate result")  # fmt: skip
+    create_table_artifact(
+        table=[result], key=artifact_key(f"{eval_run}-{step}"), description="grpo-evaluate result"
+    )
     create_markdown_artifact(
         markdown=f"# Evaluation `{eval_run}` at step {step}\n\npass rate **{result['pass_rate']:.3f}** "
         f"(reward >= {threshold}, invalid counts as a fail), mean reward over valid completions "

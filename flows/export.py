@@ -27,8 +27,9 @@ class Exported:
     kind: str  # "model", "adapter" or "merged"
 
 
-def export_checkpoint(root: str | Path, run_id: str, out: str | Path, step: int | None = None,
-                      merge: bool = False) -> Exported:  # fmt: skip
+def export_checkpoint(
+    root: str | Path, run_id: str, out: str | Path, step: int | None = None, merge: bool = False
+) -> Exported:
     """Export run `run_id`'s checkpoint at `step` (default: the latest) to `out` (module doc)."""
     root, out = Path(root), Path(out)
     ckpt, step = _checkpoint(root, validate_run_id(run_id), step)

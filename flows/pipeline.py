@@ -46,8 +46,16 @@ class RolloutPipeline:
     external servers only, the run stops, resumable.
     """
 
-    def __init__(self, cfg: GRPOConfig, rows, servers: ReplicaSet, job: RolloutJob, first_step: int,
-                 runner: StepRunner, kept: list[RolloutBatch] = ()):  # fmt: skip
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        rows,
+        servers: ReplicaSet,
+        job: RolloutJob,
+        first_step: int,
+        runner: StepRunner,
+        kept: list[RolloutBatch] = (),
+    ):
         self.cfg, self.rows, self.servers, self.job, self.runner = cfg, rows, servers, job, runner
         self.ahead: deque[tuple[object, Future, int]] = deque()
         self.next_step = first_step
@@ -64,8 +72,9 @@ class RolloutPipeline:
             done.set_result(kept)
             return done, done, step
         d = self.cfg.data
-        batch_rows, cursor = rows_for_step(self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed,
-                                           shuffle=d.shuffle)  # fmt: skip
+        batch_rows, cursor = rows_for_step(
+            self.rows, step, d.prompts_per_step, seed=self.cfg.run.seed, shuffle=d.shuffle
+        )
         handoff: Future = Future()  # the batch, the moment the task's body has it
         return self.runner.submit(rollout_batch, step, batch_rows, cursor, self.job, handoff), handoff, step
 

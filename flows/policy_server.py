@@ -70,6 +70,59 @@ def _serve_lineages(url: str, api_key: str | None, adapters: dict[str, str]) -> 
     asyncio.run(go())
 
 
+def _what_to_serve(
+    root: str, model_dir: str | None, lineage: str | None, lineages: list[str] | None, lora_rank: int | None
+) -> tuple[str, dict[str, str]]:
+    """The model dir the server starts on and the adapters it loads by name (LoRA lineages), each one
+    inside the worker's allowed roots."""
+    from grpoflow.tasks.config.allowlist import check_path
+
+    log = get_run_logger()
+    check_path(root, "root")
+    adapters: dict[str, str] = {}
+    if lora_rank is not None:
+        model_dir, adapters = lora_lineages(
+            root, [*([lineage] if lineage else []), *(lineages or [])], model_dir
+        )
+        log.info("LoRA server on %s; lineages served by name: %s", model_dir, adapters or "none yet")
+    else:
+        model_dir = served_model_dir(root, lineage, model_dir)
+        if lineage is not None:
+            log.info("lineage %s serves %s", lineage, model_dir)
+    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
+    for adapter in adapters.values():
+        check_path(adapter, "adapter")
+    return model_dir, adapters
+
+
+def _server_handle(
+    model_dir: str,
+    root: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_model_len: int | None,
+    lora_rank: int | None,
+    max_loras: int,
+) -> VLLMServer:
+    """The vLLM server to start on `port` (not started yet)."""
+    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first;
+    # versions uploaded to it (from a learner on another host) go to <root>/uploads/serve-<port>/
+    pid_file = (Path(root), f"serve-{port}")
+    cmd, env, url = server_command(
+        model_dir,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_model_len=max_model_len,
+        lora_rank=lora_rank,
+        max_loras=max_loras,
+        upload_dir=upload_dir_of(*pid_file),
+    )
+    stop_stale(*pid_file)
+    return VLLMServer(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
+
+
 @flow(name="policy-server", log_prints=True)
 def policy_server(
     model_dir: str | None = None,
@@ -101,33 +154,12 @@ def policy_server(
     host's address, not the default 127.0.0.1); versions pushed over the network land in
     <root>/uploads/serve-<port>/."""
     log = get_run_logger()
-    from grpoflow.tasks.config.allowlist import check_path
     from grpoflow.tasks.config.inference import api_key_from_env
 
     api_key = api_key or api_key_from_env()  # the worker's, not a parameter
-
-    check_path(root, "root")
-    adapters: dict[str, str] = {}
-    if lora_rank is not None:
-        model_dir, adapters = lora_lineages(
-            root, [*([lineage] if lineage else []), *(lineages or [])], model_dir
-        )
-        log.info("LoRA server on %s; lineages served by name: %s", model_dir, adapters or "none yet")
-    else:
-        model_dir = served_model_dir(root, lineage, model_dir)
-        if lineage is not None:
-            log.info("lineage %s serves %s", lineage, model_dir)
-    check_path(model_dir, "model_dir")  # a worker-started server loads only from its allowed roots
-    for adapter in adapters.values():
-        check_path(adapter, "adapter")
-    # <root>/pids/serve-<port>.json: a server a dead policy-server left on this port is stopped first;
-    # versions uploaded to it (from a learner on another host) go to <root>/uploads/serve-<port>/
-    pid_file = (Path(root), f"serve-{port}")
-    cmd, env, url = server_command(model_dir, host=host, port=port, api_key=api_key, max_model_len=max_model_len,
-                                   lora_rank=lora_rank and LoraConfig(rank=lora_rank).served_rank(),
-                                   max_loras=max_loras, upload_dir=upload_dir_of(*pid_file))  # fmt: skip
-    stop_stale(*pid_file)
-    handle = VLLMServer(cmd, env, url, Path(model_dir).parent / f"vllm-{port}.log", 600.0, pid_file)
+    model_dir, adapters = _what_to_serve(root, model_dir, lineage, lineages, lora_rank)
+    served_rank = lora_rank and LoraConfig(rank=lora_rank).served_rank()
+    handle = _server_handle(model_dir, root, host, port, api_key, max_model_len, served_rank, max_loras)
     on_up = (lambda: _serve_lineages(handle.url, api_key, adapters)) if adapters else None
     supervisor = Supervisor(handle, api_key, max_restarts, on_up)
     supervisor.bring_up()

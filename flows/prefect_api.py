@@ -100,8 +100,11 @@ def completed_without_api(root: str | Path, run_id: str, error: BaseException) -
     if meta.get("status") != "completed":
         return None
     steps = len(store.steps_written("steps", run_id))
-    print(f"warning: the Prefect API did not record the end of run {run_id}'s flow run ({type(error).__name__}: "
-          f"{error}); the run completed", file=sys.stderr)  # fmt: skip
+    print(
+        f"warning: the Prefect API did not record the end of run {run_id}'s flow run ({type(error).__name__}: "
+        f"{error}); the run completed",
+        file=sys.stderr,
+    )
     return f"run {run_id}: completed, {steps} steps in the store {Path(root).resolve()}"
 
 

@@ -106,8 +106,11 @@ class StepReporter:
             share = (_num(m.get(p + "failed_rate")) or 0.0) + (_num(m.get(p + "timeout_rate")) or 0.0)
             if share:
                 failed.append(f"{spec.name} {share:.0%}")
-            logged += [f"{k[len('reward/'):]} {v:.4g}" for k, v in sorted(m.items())
-                       if k.startswith(p) and k[len(p):] not in RESERVED_METRICS and _num(v) is not None]  # fmt: skip
+            logged += [
+                f"{k[len('reward/') :]} {v:.4g}"
+                for k, v in sorted(m.items())
+                if k.startswith(p) and k[len(p) :] not in RESERVED_METRICS and _num(v) is not None
+            ]
         if failed:
             parts.append("failed: " + ", ".join(failed))
         parts += logged

@@ -200,14 +200,30 @@ def promote(
         pin(candidate["path"], lineage)
         try:
             if server_url:
-                load_into_server(candidate["path"], candidate["step"], server_url=server_url, root=root,
-                                 lineage=lineage, inference=inference, sync=sync)  # fmt: skip
+                load_into_server(
+                    candidate["path"],
+                    candidate["step"],
+                    server_url=server_url,
+                    root=root,
+                    lineage=lineage,
+                    inference=inference,
+                    sync=sync,
+                )
         except Exception:
             if candidate not in log.stack(lineage):
                 unpin(candidate["path"], lineage)
             raise
-        row = log.record(lineage, "promoted", candidate=candidate, incumbent=incumbent, serving=candidate,
-                         reason=reason, server=server_url, flow_run_id=flow_run_id, **(scores or {}))  # fmt: skip
+        row = log.record(
+            lineage,
+            "promoted",
+            candidate=candidate,
+            incumbent=incumbent,
+            serving=candidate,
+            reason=reason,
+            server=server_url,
+            flow_run_id=flow_run_id,
+            **(scores or {}),
+        )
     _announce(row)
     return row
 
@@ -226,8 +242,17 @@ def reject(
     """Record a rejected candidate; the server keeps serving the incumbent (nothing is loaded)."""
     log = PromotionLog(root)
     with log.locked(lineage):
-        row = log.record(lineage, "rejected", candidate=candidate, incumbent=incumbent, serving=incumbent,
-                         reason=reason, server=server_url, flow_run_id=flow_run_id, **scores)  # fmt: skip
+        row = log.record(
+            lineage,
+            "rejected",
+            candidate=candidate,
+            incumbent=incumbent,
+            serving=incumbent,
+            reason=reason,
+            server=server_url,
+            flow_run_id=flow_run_id,
+            **scores,
+        )
     _announce(row)
     return row
 
@@ -263,11 +288,26 @@ def rollback(
             path = target["path"]
             if is_adapter(current["path"]) and not is_adapter(path):
                 path = base_adapter(root, lineage, current["path"])
-            load_into_server(path, target["step"], server_url=server_url, root=root, lineage=lineage,
-                             inference=inference, sync=sync)  # fmt: skip
+            load_into_server(
+                path,
+                target["step"],
+                server_url=server_url,
+                root=root,
+                lineage=lineage,
+                inference=inference,
+                sync=sync,
+            )
         name = "the base model" if target["run"] is None else f"{target['run']} step {target['step']}"
-        row = log.record(lineage, "rolled_back", candidate=current, incumbent=target, serving=target,
-                         reason=f"rolled back to {name}", server=server_url, flow_run_id=flow_run_id)  # fmt: skip
+        row = log.record(
+            lineage,
+            "rolled_back",
+            candidate=current,
+            incumbent=target,
+            serving=target,
+            reason=f"rolled back to {name}",
+            server=server_url,
+            flow_run_id=flow_run_id,
+        )
         if current not in stack:
             unpin(current["path"], lineage)
     _announce(row)

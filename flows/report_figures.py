@@ -92,14 +92,25 @@ def reward_figure(data: dict[str, Any]) -> Figure:
     _, std = _xy(data["reward_std"])
     top.plot(steps, mean, color="C0", label="reward mean", **_marker(curve))
     top.fill_between(
-        steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)],
-        color="C0", alpha=0.2, linewidth=0, label="± std",
-    )  # fmt: skip
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        color="C0",
+        alpha=0.2,
+        linewidth=0,
+        label="± std",
+    )
     held = data["eval_curve"]
     if held:  # scored every run.eval_every steps: few points, always marked
         top.plot(*_xy(held), color="C3", linestyle="--", marker="D", markersize=5, label="held-out eval")
-        bottom.plot(*_xy(data["eval_valid_frac"]), color="C3", linestyle="--", marker="D", markersize=5,
-                    label="held-out valid fraction")  # fmt: skip
+        bottom.plot(
+            *_xy(data["eval_valid_frac"]),
+            color="C3",
+            linestyle="--",
+            marker="D",
+            markersize=5,
+            label="held-out valid fraction",
+        )
     bottom.plot(*_xy(data["valid_frac"]), color="C2", label="valid fraction", **_marker(curve))
     bottom.set_ylim(-0.05, 1.05)
     if not curve:
@@ -122,8 +133,13 @@ def reward_status_figure(data: dict[str, Any]) -> Figure:
             series = status.get(name, {}).get(s, [])
             if series:
                 style, marker = _STATUS_STYLE[s]
-                ax.plot(*_xy(series), color=f"C{i + 1}", label=f"{s} rate", linestyle=style,
-                        **_marker(series, marker))  # fmt: skip
+                ax.plot(
+                    *_xy(series),
+                    color=f"C{i + 1}",
+                    label=f"{s} rate",
+                    linestyle=style,
+                    **_marker(series, marker),
+                )
         ax.set_ylim(-0.05, 1.05)
         _style(ax, "share of cells", f"reward `{name}`" if name else "")
     return fig
@@ -171,8 +187,14 @@ def step_time_figure(data: dict[str, Any]) -> Figure:
     for i, (col, series) in enumerate(parts.items()):
         steps = [s for s, _ in series]
         secs = [v or 0.0 for _, v in series]  # NULL: the step did not do it (no checkpoint, no push)
-        ax.bar(steps, secs, bottom=[base.get(s, 0.0) for s in steps], color=f"C{i}",
-               label=STEP_TIME_PARTS[col], **_bars(series))  # fmt: skip
+        ax.bar(
+            steps,
+            secs,
+            bottom=[base.get(s, 0.0) for s in steps],
+            color=f"C{i}",
+            label=STEP_TIME_PARTS[col],
+            **_bars(series),
+        )
         for s, v in zip(steps, secs, strict=True):
             base[s] = base.get(s, 0.0) + v
     wall = data["wall_seconds"]
@@ -188,8 +210,15 @@ def completion_length_figure(data: dict[str, Any]) -> Figure:
     fig, (ax,) = _figure("Completion length per step")
     mean = data["mean_tokens"]
     steps, _ = _xy(mean)
-    ax.fill_between(steps, _xy(data["min_tokens"])[1], _xy(data["max_tokens"])[1], color="C1", alpha=0.2,
-                    linewidth=0, label="min-max")  # fmt: skip
+    ax.fill_between(
+        steps,
+        _xy(data["min_tokens"])[1],
+        _xy(data["max_tokens"])[1],
+        color="C1",
+        alpha=0.2,
+        linewidth=0,
+        label="min-max",
+    )
     ax.plot(*_xy(mean), color="C1", label="mean completion tokens", **_marker(mean))
     if not mean:
         _no_data(ax, "no rollouts in this run", data)

@@ -53,8 +53,9 @@ def gate(candidate: float | None, incumbent: float | None, metric: str, margin: 
     )
 
 
-def _evaluate_both(cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: dict, rows: list,
-                   eval_server_url: str | None) -> tuple[list, list]:  # fmt: skip
+def _evaluate_both(
+    cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: dict, rows: list, eval_server_url: str | None
+) -> tuple[list, list]:
     """The candidate's and the incumbent's eval groups, on one evaluation server with the same rows and
     seeds. Model dirs: the server starts on the candidate and the incumbent is loaded after it. LoRA
     adapters: the server starts on the base with LoRA enabled (rank: the larger of the two) and both are
@@ -72,18 +73,36 @@ def _evaluate_both(cfg: GRPOConfig, lineage: str, candidate: dict, incumbent: di
         inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{lineage}-gate", lora) as server,
     ):
         # A required reward broken on every completion raises (evaluate_model): the gate decides nothing.
-        cand_groups = evaluate_model(cfg, cand, step, f"{lineage}-eval", rows, server.url, tokenizer=tok,
-                                     load=eval_server_url is not None or lora is not None,
-                                     what="the gate's evaluation of the candidate")  # fmt: skip
+        cand_groups = evaluate_model(
+            cfg,
+            cand,
+            step,
+            f"{lineage}-eval",
+            rows,
+            server.url,
+            tokenizer=tok,
+            load=eval_server_url is not None or lora is not None,
+            what="the gate's evaluation of the candidate",
+        )
         # A LoRA lineage's base-model incumbent is what the server itself serves: nothing to load.
         load_inc = lora is None or adapter_rank(inc) is not None
-        inc_groups = evaluate_model(cfg, inc, step, f"{lineage}-eval-incumbent", rows, server.url,
-                                    load=load_inc, tokenizer=tok, what="the gate's evaluation of the incumbent")  # fmt: skip
+        inc_groups = evaluate_model(
+            cfg,
+            inc,
+            step,
+            f"{lineage}-eval-incumbent",
+            rows,
+            server.url,
+            load=load_inc,
+            tokenizer=tok,
+            what="the gate's evaluation of the incumbent",
+        )
     return cand_groups, inc_groups
 
 
-def _record_retrain(store: RolloutStore, lineage: str, steps: range, cand_eval: dict, inc_eval: dict,
-                    decision: dict) -> None:  # fmt: skip
+def _record_retrain(
+    store: RolloutStore, lineage: str, steps: range, cand_eval: dict, inc_eval: dict, decision: dict
+) -> None:
     """Append this call (the steps it trained, both evaluations, the decision) to the lineage run's
     `retrains` in runs/<run>.json, and mark the run as the lineage's."""
     meta = store.read_run_meta(lineage) or {}
@@ -106,6 +125,41 @@ def _flow_run_id() -> str | None:
     from prefect.runtime import flow_run
 
     return flow_run.id
+
+
+def _train_more(cfg: GRPOConfig, run_id: str, extra_steps: int) -> tuple[GRPOConfig, range, dict]:
+    """Train the lineage's run `extra_steps` past its last checkpoint (from scratch when it has none):
+    the config it trained under, the steps it trained and grpo-train's summary."""
+    root = cfg.storage.root
+    latest = CheckpointStore(root).latest(run_id)
+    done = int(CheckpointStore.load_state(latest)["step"]) + 1 if latest is not None else 0
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.run_id = run_id
+    cfg.run.steps = done + extra_steps
+    resume = run_id if RolloutStore(root).read_run_meta(run_id) is not None else None
+    return cfg, range(done, cfg.run.steps), grpo_train(config=cfg, resume=resume)
+
+
+def _score_both(
+    ecfg: GRPOConfig,
+    lineage: str,
+    candidate: dict,
+    incumbent: dict,
+    eval_prompts: int | None,
+    eval_server_url: str | None,
+    pass_threshold: float,
+) -> tuple[dict, dict]:
+    """The gate's scores of the candidate and the incumbent on the same eval rows (`ecfg`: the config
+    the gate evaluates with)."""
+    check_imports(ecfg)  # the config as the gate scores with it: an environment's reward included
+    rows, source = eval_rows(ecfg, eval_prompts)
+    if source != "eval":
+        print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")
+    cand_groups, inc_groups = _evaluate_both(ecfg, lineage, candidate, incumbent, rows, eval_server_url)
+    return (
+        {"rows": source, **scores(cand_groups, pass_threshold)},
+        {"rows": source, **scores(inc_groups, pass_threshold)},
+    )
 
 
 @flow(name="grpo-retrain", log_prints=True)
@@ -133,35 +187,36 @@ def grpo_retrain(
     if extra_steps < 1:
         raise ConfigError(f"extra_steps: must be at least 1, got {extra_steps}")
     root = cfg.storage.root
-    store = RolloutStore(root)
-    latest = CheckpointStore(root).latest(run_id)
-    done = int(CheckpointStore.load_state(latest)["step"]) + 1 if latest is not None else 0
-    cfg = cfg.model_copy(deep=True)
-    cfg.run.run_id = run_id
-    cfg.run.steps = done + extra_steps
-    resume = run_id if store.read_run_meta(run_id) is not None else None
-    summary = grpo_train(config=cfg, resume=resume)
+    cfg, steps, summary = _train_more(cfg, run_id, extra_steps)
 
     candidate = checkpoint_version(root, run_id)
     incumbent = serving_version(root, lineage) or base_version(root, run_id)
     if incumbent is None:
         raise ConfigError(f"lineage {lineage!r}: its run records no base model to compare against")
     ecfg = evaluation_config(cfg, eval_greedy, eval_server_url)
-    check_imports(ecfg)  # the config as the gate scores with it: an environment's reward included
-    rows, source = eval_rows(ecfg, eval_prompts)
-    if source != "eval":
-        print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")
-    cand_groups, inc_groups = _evaluate_both(ecfg, lineage, candidate, incumbent, rows, eval_server_url)
-    cand_eval = {"rows": source, **scores(cand_groups, pass_threshold)}
-    inc_eval = {"rows": source, **scores(inc_groups, pass_threshold)}
+    cand_eval, inc_eval = _score_both(
+        ecfg, lineage, candidate, incumbent, eval_prompts, eval_server_url, pass_threshold
+    )
     better, why = gate(cand_eval[gate_metric], inc_eval[gate_metric], gate_metric, gate_margin)
-    gate_scores = {"metric": gate_metric, "margin": gate_margin,
-                   "candidate_score": cand_eval[gate_metric], "incumbent_score": inc_eval[gate_metric]}  # fmt: skip
+    gate_scores = {
+        "metric": gate_metric,
+        "margin": gate_margin,
+        "candidate_score": cand_eval[gate_metric],
+        "incumbent_score": inc_eval[gate_metric],
+    }
     decide = promote if better else reject
-    decision = decide(root, lineage, candidate, incumbent=incumbent, server_url=server_url, reason=why,
-                      scores=gate_scores, flow_run_id=_flow_run_id(),
-                      **({"inference": cfg.inference, "sync": cfg.sync} if better else {}))  # fmt: skip
+    decision = decide(
+        root,
+        lineage,
+        candidate,
+        incumbent=incumbent,
+        server_url=server_url,
+        reason=why,
+        scores=gate_scores,
+        flow_run_id=_flow_run_id(),
+        **({"inference": cfg.inference, "sync": cfg.sync} if better else {}),
+    )
     print(f"lineage {lineage}: {decision['decision']}: {why}")
 
-    _record_retrain(store, lineage, range(done, cfg.run.steps), cand_eval, inc_eval, decision)
+    _record_retrain(RolloutStore(root), lineage, steps, cand_eval, inc_eval, decision)
     return {"train": summary, "eval": cand_eval, "incumbent_eval": inc_eval, "decision": decision}

@@ -122,8 +122,9 @@ class StepRunner:
 class StepUnits:
     """The units of a step bound to one run; the loop calls them by name."""
 
-    def __init__(self, runner: StepRunner, learner, pusher: WeightPush, servers: ReplicaSet, *,
-                 root: str, run_id: str):  # fmt: skip
+    def __init__(
+        self, runner: StepRunner, learner, pusher: WeightPush, servers: ReplicaSet, *, root: str, run_id: str
+    ):
         self.runner, self.learner, self.pusher, self.servers = runner, learner, pusher, servers
         self.root, self.run_id = root, run_id
         self.recover: Callable[[Exception], None] | None = None  # brings dead servers back
@@ -156,8 +157,9 @@ class StepUnits:
         try:
             return push_weights.fn(self.learner, version, self.pusher, self.servers)
         except Exception as e:
-            return self._again(push_weights, f"weight push v{version}", e, self.learner, version,
-                               self.pusher, self.servers)  # fmt: skip
+            return self._again(
+                push_weights, f"weight push v{version}", e, self.learner, version, self.pusher, self.servers
+            )
 
     def first_push(self, version: int) -> PushStats:
         """A run's first push (resume, external servers): the servers must serve the learner's weights."""
@@ -172,8 +174,16 @@ class StepUnits:
         return batch
 
     def checkpoint(self, step: int, state: dict, keep: int, kept: list[RolloutBatch] = ()) -> float:
-        return self.runner.call(save_checkpoint, self.learner, root=self.root, run_id=self.run_id, step=step,
-                                state=state, keep=keep, kept=kept)  # fmt: skip
+        return self.runner.call(
+            save_checkpoint,
+            self.learner,
+            root=self.root,
+            run_id=self.run_id,
+            step=step,
+            state=state,
+            keep=keep,
+            kept=kept,
+        )
 
     def _again(self, task: Task, what: str, error: Exception, *args: Any) -> Any:
         """The one place a failed unit is run again: as its own task run (its retries)."""

@@ -368,8 +368,9 @@ def rollout_job(
 
     sampling = None
     if cfg.algorithm.dynamic_sampling and train_rows:
-        sampling = DynamicSampling(train_rows, cfg.data.prompts_per_step, cfg.run.seed,
-                                   cfg.algorithm.max_sampling_rounds)  # fmt: skip
+        sampling = DynamicSampling(
+            train_rows, cfg.data.prompts_per_step, cfg.run.seed, cfg.algorithm.max_sampling_rounds
+        )
 
     return RolloutJob(
         tokenizer_path=tokenizer_path,

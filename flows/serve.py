@@ -268,11 +268,19 @@ def inference_servers(
     def start(n: str, cores) -> ServerHandle:
         log = root / "logs" / f"{n}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd, env, url = server_command(model_dir, host=i.host, port=i.port if len(names) == 1 else None,
-                                       max_model_len=i.max_model_len, kv_cache_gb=i.kv_cache_gb,
-                                       api_key=i.api_key, extra_args=tuple(i.extra_args), cores=cores,
-                                       lora_rank=lora and lora.served_rank(), max_loras=i.max_loras,
-                                       upload_dir=upload_dir_of(root, n))  # fmt: skip
+        cmd, env, url = server_command(
+            model_dir,
+            host=i.host,
+            port=i.port if len(names) == 1 else None,
+            max_model_len=i.max_model_len,
+            kv_cache_gb=i.kv_cache_gb,
+            api_key=i.api_key,
+            extra_args=tuple(i.extra_args),
+            cores=cores,
+            lora_rank=lora and lora.served_rank(),
+            max_loras=i.max_loras,
+            upload_dir=upload_dir_of(root, n),
+        )
         handle = VLLMServer(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)
         return handle.start()

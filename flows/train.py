@@ -113,8 +113,10 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
     compactor = BackgroundCompactor(root, run_id, cfg.storage.compact_every, log=get_run_logger())
     pusher = weight_push(root, run_id, cfg.sync, cfg.inference)  # sync.backend
     flow_run = FlowRunContext.get()
-    trackers = tracking(cfg, run_id, flow_run_id=str(flow_run.flow_run.id) if flow_run else None,
-                        logger=get_run_logger())  # fmt: skip  # run.report_to; None without
+    # run.report_to; None without
+    trackers = tracking(
+        cfg, run_id, flow_run_id=str(flow_run.flow_run.id) if flow_run else None, logger=get_run_logger()
+    )
     with (
         contextlib.closing(compactor),  # exits last: the flow returns after its compactions are done
         finished(trackers),  # a failed run's trackers get what closed before it, then are closed
@@ -140,8 +142,9 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             rec = runner.begin(step)
             batch = pipeline.next_batch(step)  # generate -> score, submitted up to max_staleness ahead
             rec.rollout = batch.metrics
-            rec.advantages = assign_advantages(batch.groups, step=step, algorithm=cfg.algorithm,
-                                               sync_every=cfg.sync.sync_every)  # fmt: skip
+            rec.advantages = assign_advantages(
+                batch.groups, step=step, algorithm=cfg.algorithm, sync_every=cfg.sync.sync_every
+            )
             with runner.recorded(rec):  # the step's `train-step` task run: update, persist, push
                 written = units.persist(step, batch.groups)  # on a thread, beside the update
                 rec.train = units.update(batch.groups)

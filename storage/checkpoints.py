@@ -38,8 +38,14 @@ def pinned(path: Path) -> bool:
 class VersionedDirs:
     """Directories `<base>/<run>/<prefix><NNNNNN>/`, each published atomically with a marker file."""
 
-    def __init__(self, base: Path, prefix: str, marker: str = STATE_FILE, failpoint: str | None = None,
-                 durable: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        base: Path,
+        prefix: str,
+        marker: str = STATE_FILE,
+        failpoint: str | None = None,
+        durable: bool = False,
+    ):
         self.base, self.prefix, self.marker = Path(base), prefix, marker
         self.failpoint = failpoint  # storage.faults point hit just before publishing
         self.durable = durable  # fsync the writer's files before the marker (checkpoints)

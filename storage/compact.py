@@ -144,8 +144,12 @@ def compact_dir(root: Path, d: Path, upto: int, every: int, final: bool) -> dict
         removed += _remove(root, d, inside)
         visible = sorted([p for p in visible if p not in inside] + [Part(lo, hi, True, path)])
         ranges += 1
-    return {"files_before": before, "files_after": len(visible), "ranges_written": ranges,
-            "files_removed": removed}  # fmt: skip
+    return {
+        "files_before": before,
+        "files_after": len(visible),
+        "ranges_written": ranges,
+        "files_removed": removed,
+    }
 
 
 def compact_run(root: str | Path, run_id: str, upto: int, every: int, *, final: bool = False) -> dict:

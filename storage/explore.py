@@ -31,8 +31,18 @@ TREND_POINTS = 40  # points of a run's sparkline on the runs page
 STATUSES = ("valid", "invalid", "failed", "timeout")
 
 # The run page's panels: title -> which `steps` columns it draws (the first panel that matches wins).
-_STEP_TIME = ("wall_seconds", "gen_seconds", "score_seconds", "train/seconds", "sync_seconds", "write_seconds",
-              "checkpoint_seconds", "eval_seconds", "wait_seconds", "prefect_overhead_seconds")  # fmt: skip
+_STEP_TIME = (
+    "wall_seconds",
+    "gen_seconds",
+    "score_seconds",
+    "train/seconds",
+    "sync_seconds",
+    "write_seconds",
+    "checkpoint_seconds",
+    "eval_seconds",
+    "wait_seconds",
+    "prefect_overhead_seconds",
+)
 PANELS: list[tuple[str, re.Pattern]] = [
     ("Reward", re.compile(r"^reward/(mean|std|valid_frac|[^/]+/mean)$")),
     ("Held-out eval", re.compile(r"^eval/(reward/(mean|valid_frac|[^/]+/mean)|pass_rate)$")),
@@ -86,14 +96,30 @@ def _ident(name: str) -> str:
 # -- runs ------------------------------------------------------------------------------------------
 
 
+def _lineage_of(decisions: dict[str, list[dict]]) -> dict[str, str]:
+    """Run id -> the lineage it belongs to: the lineage's own run and each candidate it decided on."""
+    lineage_of: dict[str, str] = {}
+    for lineage, rows in decisions.items():
+        lineage_of.setdefault(lineage, lineage)
+        for d in rows:
+            lineage_of.setdefault(d["candidate_run"], lineage)
+    return lineage_of
+
+
 def runs_overview(con: duckdb.DuckDBPyConnection, metas: dict[str, dict]) -> list[dict]:
     """Every run of `metas` (run id -> runs/<run>.json) with its progress, status, sparkline and the
     promotions of the lineage it belongs to."""
     from grpoflow.storage.sql import run_status
 
-    progress = {r["run_id"]: r for r in _dicts(con, """
+    progress = {
+        r["run_id"]: r
+        for r in _dicts(
+            con,
+            """
         SELECT run_id, count(DISTINCT step) AS steps, max(step) AS last_step, count(*) AS completions
-        FROM rollouts GROUP BY run_id""")}  # fmt: skip
+        FROM rollouts GROUP BY run_id""",
+        )
+    }
     trend: dict[str, list] = {}
     for r in _dicts(
         con,
@@ -105,28 +131,38 @@ def runs_overview(con: duckdb.DuckDBPyConnection, metas: dict[str, dict]) -> lis
         GROUP BY r.run_id, r.step // b.w ORDER BY r.run_id, step""",
     ):
         trend.setdefault(r["run_id"], []).append([r["step"], r["reward"]])
-    last = {r["run_id"]: r["reward"] for r in _dicts(con, """
+    last = {
+        r["run_id"]: r["reward"]
+        for r in _dicts(
+            con,
+            """
         SELECT run_id, avg(reward) FILTER (WHERE reward_valid) AS reward FROM rollouts
         WHERE (run_id, step, split) IN (SELECT run_id, max(step), max(split) FROM rollouts GROUP BY run_id)
-        GROUP BY run_id""")}  # fmt: skip
+        GROUP BY run_id""",
+        )
+    }
     decisions = _promotions(con)
-    lineage_of = {}
-    for lineage, rows in decisions.items():
-        lineage_of.setdefault(lineage, lineage)
-        for d in rows:
-            lineage_of.setdefault(d["candidate_run"], lineage)
+    lineage_of = _lineage_of(decisions)
     out = []
     for run_id, meta in sorted(metas.items()):
         p = progress.get(run_id, {})
         lineage = lineage_of.get(run_id)
-        out.append({
-            "run_id": run_id, "status": run_status(meta), "steps": p.get("steps", 0),
-            "last_step": p.get("last_step"), "completions": p.get("completions", 0),
-            "last_reward": last.get(run_id), "base_model": meta.get("base_model"),
-            "created_at": meta.get("created_at"), "updated_at": meta.get("updated_at"),
-            "lineage": lineage, "promotions": decisions.get(lineage, []) if lineage else [],
-            "trend": trend.get(run_id, []),
-        })  # fmt: skip
+        out.append(
+            {
+                "run_id": run_id,
+                "status": run_status(meta),
+                "steps": p.get("steps", 0),
+                "last_step": p.get("last_step"),
+                "completions": p.get("completions", 0),
+                "last_reward": last.get(run_id),
+                "base_model": meta.get("base_model"),
+                "created_at": meta.get("created_at"),
+                "updated_at": meta.get("updated_at"),
+                "lineage": lineage,
+                "promotions": decisions.get(lineage, []) if lineage else [],
+                "trend": trend.get(run_id, []),
+            }
+        )
     return out
 
 
@@ -146,12 +182,16 @@ def run_detail(con: duckdb.DuckDBPyConnection, run_id: str, meta: dict) -> dict:
     """One run's header: status, what its rows hold (splits, reward names, servers), its promotions."""
     from grpoflow.storage.sql import run_status
 
-    [facts] = _dicts(con, """
+    [facts] = _dicts(
+        con,
+        """
         SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps,
                list(DISTINCT split ORDER BY split) AS splits,
                list(DISTINCT server ORDER BY server) FILTER (WHERE server IS NOT NULL) AS servers,
                bool_or(len(tool_calls) > 0) AS has_tool_calls
-        FROM rollouts WHERE run_id = $run""", {"run": run_id})  # fmt: skip
+        FROM rollouts WHERE run_id = $run""",
+        {"run": run_id},
+    )
     names = [
         r["reward_name"]
         for r in _dicts(
@@ -162,13 +202,21 @@ def run_detail(con: duckdb.DuckDBPyConnection, run_id: str, meta: dict) -> dict:
         )
     ]
     return {
-        "run_id": run_id, "status": run_status(meta), "base_model": meta.get("base_model"),
-        "created_at": meta.get("created_at"), "updated_at": meta.get("updated_at"),
-        "flow_runs": meta.get("flow_runs", []), "config": meta.get("config"),
-        **facts, "splits": facts["splits"] or [], "servers": facts["servers"] or [],
-        "has_tool_calls": bool(facts["has_tool_calls"]), "has_eval": "eval" in (facts["splits"] or []),
-        "reward_names": names, "promotions": _promotions(con).get(run_id, []),
-    }  # fmt: skip
+        "run_id": run_id,
+        "status": run_status(meta),
+        "base_model": meta.get("base_model"),
+        "created_at": meta.get("created_at"),
+        "updated_at": meta.get("updated_at"),
+        "flow_runs": meta.get("flow_runs", []),
+        "config": meta.get("config"),
+        **facts,
+        "splits": facts["splits"] or [],
+        "servers": facts["servers"] or [],
+        "has_tool_calls": bool(facts["has_tool_calls"]),
+        "has_eval": "eval" in (facts["splits"] or []),
+        "reward_names": names,
+        "promotions": _promotions(con).get(run_id, []),
+    }
 
 
 def _bucket(con: duckdb.DuckDBPyConnection, table: str, run_id: str, points: int = MAX_POINTS) -> int:
@@ -180,9 +228,10 @@ def curves(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
     """The run page's curves: every numeric `steps` column a panel draws, bucketed to MAX_POINTS."""
     numeric = ("DOUBLE", "FLOAT", "BIGINT", "INTEGER", "HUGEINT", "SMALLINT", "TINYINT", "DECIMAL")
     cols = [
-        name for name, kind, *_ in con.execute("DESCRIBE steps").fetchall()
+        name
+        for name, kind, *_ in con.execute("DESCRIBE steps").fetchall()
         if name not in ("step", "policy_version") and str(kind).startswith(numeric)
-    ]  # fmt: skip
+    ]
     panels: dict[str, list[str]] = {}
     for c in cols:
         title = next((t for t, pat in PANELS if pat.search(c)), None)
@@ -205,9 +254,12 @@ def curves(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
     return {
         "bucket": w,
         "series": {c: s for c, s in series.items() if s},
-        "panels": [{"title": t, "names": [c for c in panels[t] if series[c]]} for t in order
-                   if any(series[c] for c in panels.get(t, []))],
-    }  # fmt: skip
+        "panels": [
+            {"title": t, "names": [c for c in panels[t] if series[c]]}
+            for t in order
+            if any(series[c] for c in panels.get(t, []))
+        ],
+    }
 
 
 def status_mix(con: duckdb.DuckDBPyConnection, run_id: str, split: str = "train") -> dict:

@@ -26,8 +26,9 @@ _ROW_COLUMNS = f"""split, step, group_id, sample_index, row_id, reward, reward_v
     left(completion, {PREVIEW}) AS completion_preview"""
 
 
-def rollout_page(con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str, Any], offset: int = 0,
-                 limit: int = 50) -> dict:  # fmt: skip
+def rollout_page(
+    con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str, Any], offset: int = 0, limit: int = 50
+) -> dict:
     """One page of a run's rollouts matching `filters` (see `_where`), in (step, group, sample) order,
     with their reward cells; `more`: whether a next page exists. `total` is the count of every match,
     except under a text search, where counting means reading every row's text (~0.5 s on 640,000
@@ -48,8 +49,15 @@ def rollout_count(con: duckdb.DuckDBPyConnection, run_id: str, filters: dict[str
     return con.execute(f"SELECT count(*) FROM rollouts r WHERE {where}", params).fetchall()[0][0]
 
 
-def _page_keys(con: duckdb.DuckDBPyConnection, where: str, params: dict, offset: int, n: int,
-               windowed: bool, width: int = 256) -> list[tuple]:  # fmt: skip
+def _page_keys(
+    con: duckdb.DuckDBPyConnection,
+    where: str,
+    params: dict,
+    offset: int,
+    n: int,
+    windowed: bool,
+    width: int = 256,
+) -> list[tuple]:
     """The (step, group_id, sample_index) keys of matches offset..offset+n, in order. Keys only: a
     deep page then sorts three narrow columns, not every row's text. A text search walks the steps in
     doubling windows and stops once it holds enough matches, so its first pages read only the
@@ -58,8 +66,10 @@ def _page_keys(con: duckdb.DuckDBPyConnection, where: str, params: dict, offset:
     base = f"SELECT step, group_id, sample_index FROM rollouts r WHERE {where}"
     if not windowed:
         return con.execute(f"{base} {order} LIMIT {n} OFFSET {offset}", params).fetchall()
-    [(lo, hi)] = con.execute("SELECT min(step), max(step) FROM rollouts r WHERE r.run_id = $run AND r.split = $split",
-                             {"run": params["run"], "split": params["split"]}).fetchall()  # fmt: skip
+    [(lo, hi)] = con.execute(
+        "SELECT min(step), max(step) FROM rollouts r WHERE r.run_id = $run AND r.split = $split",
+        {"run": params["run"], "split": params["split"]},
+    ).fetchall()
     if lo is None:
         return []
     lo, hi = max(lo, params.get("step_min", lo)), min(hi, params.get("step_max", hi))
@@ -77,13 +87,20 @@ def _rows_at(con: duckdb.DuckDBPyConnection, run_id: str, split: str, keys: list
     """The table rows of these rollouts, in the order of `keys`."""
     if not keys:
         return []
-    found = _dicts(con, f"""
+    found = _dicts(
+        con,
+        f"""
         SELECT {_ROW_COLUMNS} FROM rollouts r
         WHERE r.run_id = $run AND r.split = $split AND r.step BETWEEN $lo AND $hi
           AND list_contains($keys, r.step::VARCHAR || '/' || r.sample_index::VARCHAR || '/' || r.group_id)""",
-        {"run": run_id, "split": split, "lo": min(k[0] for k in keys), "hi": max(k[0] for k in keys),
-         "keys": [f"{st}/{i}/{g}" for st, g, i in keys]},
-    )  # fmt: skip
+        {
+            "run": run_id,
+            "split": split,
+            "lo": min(k[0] for k in keys),
+            "hi": max(k[0] for k in keys),
+            "keys": [f"{st}/{i}/{g}" for st, g, i in keys],
+        },
+    )
     at = {(r["step"], r["group_id"], r["sample_index"]): r for r in found}
     return [at[k] for k in keys]
 
@@ -92,9 +109,14 @@ def _where(run_id: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The WHERE clause of a rollout filter: every value is a bound parameter, never SQL text."""
     parts = ["r.run_id = $run", "r.split = $split"]
     params: dict[str, Any] = {"run": run_id, "split": f.get("split") or "train"}
-    for key, cond in (("step_min", "r.step >= $step_min"), ("step_max", "r.step <= $step_max"),
-                      ("reward_min", "r.reward >= $reward_min"), ("reward_max", "r.reward <= $reward_max"),
-                      ("server", "r.server = $server"), ("truncated", "r.truncated = $truncated")):  # fmt: skip
+    for key, cond in (
+        ("step_min", "r.step >= $step_min"),
+        ("step_max", "r.step <= $step_max"),
+        ("reward_min", "r.reward >= $reward_min"),
+        ("reward_max", "r.reward <= $reward_max"),
+        ("server", "r.server = $server"),
+        ("truncated", "r.truncated = $truncated"),
+    ):
         if f.get(key) is not None:
             parts.append(cond)
             params[key] = f[key]
@@ -106,8 +128,13 @@ def _where(run_id: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         parts.append("(regexp_matches(r.completion, $text) OR regexp_matches(r.prompt, $text))")
         params["text"] = "(?i)" + re.escape(str(f["text"]))
     if f.get("status") or f.get("reward_name"):
-        cell = ["w.run_id = r.run_id", "w.split = r.split", "w.step = r.step", "w.group_id = r.group_id",
-                "w.sample_index = r.sample_index"]  # fmt: skip
+        cell = [
+            "w.run_id = r.run_id",
+            "w.split = r.split",
+            "w.step = r.step",
+            "w.group_id = r.group_id",
+            "w.sample_index = r.sample_index",
+        ]
         if f.get("status"):
             cell.append("w.status = $status")
             params["status"] = f["status"]
@@ -127,12 +154,13 @@ def _attach_cells(con: duckdb.DuckDBPyConnection, run_id: str, rows: list[dict],
     keys = {(r["split"], r["step"], r["group_id"], r["sample_index"]): r for r in rows}
     lo, hi = min(r["step"] for r in rows), max(r["step"] for r in rows)
     reason = ", reason" if with_reason else ""
-    cells = con.execute(f"""
+    cells = con.execute(
+        f"""
         SELECT split, step, group_id, sample_index, reward_name, status, value{reason} FROM rewards
         WHERE run_id = $run AND step BETWEEN $lo AND $hi AND group_id IN (SELECT unnest($groups))
         ORDER BY reward_name""",
         {"run": run_id, "lo": lo, "hi": hi, "groups": sorted({r["group_id"] for r in rows})},
-    ).fetchall()  # fmt: skip
+    ).fetchall()
     for split, step, group, sample, name, status, value, *rest in cells:
         row = keys.get((split, step, group, sample))
         if row is not None:
@@ -180,8 +208,16 @@ def group(con: duckdb.DuckDBPyConnection, run_id: str, split: str, step: int, gr
         raise NotFound(f"no group {group_id!r} at step {step} ({split}) in run {run_id!r}")
     _attach_cells(con, run_id, rows, with_reason=True)
     first = rows[0]
-    return {"run_id": run_id, "split": split, "step": step, "group_id": group_id, "row_id": first["row_id"],
-            "prompt_index": first["prompt_index"], "prompt": first["prompt"], "completions": rows}  # fmt: skip
+    return {
+        "run_id": run_id,
+        "split": split,
+        "step": step,
+        "group_id": group_id,
+        "row_id": first["row_id"],
+        "prompt_index": first["prompt_index"],
+        "prompt": first["prompt"],
+        "completions": rows,
+    }
 
 
 def occurrences(con: duckdb.DuckDBPyConnection, row_id: str, split: str = "train") -> list[dict]:
@@ -204,7 +240,7 @@ def group_of_row(
     found = con.execute(
         "SELECT min(group_id) FROM rollouts WHERE run_id = $run AND step = $step AND row_id = $row AND split = $split",
         {"run": run_id, "step": step, "row": row_id, "split": split},
-    ).fetchall()  # fmt: skip
+    ).fetchall()
     if not found or found[0][0] is None:
         raise NotFound(f"prompt row {row_id!r} was not sampled at step {step} ({split}) of run {run_id!r}")
     return group(con, run_id, split, step, found[0][0])

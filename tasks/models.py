@@ -16,8 +16,14 @@ from pathlib import Path
 
 # What a templated model dir links to in its base (never the tokenizer's files: those are written anew,
 # and writing through a link would change the user's model).
-_LINKED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
-           "*.bin.index.json")  # fmt: skip
+_LINKED = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+)
 
 
 def is_template_text(value: str) -> bool:

@@ -76,8 +76,13 @@ async def _generate(rows, prompt_indices, job: RolloutJob) -> list[RolloutGroup]
     from grpoflow.tasks.rollouts.replicas import Servers
     from grpoflow.tasks.rollouts.templates import load_tokenizer
 
-    kw = dict(tokenizer=load_tokenizer(job.tokenizer_path), generation=job.generation, tools=job.tools,
-              seed=job.seed, split=job.split)  # fmt: skip
+    kw = dict(
+        tokenizer=load_tokenizer(job.tokenizer_path),
+        generation=job.generation,
+        tools=job.tools,
+        seed=job.seed,
+        split=job.split,
+    )
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(client_for(url, job.inference, job.generation.max_in_flight))
@@ -134,8 +139,14 @@ async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, s
         rounds = rnd + 1
     kept = select(groups + more, ds.per_step)
     if kept < ds.per_step:
-        _run_logger().warning("step %d: dynamic sampling found %d of %d groups with reward variance in %d "
-                              "rounds; training on those", step, kept, ds.per_step, ds.max_rounds)  # fmt: skip
+        _run_logger().warning(
+            "step %d: dynamic sampling found %d of %d groups with reward variance in %d "
+            "rounds; training on those",
+            step,
+            kept,
+            ds.per_step,
+            ds.max_rounds,
+        )
     return more, gen_s, score_s, rounds
 
 
@@ -259,8 +270,9 @@ def train_step(outcome: Future) -> StepRecord:
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)
-def save_checkpoint(learner, *, root: str, run_id: str, step: int, state: dict, keep: int,
-                    kept: list[RolloutBatch] = ()) -> float:  # fmt: skip
+def save_checkpoint(
+    learner, *, root: str, run_id: str, step: int, state: dict, keep: int, kept: list[RolloutBatch] = ()
+) -> float:
     """The learner's state, and `kept`: the batches generated ahead (run.reproducible), which a resume
     from this checkpoint trains on as they are."""
     t0 = time.perf_counter()

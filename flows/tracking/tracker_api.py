@@ -91,8 +91,16 @@ def sample_table(groups: list[RolloutGroup]) -> tuple[list[str], list[list[Any]]
     for g in train:
         for c in g.completions:
             cells = {cell.name: cell for cell in c.reward_cells}
-            row = [g.group_id, c.sample_index, g.prompt_of(c), c.completion, _cell(c.reward), c.reward_valid,
-                   _cell(c.advantage), c.trained]  # fmt: skip
+            row = [
+                g.group_id,
+                c.sample_index,
+                g.prompt_of(c),
+                c.completion,
+                _cell(c.reward),
+                c.reward_valid,
+                _cell(c.advantage),
+                c.trained,
+            ]
             for n in names:
                 cell = cells.get(n)
                 row += [cell.status, _cell(cell.value)] if cell is not None else [None, None]

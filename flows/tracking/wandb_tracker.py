@@ -87,8 +87,14 @@ class WandbTracker:
         # The cursor stays: until `finish`, W&B keeps what it was given in memory (wandb-core writes its
         # transaction log 32 KiB at a time, and a SIGKILL of the process takes wandb-core and the unwritten
         # rest with it; online, the upload lags too), so a cursor moved here could claim steps a kill loses.
-        return {"id": self.id, "dir": str(self.dir), "mode": self.mode, "project": self.project,
-                "entity": self.entity, "cursor": self.cursor}  # fmt: skip
+        return {
+            "id": self.id,
+            "dir": str(self.dir),
+            "mode": self.mode,
+            "project": self.project,
+            "entity": self.entity,
+            "cursor": self.cursor,
+        }
 
     def link(self) -> str:
         url = getattr(self.run, "url", None) if self.mode == "online" else None

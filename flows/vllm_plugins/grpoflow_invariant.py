@@ -136,9 +136,17 @@ class _Attention:
     def _chunk_size(self, sched: dict, kw: dict) -> int:
         """The largest of CHUNKS whose pieces compute rows as decodes do, for this call's shape."""
         block_size = kw["key_cache"].shape[2]
-        key = (*(sched.get(k) for k in ("num_heads", "num_kv_heads", "head_dim", "dtype", "isa", "kv_cache_dtype")),
-               sched.get("sliding_window_size"), kw.get("softcap"), kw.get("alibi_slopes") is not None,
-               kw.get("s_aux") is not None, block_size)  # fmt: skip
+        key = (
+            *(
+                sched.get(k)
+                for k in ("num_heads", "num_kv_heads", "head_dim", "dtype", "isa", "kv_cache_dtype")
+            ),
+            sched.get("sliding_window_size"),
+            kw.get("softcap"),
+            kw.get("alibi_slopes") is not None,
+            kw.get("s_aux") is not None,
+            block_size,
+        )
         if key not in _chunk_sizes:
             # fp8 caches are not checked: one token a piece
             fits = sched.get("kv_cache_dtype", "auto") == "auto"
@@ -166,9 +174,19 @@ class _Attention:
             )
             out = torch.empty_like(query[first:])
             table = torch.arange(blocks, dtype=torch.int32).expand(len(lens), -1).contiguous()
-            self.attend_op(**{**kw, "query": query[first:], "key_cache": keys, "value_cache": values,
-                              "output": out, "query_start_loc": qsl, "seq_lens": seq, "block_table": table,
-                              "scheduler_metadata": plan})  # fmt: skip
+            self.attend_op(
+                **{
+                    **kw,
+                    "query": query[first:],
+                    "key_cache": keys,
+                    "value_cache": values,
+                    "output": out,
+                    "query_start_loc": qsl,
+                    "seq_lens": seq,
+                    "block_table": table,
+                    "scheduler_metadata": plan,
+                }
+            )
             return out
 
         decoded = rows(0, 1)

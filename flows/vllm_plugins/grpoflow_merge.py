@@ -85,8 +85,11 @@ def refresh_tied_heads(model) -> list[str]:
     if not current_platform.is_cpu():
         return []
     modules = dict(model.named_modules())
-    embeddings = {id(m.weight) for m in modules.values()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}  # fmt: skip
+    embeddings = {
+        id(m.weight)
+        for m in modules.values()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    }
     tied = [
         name for name, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings
     ]

@@ -29,10 +29,20 @@ MODULES, ROOTS, SERVERS = "GRPOFLOW_ALLOWED_MODULES", "GRPOFLOW_ALLOWED_ROOTS", 
 # vLLM flags a worker-started run may add through `inference.extra_args` (tuning only: nothing that
 # binds, authenticates, loads code or reads files).
 SAFE_SERVER_FLAGS = {
-    "--block-size", "--dtype", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager",
-    "--gpu-memory-utilization", "--max-num-batched-tokens", "--max-num-seqs", "--seed", "--swap-space",
-    "--tensor-parallel-size", "--max-logprobs", "--kv-cache-dtype",
-}  # fmt: skip
+    "--block-size",
+    "--dtype",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+    "--max-num-batched-tokens",
+    "--max-num-seqs",
+    "--seed",
+    "--swap-space",
+    "--tensor-parallel-size",
+    "--max-logprobs",
+    "--kv-cache-dtype",
+}
 # Flags refused everywhere, CLI included: they would undo a safety default grpoflow sets itself.
 NEVER_SERVER_FLAGS = {
     "--host",

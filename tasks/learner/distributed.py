@@ -74,8 +74,9 @@ class LearnerRank:
         import torch.distributed as dist
 
         host = node_address()
-        self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)  # fmt: skip
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         return host, self.store.port
 
     def pid(self) -> int:
@@ -85,8 +86,15 @@ class LearnerRank:
         """The address of the Ray node this rank runs on (its host)."""
         return node_address()
 
-    def start(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float, device: str,
-              build: Callable[[], Learner]) -> None:  # fmt: skip
+    def start(
+        self,
+        rank: int,
+        world_size: int,
+        address: tuple[str, int],
+        timeout_s: float,
+        device: str,
+        build: Callable[[], Learner],
+    ) -> None:
         """Join the process group, then `build()` this rank's Learner inside it (it shards itself)."""
         import torch
         import torch.distributed as dist
@@ -103,8 +111,9 @@ class LearnerRank:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         store = self.store if rank == 0 else dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
         self.rank = rank
         self.learner = build()
 
@@ -131,6 +140,21 @@ class LearnerRank:
             dist.destroy_process_group()
 
 
+def _rank_device(learner: LearnerConfig) -> str:
+    """Where the ranks run: cuda when `learner.device` asks for it (the Ray cluster must then have a
+    GPU per rank) or, on auto, when it has them; else cpu."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if learner.device == "cuda" and gpus < learner.world_size:
+        raise ValueError(
+            f"learner.world_size {learner.world_size} on cuda needs {learner.world_size} GPUs; the Ray "
+            f"cluster has {gpus:g}"
+        )
+    cuda = learner.device == "cuda" or (learner.device == "auto" and gpus >= learner.world_size)
+    return "cuda" if cuda else "cpu"
+
+
 class DistributedLearner:
     """`learner.world_size` ranks of one sharded learner, used like a `Learner` (module doc).
 
@@ -154,14 +178,8 @@ class DistributedLearner:
         self.model_path = str(model_path)
         self.tokenizer_path = str(run.tokenizer_path or model_path)
         self.failed: str | None = None
-        gpus = ray.cluster_resources().get("GPU", 0)
-        cuda = learner.device == "cuda" or (learner.device == "auto" and gpus >= self.world_size)
-        if learner.device == "cuda" and gpus < self.world_size:
-            raise ValueError(
-                f"learner.world_size {self.world_size} on cuda needs {self.world_size} GPUs; the Ray "
-                f"cluster has {gpus:g}"
-            )
-        self.device = "cuda" if cuda else "cpu"
+        self.device = _rank_device(learner)
+        cuda = self.device == "cuda"
         # Failpoints set for this run reach its ranks too (crash drills kill a rank mid-step).
         faults = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else None
         actor = ray.remote(LearnerRank).options(
@@ -174,18 +192,28 @@ class DistributedLearner:
         self.ranks = [actor.remote() for _ in range(self.world_size)]
         self.nodes: list[str] = []  # each rank's node, once they run (errors name it)
         config = learner.model_copy(update={"device": self.device})
-        build = functools.partial(Learner, self.model_path, config, algorithm, run, generation, model,
-                                  skip_zero_advantage=skip_zero_advantage)  # fmt: skip
+        build = functools.partial(
+            Learner,
+            self.model_path,
+            config,
+            algorithm,
+            run,
+            generation,
+            model,
+            skip_zero_advantage=skip_zero_advantage,
+        )
         timeout = learner.collective_timeout_s
         try:
             self.nodes = self._wait([r.node.remote() for r in self.ranks], "starting")
             log.info("learner ranks on nodes %s", ", ".join(f"{i}: {n}" for i, n in enumerate(self.nodes)))
             address = self._wait([self.ranks[0].address.remote(timeout)], "opening rank 0's store")[0]
             self._wait(
-                [r.start.remote(i, self.world_size, address, timeout, self.device, build)
-                 for i, r in enumerate(self.ranks)],
+                [
+                    r.start.remote(i, self.world_size, address, timeout, self.device, build)
+                    for i, r in enumerate(self.ranks)
+                ],
                 "starting",
-            )  # fmt: skip
+            )
         except BaseException:
             self.close()
             raise

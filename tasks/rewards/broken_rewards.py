@@ -58,6 +58,7 @@ def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> lis
                 f"the prompts are conversational: if the function reads completions as messages "
                 f"(TRL's form), set rewards[{i}].completions: messages"
             )
-        out.append(BrokenReward(i, spec.name, spec.required, len(cells), len(cells), first.reason,
-                                first.trace, hint))  # fmt: skip
+        out.append(
+            BrokenReward(i, spec.name, spec.required, len(cells), len(cells), first.reason, first.trace, hint)
+        )
     return out

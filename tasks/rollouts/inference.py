@@ -53,8 +53,12 @@ def keepalive_socket(addr_info) -> socket.socket:
     family, kind, proto = addr_info[:3]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000)):  # fmt: skip
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000),
+    ):
         if hasattr(socket, name):  # Linux has all four; elsewhere keepalive's system defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     return sock

@@ -91,9 +91,18 @@ def _unavailable(
     """The rollout of a session that could not start: nothing generated, its environment reward failed."""
     text = render(r.tok, history, None, True)
     version = r.version_fn()
-    c = RolloutCompletion(sample_index=sample, completion="", completion_ids=[], completion_mask=[], logprobs=[],
-                          truncated=True, truncation_reason="environment_unavailable", finish_reason="abort",
-                          policy_version=version, policy_version_end=version)  # fmt: skip
+    c = RolloutCompletion(
+        sample_index=sample,
+        completion="",
+        completion_ids=[],
+        completion_mask=[],
+        logprobs=[],
+        truncated=True,
+        truncation_reason="environment_unavailable",
+        finish_reason="abort",
+        policy_version=version,
+        policy_version_end=version,
+    )
     c.prompt, c.prompt_ids = text, r.tok.encode(text, add_special_tokens=False)
     c.prompt_input = row["prompt"]
     c.environment_reward = EnvReward(None, "failed", f"the environment's session failed: {why}"[:500])

@@ -136,8 +136,13 @@ class OpenEnvSession:
 
     def snapshot(self) -> dict[str, Any]:
         """What the reward functions get: the session's observations, rewards and end."""
-        return {"url": self.url, "observations": list(self.observations), "rewards": list(self.rewards),
-                "done": self.done, "broken": self.broken}  # fmt: skip
+        return {
+            "url": self.url,
+            "observations": list(self.observations),
+            "rewards": list(self.rewards),
+            "done": self.done,
+            "broken": self.broken,
+        }
 
     async def aclose(self) -> None:
         ws, http, self._ws, self._http = self._ws, self._http, None, None
@@ -196,8 +201,12 @@ class OpenEnvSession:
 
     def _mcp_tool(self, spec: dict[str, Any]):
         async def call(**arguments: Any) -> str:
-            obs = await self._send({"type": "step", "data": {"type": "call_tool", "tool_name": spec["name"],
-                                                             "arguments": arguments}})  # fmt: skip
+            obs = await self._send(
+                {
+                    "type": "step",
+                    "data": {"type": "call_tool", "tool_name": spec["name"], "arguments": arguments},
+                }
+            )
             return _tool_result(obs)
 
         return served_tool(

@@ -222,8 +222,12 @@ class ReplicaSet:
             if len(self.replicas) > 1:
                 for r in self.replicas:
                     p = f"gen/server{r.index}"
-                    out |= {f"{p}/up": float(r.healthy), f"{p}/failures": float(r.failures),
-                            f"{p}/restarts": float(r.restarts), f"{p}/version": float(r.versions.get())}  # fmt: skip
+                    out |= {
+                        f"{p}/up": float(r.healthy),
+                        f"{p}/failures": float(r.failures),
+                        f"{p}/restarts": float(r.restarts),
+                        f"{p}/version": float(r.versions.get()),
+                    }
             return out
 
     def close(self) -> None:

@@ -42,8 +42,11 @@ def save_kept(directory: Path, batches: list) -> None:
     try:
         data = pickle.dumps(batches, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        log.warning("run.reproducible: the batches generated ahead of this checkpoint cannot be kept (%r); "
-                    "a resume from it generates them again under its weights", e)  # fmt: skip
+        log.warning(
+            "run.reproducible: the batches generated ahead of this checkpoint cannot be kept (%r); "
+            "a resume from it generates them again under its weights",
+            e,
+        )
         return
     atomic_write_bytes(Path(directory) / KEPT_FILE, data)
 
@@ -59,8 +62,12 @@ def load_kept(directory: Path | None) -> list:
         with open(path, "rb") as f:
             return pickle.load(f)  # the run's own checkpoint, written by save_kept
     except Exception as e:
-        log.warning("run.reproducible: the batches %s kept cannot be read back (%r); the resume generates "
-                    "them again under its weights", path, e)  # fmt: skip
+        log.warning(
+            "run.reproducible: the batches %s kept cannot be read back (%r); the resume generates "
+            "them again under its weights",
+            path,
+            e,
+        )
         return []
 
 

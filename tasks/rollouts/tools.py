@@ -87,9 +87,14 @@ def served_tool(
     """`fn` as the tool `name`, with the schema a server gives (an MCP or OpenEnv tool) instead of one
     read from its signature (`tool_schema`)."""
     fn.__name__ = name
-    fn.__tool_schema__ = {"type": "function", "function": {
-        "name": name, "description": description or "",
-        "parameters": parameters or {"type": "object", "properties": {}}}}  # fmt: skip
+    fn.__tool_schema__ = {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description or "",
+            "parameters": parameters or {"type": "object", "properties": {}},
+        },
+    }
     return fn
 
 

@@ -236,10 +236,18 @@ def _watch_children() -> None:
         # Started through a shell that exits at once, so it is no child of ours (it leaves no zombie, and
         # no test counts it among this process's children).
         subprocess.run(
-            ["sh", "-c", '"$0" -c "$1" "$2" "$3" </dev/null >/dev/null 2>&1 &', sys.executable, _WATCHDOG,
-             str(os.getpid()), f"{MARK}={os.getpid()}"],
-            check=True, start_new_session=True,
-        )  # fmt: skip
+            [
+                "sh",
+                "-c",
+                '"$0" -c "$1" "$2" "$3" </dev/null >/dev/null 2>&1 &',
+                sys.executable,
+                _WATCHDOG,
+                str(os.getpid()),
+                f"{MARK}={os.getpid()}",
+            ],
+            check=True,
+            start_new_session=True,
+        )
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from grpoflow.flows.ui import check_bind, make_app, tokens_of
+from grpoflow.flows.ui import check_bind, make_app
+from grpoflow.flows.ui_api import tokens_of
 from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 
