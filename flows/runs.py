@@ -218,7 +218,7 @@ def warmed_model(cfg: GRPOConfig, base: Path) -> Path:
     """`base` after the warm-up, cached under <root>/models/warmup-<key>: the key covers the base
     model's weights file, the warm-up and tools settings and the seed, so any change warms up anew
     and a resumed run finds the model it started from."""
-    from grpoflow.tasks.learner.warmup import callable_name, warm_up
+    from grpoflow.tasks.warmup import callable_name, warm_up
 
     weights = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
     key = {

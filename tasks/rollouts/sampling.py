@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpoflow.storage.records import RolloutGroup
-from grpoflow.tasks.learner.grpo import has_signal
+from grpoflow.tasks.group_signal import has_signal
 
 EXTRA_BASE = 1_000_000_000  # prompt indices of further rounds' groups start here (cursor positions never do)
 MAX_ROUNDS = 128  # rounds per step the index space holds (AlgorithmConfig.max_sampling_rounds <= 100)

@@ -22,9 +22,9 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     from grpoflow.flows.data import load_rows
     from grpoflow.flows.runs import prepare_model
     from grpoflow.flows.train import grpo_train
-    from grpoflow.tasks.learner.warmup import PromptRenderer
     from grpoflow.tasks.rollouts.templates import load_tokenizer, render
     from grpoflow.tasks.rollouts.tools import HermesToolParser
+    from grpoflow.tasks.warmup import PromptRenderer
 
     cfg = load_config(
         REPO / "configs" / "tiny-counter-env.yaml",

@@ -9,9 +9,9 @@ import pytest
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
 from grpoflow.tasks.config.algorithm import WarmupConfig
 from grpoflow.tasks.config.rollouts import ToolsConfig
-from grpoflow.tasks.learner.warmup import IGNORE, PromptRenderer, example_ids, load_examples
 from grpoflow.tasks.rollouts.templates import TemplateError
 from grpoflow.tasks.rollouts.tools import HermesToolParser
+from grpoflow.tasks.warmup import IGNORE, PromptRenderer, example_ids, load_examples
 
 CALC = ToolsConfig(tools=["grpoflow.examples.tools:calculator"])
 

@@ -6,6 +6,10 @@ exactly as rollouts render them (the tools in the chat template or in the system
 the tool-call parser reads, with an environment's reset note), and learns only the assistant's tokens
 (through its end-of-turn token). `warm_up` writes the warmed model and `warmup.json` (steps, seconds,
 loss at the first and last step); flows cache it per model and settings.
+
+It sits beside the subsystems, not in the learner: it renders prompts with the rollouts' templates and
+tool parsers and trains with its own small SFT loop, so it depends on rollouts one way and nothing in
+tasks/learner or tasks/rollouts imports it (flows/training/runs.py calls it).
 """
 
 from __future__ import annotations
