@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
-from grpoflow.flows.launch import free_port
+from grpoflow.flows.processes.launch import free_port
 from grpoflow.tasks.config.rollouts import McpServerConfig, ToolsConfig
 from tests.support import REPO, wait_for
 from tests.unit.scripted import scripted_groups, tool_call

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
-from grpoflow.flows.runs import preflight
+from grpoflow.flows.training.runs import preflight
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

@@ -175,8 +175,8 @@ def test_the_servers_key_comes_from_the_environment_and_is_never_written(tmp_pat
     import json
 
     from grpoflow.flows.config_docs import render_yaml
-    from grpoflow.flows.runs import RunState, write_meta
-    from grpoflow.flows.tracking.tracker_api import config_params
+    from grpoflow.flows.training.runs import RunState, write_meta
+    from grpoflow.flows.viewing.tracking.tracker_api import config_params
 
     tiny = CONFIGS[0].parent / "tiny-letters.yaml"
     monkeypatch.delenv("GRPOFLOW_API_KEY", raising=False)

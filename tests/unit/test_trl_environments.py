@@ -161,7 +161,7 @@ def test_the_dict_form_gives_each_rollout_its_rows_environment_and_only_its_tool
 
 
 def test_rows_that_name_no_configured_environment_fail_before_the_first_step_naming_the_row():
-    from grpoflow.flows.environments import check_environment_rows
+    from grpoflow.flows.training.environments import check_environment_rows
 
     cfg = _cfg(tools={"environment": {"counter": "grpoflow.examples.envs:CounterEnv"}})
     check_environment_rows(cfg, [{"prompt": "a", "environment": "counter"}])
@@ -183,7 +183,7 @@ def test_rows_that_name_no_configured_environment_fail_before_the_first_step_nam
 def test_an_environment_that_owns_its_data_gives_the_prompts(tok, tmp_path):
     """No dataset (data.generator: null): run.steps x prompts_per_step rows, each with a `seed` that a
     group's samples share; reset() returns the prompt. One that returns nothing fails loudly."""
-    from grpoflow.flows.data import load_rows
+    from grpoflow.flows.training.data import load_rows
     from tests.unit.envs import PuzzleEnv
 
     path = tmp_path / "puzzles.yaml"
@@ -230,7 +230,7 @@ def test_a_nan_from_get_reward_is_invalid_not_zero():
 def test_an_environment_server_that_does_not_answer_or_is_not_allowed_fails_before_the_first_step(
     monkeypatch,
 ):
-    from grpoflow.flows.launch import free_port
+    from grpoflow.flows.processes.launch import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ConfigError, match=rf"tools.environment: the OpenEnv server at {url} does not answer"):

@@ -28,7 +28,7 @@ def _cfg(**over) -> GRPOConfig:
 
 
 def test_its_rewards_become_reward_entries_with_verifiers_weights_and_its_tasks_rows():
-    from grpoflow.flows.environments import verifiers_rows
+    from grpoflow.flows.training.environments import verifiers_rows
 
     cfg = _cfg()
     check_imports(cfg)

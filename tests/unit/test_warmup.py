@@ -96,7 +96,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
 
 
 def test_warm_up_runs_once_per_model_and_settings(tmp_path):
-    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.training.runs import prepare_model
 
     def cfg(**warmup):
         return GRPOConfig(
