@@ -344,30 +344,15 @@ def where_searched(cfg: GRPOConfig, value: str) -> str:
 
 def check_imports(cfg: GRPOConfig) -> None:
     """Resolve every import path now, so a typo fails before any model is loaded (callables given
-    from Python are already resolved); an environment's get_reward() becomes a reward entry
-    (flows/training/environments.py)."""
+    from Python are already resolved). A run's environments, MCP servers and verifiers environment are
+    checked beside this, by `check_run` (flows/training/environments.py), which calls this first: the
+    config tree imports nothing of the flows that read it."""
     for i, r in enumerate(cfg.rewards):
         if isinstance(r.fn, str):
             resolve_import(r.fn, f"rewards[{i}].fn")
     for i, t in enumerate(cfg.tools.tools):
         if isinstance(t, str):
             resolve_import(t, f"tools.tools[{i}]")
-    if cfg.tools.environment is not None:
-        from grpoflow.flows.training.environments import (  # they import this
-            check_environments,
-            environment_rewards,
-        )
-
-        check_environments(cfg)
-        environment_rewards(cfg)  # an environment's get_reward(): a reward entry of its own
-    if cfg.tools.mcp:
-        from grpoflow.flows.training.environments import check_mcp
-
-        check_mcp(cfg)
-    if cfg.tools.verifiers is not None:
-        from grpoflow.flows.training.environments import check_verifiers
-
-        check_verifiers(cfg)  # its rewards: reward entries of their own
     if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None and cfg.tools.verifiers is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):

@@ -25,11 +25,11 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_server
 from grpoflow.flows.training.data import load_rows, split_rows
-from grpoflow.flows.training.environments import check_environment_rows
+from grpoflow.flows.training.environments import check_environment_rows, check_run
 from grpoflow.flows.training.progress import artifact_key
 from grpoflow.flows.training.runs import confine, prepare_model, rollout_job
 from grpoflow.storage.checkpoints import CheckpointStore
@@ -171,7 +171,7 @@ def grpo_evaluate(
     cfg = config or (load_config(config_file) if config_file else GRPOConfig())
     confine(cfg, server_url=server_url)
     cfg = evaluation_config(cfg, greedy, server_url)
-    check_imports(cfg)
+    check_run(cfg)
     rows, source = eval_rows(cfg, prompts)
     model, step = model_for(cfg, run_id, checkpoint)
     # A LoRA adapter: the server starts on its base (able to load it), and the adapter is always loaded.

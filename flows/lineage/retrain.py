@@ -22,11 +22,12 @@ from typing import Any
 
 from prefect import flow
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
 from grpoflow.flows.lineage.promote import base_version, checkpoint_version, promote, reject, serving_version
 from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_server
+from grpoflow.flows.training.environments import check_run
 from grpoflow.flows.training.runs import confine
 from grpoflow.flows.training.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
@@ -147,7 +148,7 @@ def grpo_retrain(
     if incumbent is None:
         raise ConfigError(f"lineage {lineage!r}: its run records no base model to compare against")
     ecfg = evaluation_config(cfg, eval_greedy, eval_server_url)
-    check_imports(ecfg)  # the config as the gate scores with it: an environment's reward included
+    check_run(ecfg)  # the config as the gate scores with it: an environment's reward included
     rows, source = eval_rows(ecfg, eval_prompts)
     if source != "eval":
         print(f"lineage {lineage}: no data.eval_path / data.eval_fraction; the gate evaluates training rows")

@@ -2,6 +2,7 @@
 them): checked before anything starts, their `get_reward()` made a reward, their rows checked, and
 the rows of an environment that owns its data.
 
+- `check_run`: the whole preflight of a run's config: its import paths, then the checks below.
 - `check_environments`: each factory imports, makes an instance, and the instance snapshots in
   isolation (its own snapshot(), or a deep copy).
 - `environment_rewards`: with `tools.environment_reward`, an environment class that has `get_reward()`
@@ -25,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, resolve_import
+from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, resolve_import
 from grpoflow.flows.processes.launch import is_healthy
 from grpoflow.tasks.config.allowlist import NotAllowedError, check_import_path, check_server, enforced
 from grpoflow.tasks.config.rewards import RewardConfig
@@ -34,6 +35,21 @@ from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD, has_reward
 from grpoflow.tasks.rollouts.openenv import OpenEnvServer
 from grpoflow.tasks.rollouts.tools import environment_tools
 from grpoflow.tasks.threads import run_blocking
+
+
+def check_run(cfg: GRPOConfig) -> None:
+    """A run's config checked before anything starts (train, evaluate, retrain, and the CLI before a
+    flow run is created): every import path (`check_imports`), then the environments, MCP servers and
+    verifiers environment it names; an environment's get_reward() and a verifiers environment's rewards
+    become reward entries here. Idempotent: the CLI and the flow both run it."""
+    check_imports(cfg)
+    if cfg.tools.environment is not None:
+        check_environments(cfg)
+        environment_rewards(cfg)  # an environment's get_reward(): a reward entry of its own
+    if cfg.tools.mcp:
+        check_mcp(cfg)
+    if cfg.tools.verifiers is not None:
+        check_verifiers(cfg)  # its rewards: reward entries of their own
 
 
 def _field(name: str | None) -> str:

@@ -1,4 +1,5 @@
-"""Run bookkeeping for flows: preflight, model preparation, open/resume a run (the rows: flows/training/data.py).
+"""Run bookkeeping for flows: preflight, model preparation, open/resume a run (the rows:
+flows/training/data.py).
 
 Everything here fails early with a message naming the config field, row or path, before any model
 is loaded and before anything is written to the store.
@@ -14,9 +15,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, where_searched
+from grpoflow.flows.config import ConfigError, GRPOConfig, where_searched
 from grpoflow.flows.training.data import confine_dataset, load_rows, split_rows
-from grpoflow.flows.training.environments import check_environment_rows
+from grpoflow.flows.training.environments import check_environment_rows, check_run
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.rollouts import RolloutStore
@@ -57,7 +58,7 @@ def preflight(cfg: GRPOConfig, resume: str | None = None) -> list[dict[str, Any]
     Run by `grpoflow train` before a flow run is even created, and again by the flow (deployments).
     """
     confine(cfg)  # worker-started runs: paths, servers and server flags inside the worker's allow-lists
-    check_imports(cfg)  # reward / tool / environment / generator import paths
+    check_run(cfg)  # reward / tool / environment / generator import paths, environments, MCP, verifiers
     check_reward_models(cfg)
     if cfg.run.report_to:
         from grpoflow.flows.viewing.tracking import (

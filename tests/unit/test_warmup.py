@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
+from grpoflow.flows.config import ConfigError, GRPOConfig
+from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.config.algorithm import WarmupConfig
 from grpoflow.tasks.config.rollouts import ToolsConfig
 from grpoflow.tasks.rollouts.templates import TemplateError
@@ -66,9 +67,7 @@ def test_bad_examples_name_the_field_and_the_row():
     with pytest.raises(ValueError, match="warmup.steps is 5 but warmup.examples is not set"):
         WarmupConfig(steps=5)
     with pytest.raises(ConfigError, match="warmup.examples"):
-        check_imports(
-            GRPOConfig(warmup={"examples": "grpoflow.examples.warmup:no_such_function", "steps": 1})
-        )
+        check_run(GRPOConfig(warmup={"examples": "grpoflow.examples.warmup:no_such_function", "steps": 1}))
     rows = [{"prompt": "a", "reply": "b"}, {"prompt": "c"}]
     with pytest.raises(ValueError, match="example 1 needs 'prompt' and 'reply'"):
         load_examples(WarmupConfig(examples=lambda: rows))
