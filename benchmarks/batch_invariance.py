@@ -28,7 +28,7 @@ import random
 import struct
 import tempfile
 
-from grpoflow.flows.serve import start_server
+from grpoflow.flows.processes.serve import start_server
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.tiny_model import build_tiny_model
 

@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import time
 
-from grpoflow.flows.cluster import ray_cluster
+from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.tasks.config.imports import add_search_dir, import_object
 from grpoflow.tasks.config.rewards import RewardConfig

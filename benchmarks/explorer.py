@@ -6,7 +6,7 @@ with token ids, logprobs and masks, tool calls of which some failed, a held-out 
 steps, a `steps` row per step with a real run's metric columns, runs/<run>.json with a resolved
 config), every row written through RolloutStore as a run writes it, then compacted by the real
 compactor (`grpoflow compact`, storage.compact.compact_store: one range file per table at 10,000
-steps, as a run with storage.compact_every 100 ends). Then serves flows/ui.py's app in-process on a
+steps, as a run with storage.compact_every 100 ends). Then serves flows/viewing/ui.py's app in-process on a
 free loopback port and times each page's API calls over real HTTP.
 
     .venv/bin/python benchmarks/explorer.py [--steps 10000] [--rows-per-step 64] [--repeats 5]
@@ -49,7 +49,7 @@ import pyarrow as pa
 from aiohttp import web
 
 from grpoflow.flows.config import GRPOConfig
-from grpoflow.flows.ui import make_app
+from grpoflow.flows.viewing.ui import make_app
 from grpoflow.storage.compact import compact_store
 from grpoflow.storage.rollouts import TABLES, RolloutStore
 from grpoflow.storage.sql import query

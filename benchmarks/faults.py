@@ -63,7 +63,7 @@ def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
         run_id = f"kill-{point.replace('_', '-')}"
         sets = [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", *KILL_DRILL_SETS]
         args = [a for s in sets for a in ("--set", s)]
-        base = [sys.executable, "-m", "grpoflow.flows.cli", "train"]
+        base = [sys.executable, "-m", "grpoflow.flows.cli.main", "train"]
         t0 = time.perf_counter()
         first = subprocess.run([*base, "--run-id", run_id, *args], cwd=REPO, capture_output=True,
                                env={**env, "GRPOFLOW_FAULTS": spec}, timeout=900)  # fmt: skip
@@ -85,7 +85,7 @@ def kill_drill(root: Path, model: Path, url: str, env: dict) -> list[dict]:
 def server_kill_drill(root: Path, model: Path) -> dict:
     """The run's own embedded server is SIGKILLed after step 3 is stored."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.rollouts import RolloutStore
 
     own = root / "embedded-model"  # a unique path, so pgrep finds only this run's server
@@ -128,7 +128,7 @@ def server_kill_drill(root: Path, model: Path) -> dict:
 
 def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     steps, run_id = 8, "reward-tool-faults"
@@ -205,7 +205,7 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    from grpoflow.flows.serve import embedded_server
+    from grpoflow.flows.processes.serve import embedded_server
     from grpoflow.tasks.tiny_model import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-faults-"))

@@ -132,10 +132,10 @@ class Cluster:
         elif host is self.ray:
             self._ray(host, f"--address={self.head}", "--num-cpus=1")
         else:
-            cmd = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(self.model), "--host",
+            cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "serve", "--model", str(self.model), "--host",
                    host.address, "--port", str(SERVE_PORT), "--root", str(self.root)]  # fmt: skip
             self._spawn(host, "serve", cmd, hide=[self.store], env={"GRPOFLOW_API_KEY": KEY})
-            from grpoflow.flows.launch import is_healthy
+            from grpoflow.flows.processes.launch import is_healthy
 
             wait(lambda: is_healthy(self.url), 600, "grpoflow serve")
 
@@ -164,7 +164,7 @@ class Cluster:
                                      executor="thread" if kind == "rank" else "ray",
                                      world=2 if kind == "rank" else 1))  # fmt: skip
         sets = [f"storage.root={self.store}", f"inference.url={self.url}", f"scale.ray_address={self.head}"]
-        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--config", str(cfg),
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--config", str(cfg),
                *(["--resume", run_id] if resume else ["--run-id", run_id]), *(a for s in sets for a in ("--set", s))]  # fmt: skip
         env = {"PREFECT_API_URL": self.api, "GRPOFLOW_API_KEY": KEY}
         return self._spawn(self.learner, f"train-{run_id}{'-resume' if resume else ''}", cmd, env=env)
@@ -176,7 +176,7 @@ class Cluster:
         for host in (self.learner, self.prefect, self.ray, self.server):
             for _, cmd in _processes(host) if host.alive else ():
                 busy_ray = cmd.startswith("ray::") and not cmd.startswith(NODE_DAEMONS)
-                if busy_ray or ("grpoflow.flows.cli train" in cmd and run_id in cmd):
+                if busy_ray or ("grpoflow.flows.cli.main train" in cmd and run_id in cmd):
                     out.append(f"{host.name}: {cmd[:60]}")
         return out
 

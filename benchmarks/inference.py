@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from grpoflow.flows.serve import start_server
+from grpoflow.flows.processes.serve import start_server
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.rollouts.inference import VLLMClient

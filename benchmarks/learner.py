@@ -502,7 +502,7 @@ def run_sharded(model_path: str, samples, v: dict, args, base: dict) -> dict:
     peak memory are this run's. Needs Ray and pydantic (the CPU machine's environment)."""
     import ray
 
-    from grpoflow.flows.cluster import ray_cluster
+    from grpoflow.flows.processes.cluster import ray_cluster
     from grpoflow.tasks.config.run import ScaleConfig
     from grpoflow.tasks.learner.distributed import DistributedLearner
     from grpoflow.tasks.learner.learner_api import LearnerRun

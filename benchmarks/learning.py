@@ -171,10 +171,10 @@ def run_leg(
 ) -> dict:
     """Train one leg in `store` and return it."""
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
+    from grpoflow.flows.cli.shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.prefect_api import owned_prefect_api
-    from grpoflow.flows.runs import new_run_id, prepare_model
+    from grpoflow.flows.processes.prefect_api import owned_prefect_api
+    from grpoflow.flows.training.runs import new_run_id, prepare_model
 
     sets = [f"storage.root={store}", f"run.seed={seed}"]
     cfg = load_config(config, sets)
@@ -239,7 +239,7 @@ def import_run(
 ) -> dict[str, Any]:
     """A finished grpoflow run's `steps` rows as the leg of `system`."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.runs import _import_path_of
+    from grpoflow.flows.training.runs import _import_path_of
     from grpoflow.storage.rollouts import RolloutStore
     from grpoflow.storage.sql import query
 

@@ -118,7 +118,7 @@ class CpuMeter:
 
 def step_prompts(cfg, tokenizer, rows, step: int) -> list[list[int]]:
     """Token ids of step `step`'s prompts, rendered exactly as tasks/rollouts/generate.py renders them."""
-    from grpoflow.flows.data import rows_for_step
+    from grpoflow.flows.training.data import rows_for_step
     from grpoflow.tasks.rollouts.templates import prompt_messages, render
 
     d = cfg.data
@@ -203,7 +203,7 @@ def samples_like_a_step(outputs) -> list:
 def raw_train(
     cfg, model_dir: Path, samples, repeats: int, url: str, root: Path, meter: CpuMeter
 ) -> list[dict[str, Any]]:
-    from grpoflow.flows.runs import RunState, build_learner
+    from grpoflow.flows.training.runs import RunState, build_learner
     from grpoflow.tasks.push.push import push_version, weight_push
     from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 
@@ -289,7 +289,7 @@ def main() -> None:
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.data import load_rows
+    from grpoflow.flows.training.data import load_rows
     from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-limits-"))

@@ -30,7 +30,7 @@ import shutil
 import statistics
 import tempfile
 
-from grpoflow.flows.serve import start_server
+from grpoflow.flows.processes.serve import start_server
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import push_version, weight_push

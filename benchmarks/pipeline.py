@@ -89,20 +89,20 @@ def main() -> None:
         help="task runs' INFO lines on the terminal, as `grpoflow train --verbose`",
     )
     args = ap.parse_args()
-    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
+    from grpoflow.flows.cli.shared import quiet_prefect_task_logs
 
     quiet_prefect_task_logs(not args.verbose)
 
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.runs import prepare_model
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.runs import prepare_model
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-bench-"))
     base = load_config(args.config, [f"storage.root={root}", *args.set])
     model = prepare_model(base)
     results = []
-    from grpoflow.flows.prefect_api import owned_prefect_api
+    from grpoflow.flows.processes.prefect_api import owned_prefect_api
 
     # As `grpoflow train` runs: its own temporary Prefect API server, task runs' INFO lines filtered.
     with owned_prefect_api(), serve(base, model, root / "vllm.log") as server:

@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from grpoflow.examples.envs import sum_rows
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
     from grpoflow.tasks.rollouts.inference import VLLMClient
     from grpoflow.tasks.rollouts.templates import load_tokenizer, prompt_messages, render
 

@@ -39,7 +39,7 @@ def main() -> None:
 
     import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.examples.envs import arith_rows
-    from grpoflow.flows.serve import inference_servers
+    from grpoflow.flows.processes.serve import inference_servers
     from grpoflow.tasks.config.inference import InferenceConfig
     from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
     from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet

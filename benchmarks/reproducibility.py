@@ -2,7 +2,7 @@
 
 Starts ONE vLLM server for both runs (the config's model: `model.path: tiny` builds the tiny model
 under the store root), puts the base weights back into it before each run, then trains run `repro-a`
-and run `repro-b` one after the other in this process (`flows.train.grpo_train`, same `run.seed`,
+and run `repro-b` one after the other in this process (`flows.training.train.grpo_train`, same `run.seed`,
 same store root), and compares what they wrote:
 
     .venv/bin/python benchmarks/reproducibility.py --config configs/tiny-letters.yaml
@@ -15,7 +15,7 @@ moments --kill-window A B seconds (default 4 14) after each launch and resumed a
 --root DIR keeps the store there (it must not hold runs `repro-a` / `repro-b` yet); without it a temp
 dir is used, removed at the end unless --keep.
 
-Then prints what `grpoflow compare repro-a repro-b` prints (flows/compare.py: each item identical,
+Then prints what `grpoflow compare repro-a repro-b` prints (flows/viewing/compare.py: each item identical,
 or its first difference) and a JSON line of the summary: {"rollouts_identical", "rollouts_total",
 "rewards_equal", "advantages_equal", "steps_equal", "weights_max_abs_diff", "weights_bitwise_equal",
 "environment_differences"}.
@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import time
 
-from grpoflow.flows.compare import report
+from grpoflow.flows.viewing.compare import report
 
 RUNS = ("repro-a", "repro-b")
 
@@ -55,12 +55,12 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
                 window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
     """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
     the second one SIGKILLed that many times and resumed."""
-    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
+    from grpoflow.flows.cli.shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.prefect_api import owned_prefect_api
-    from grpoflow.flows.runs import prepare_model
-    from grpoflow.flows.serve import start_server
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.processes.prefect_api import owned_prefect_api
+    from grpoflow.flows.processes.serve import start_server
+    from grpoflow.flows.training.runs import prepare_model
+    from grpoflow.flows.training.train import grpo_train
 
     quiet_prefect_task_logs()
     base = load_config(config, overrides)

@@ -5,7 +5,7 @@ Prints JSON lines:
   measured on --record-rows rows;
 - then one line per (rows per step, layout), the store as a run leaves it: `per-step` (compaction
   off: one file per step) or `compacted` (storage.compact_every = --compact-every, a background
-  compaction after every --checkpoint-every steps and at the end, as flows/train.py does):
+  compaction after every --checkpoint-every steps and at the end, as flows/training/train.py does):
   arrow_rows_per_s (atomic Parquet writes from Arrow columns), step_write_ms_* (one step's write on
   the loop: what a compaction running beside it costs the critical path), compact_seconds (the
   background compactions' total), wait_at_end_seconds (the last one, which the flow waits for),
@@ -101,7 +101,7 @@ def arrow_step(run_id: str, step: int, n: int, rng: np.random.Generator) -> pa.T
 def write_run(root: Path, run_id: str, rows: int, per_step: int, compact_every: int, ckpt_every: int) -> dict:
     """Write `rows` rows in steps of `per_step` as a run does: one atomic file per step, and (with
     `compact_every`) a background compaction of the closed steps after every `ckpt_every`-th step
-    (a checkpoint) and at the end, as flows/train.py does. The loop's time is the critical path."""
+    (a checkpoint) and at the end, as flows/training/train.py does. The loop's time is the critical path."""
     rng = np.random.default_rng(1)
     store = RolloutStore(root)
     compactor = BackgroundCompactor(root, run_id, compact_every)

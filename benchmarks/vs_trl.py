@@ -92,7 +92,7 @@ def trl_dataset(cfg, steps: int):
     """grpoflow's prompts for steps 0..N-1, in its order, as conversational rows (TRL: no shuffle)."""
     from datasets import Dataset
 
-    from grpoflow.flows.data import load_rows, rows_for_step
+    from grpoflow.flows.training.data import load_rows, rows_for_step
 
     rows = load_rows(cfg)
     d = cfg.data

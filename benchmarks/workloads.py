@@ -42,7 +42,7 @@ def run_steps(
 ) -> tuple[list[dict[str, Any]], float]:
     """`grpo-train` for `steps` steps against the server at `url`: its `steps` rows and wall seconds."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     cfg = load_config(
@@ -76,7 +76,7 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
     """The workload's store root, model dir (the tiny model is built once, seeded) and overrides; None,
     with a note, when the SmolLM2 model is missing."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.training.runs import prepare_model
 
     if name == "smollm2" and not (Path(smollm2_dir) / "config.json").is_file():
         print(f"# skipping smollm2: no model at {smollm2_dir} (pass --smollm2 DIR)", flush=True)
@@ -96,7 +96,7 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
 def serve(cfg, model: Path, log_path: Path):
     """The embedded vLLM server for `model`, sized by the config's inference section (with
     `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does)."""
-    from grpoflow.flows.serve import embedded_server
+    from grpoflow.flows.processes.serve import embedded_server
 
     lora = cfg.learner.lora
     return embedded_server(

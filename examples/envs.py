@@ -78,7 +78,7 @@ def sum_rows(n: int = 512, seed: int = 0, hi: int = 20, part: str = "train") -> 
     rows = []
     for i, (a, b) in enumerate(_sum_pairs(n, seed, hi, part)):
         # eval rows' ids differ from training rows' ids: an eval split drawn from `part: eval` leaves out
-        # of training exactly the rows with its ids (flows/data.py: split_rows)
+        # of training exactly the rows with its ids (flows/training/data.py: split_rows)
         rid = i if part == "train" else f"eval-{i}"
         rows.append(
             {"prompt": user(f"What is {a} + {b}? Reply with only the number."), "answer": a + b, "id": rid}

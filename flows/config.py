@@ -274,7 +274,9 @@ def _names_its_task(raw: dict[str, Any], path: str | Path) -> None:
     tiny demo's, which a user's model must never silently train on. `grpoflow train` with no config
     file still runs the demo."""
     tools = raw.get("tools") if isinstance(raw.get("tools"), dict) else {}
-    if tools.get("verifiers"):  # a verifiers environment brings its rows and rewards (flows/environments.py)
+    if tools.get(
+        "verifiers"
+    ):  # a verifiers environment brings its rows and rewards (flows/training/environments.py)
         return
     env = tools.get("environment")
     if not raw.get("rewards") and not env:  # an environment's get_reward() may be its reward
@@ -342,27 +344,15 @@ def where_searched(cfg: GRPOConfig, value: str) -> str:
 
 def check_imports(cfg: GRPOConfig) -> None:
     """Resolve every import path now, so a typo fails before any model is loaded (callables given
-    from Python are already resolved); an environment's get_reward() becomes a reward entry
-    (flows/environments.py)."""
+    from Python are already resolved). A run's environments, MCP servers and verifiers environment are
+    checked beside this, by `check_run` (flows/training/environments.py), which calls this first: the
+    config tree imports nothing of the flows that read it."""
     for i, r in enumerate(cfg.rewards):
         if isinstance(r.fn, str):
             resolve_import(r.fn, f"rewards[{i}].fn")
     for i, t in enumerate(cfg.tools.tools):
         if isinstance(t, str):
             resolve_import(t, f"tools.tools[{i}]")
-    if cfg.tools.environment is not None:
-        from grpoflow.flows.environments import check_environments, environment_rewards  # they import this
-
-        check_environments(cfg)
-        environment_rewards(cfg)  # an environment's get_reward(): a reward entry of its own
-    if cfg.tools.mcp:
-        from grpoflow.flows.environments import check_mcp
-
-        check_mcp(cfg)
-    if cfg.tools.verifiers is not None:
-        from grpoflow.flows.environments import check_verifiers
-
-        check_verifiers(cfg)  # its rewards: reward entries of their own
     if cfg.data.generator and not cfg.data.path and cfg.data.dataset is None and cfg.tools.verifiers is None:
         resolve_import(cfg.data.generator, "data.generator")
     if isinstance(cfg.warmup.examples, str):

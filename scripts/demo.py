@@ -38,13 +38,13 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-demo.yaml"), help="the demo's config")
     args = ap.parse_args()
 
-    from grpoflow.flows.cli_shared import quiet_prefect_task_logs
+    from grpoflow.flows.cli.shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.evaluate import grpo_evaluate
-    from grpoflow.flows.prefect_api import owned_prefect_api
-    from grpoflow.flows.runs import new_run_id
-    from grpoflow.flows.serve import inference_server
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.lineage.evaluate import grpo_evaluate
+    from grpoflow.flows.processes.prefect_api import owned_prefect_api
+    from grpoflow.flows.processes.serve import inference_server
+    from grpoflow.flows.training.runs import new_run_id
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     run_id = f"{Path(args.config).stem}-s{args.seed}-{new_run_id()[5:]}"

@@ -90,7 +90,7 @@ def main() -> None:
     if args.url:
         asyncio.run(record(args.url, Path(args.model)))
         return
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
     from grpoflow.tasks.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")

@@ -1,6 +1,6 @@
 """Sync reward and tool functions as Ray tasks (`executor: ray`), cut off at their caller's timeout.
 
-The process joins a cluster first (`flows.cluster.ray_cluster`); Ray is imported only here, inside
+The process joins a cluster first (`flows.processes.cluster.ray_cluster`); Ray is imported only here, inside
 the functions, so a run that sets no Ray field never imports it.
 """
 
@@ -44,7 +44,7 @@ def node_address() -> str:
 
 def _run(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
     """Worker side. An import path is resolved on the worker, as the process pool does: the module
-    comes from the job's runtime environment (flows/cluster.py), and nothing of the user's module
+    comes from the job's runtime environment (flows/processes/cluster.py), and nothing of the user's module
     state has to pickle. A callable given from Python travels by cloudpickle (by reference when its
     module is importable on the worker, by value otherwise, e.g. a closure)."""
     fn = import_object(target) if isinstance(target, str) else target

@@ -1,14 +1,14 @@
 """The units of work of one training step, each with one name.
 
 generate -> score (`rollout_batch`, task `rollout-batch`; the held-out split's: `eval-batch`), advantages
-(`assign_advantages`, tasks/advantages.py), update (`update`), persist (`persist`, task `persist-step`),
-push (`push_weights`, task `push-weights`), checkpoint (`save_checkpoint`, task `checkpoint`); `train_step`
-(task `train-step`) is the task run that records the learner's side of a step (update, persist, push) in
-the Prefect UI. How they run, as task runs or plain calls (`task.fn(...)`, as tests call them), is the
-flow's runner's choice (flows/runner.py). Each unit takes its own config sections (through `RolloutJob`,
-built once per run). Big objects (groups, the learner, the jobs) reach tasks wrapped in `quote(...)` so
-Prefect's argument walker never traverses token lists. A step's figures are one typed record,
-`StepRecord` (tasks/step_record.py).
+(`assign_advantages`, tasks/advantages.py), update (`update`), persist (`persist`, task `persist-step`), push
+(`push_weights`, task `push-weights`), checkpoint (`save_checkpoint`, task `checkpoint`); `train_step` (task
+`train-step`) is the task run that records the learner's side of a step (update, persist, push) in the Prefect
+UI. How they run, as task runs or plain calls (`task.fn(...)`, as tests call them), is the flow's runner's
+choice (flows/training/runner.py). Each unit takes its own config sections (through `RolloutJob`, built once
+per run). Big objects (groups, the learner, the jobs) reach tasks wrapped in `quote(...)` so Prefect's
+argument walker never traverses token lists. A step's figures are one typed record, `StepRecord`
+(tasks/step_record.py).
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def random_kill_drill(
     env = {**os.environ, **(env or {})}
     if step_sleep_s is not None:
         env[FAULTS_ENV] = ",".join(filter(None, [env.get(FAULTS_ENV), f"train:sleep={step_sleep_s}"]))
-    first = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", run_id, *set_args]
-    again = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", run_id, *set_args]
+    first = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--run-id", run_id, *set_args]
+    again = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--resume", run_id, *set_args]
     figures = {"kills": 0, "orphans": 0, "finished_early": 0, "kill_moments_s": [], "statuses_after_kill": []}
     t0 = time.perf_counter()
     started = False

@@ -1,6 +1,6 @@
 """A test-only reader of W&B's offline transaction logs (`<dir>/wandb/[offline-]run-*/run-<id>.wandb`),
 so that tests can check what the W&B tracker wrote. The format is W&B's private one: grpoflow itself
-never reads it (its W&B tracker keeps its own cursor, flows/tracking/wandb_tracker.py), and a wandb
+never reads it (its W&B tracker keeps its own cursor, flows/viewing/tracking/wandb_tracker.py), and a wandb
 release that changes it breaks these tests, not a run. `test_wandb_reader_agrees_with_wandbs_own`
 (tests/unit/test_tracking.py) checks it against wandb's own reader, `wandb leet inspect --json`."""
 

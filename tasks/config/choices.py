@@ -21,8 +21,8 @@ Device = Literal["auto", "cpu", "cuda"]
 SyncBackend = Literal["checkpoint", "lora", "lora_merged"]
 SyncTransport = Literal["auto", "path", "network"]
 
-# grpo-retrain's gate (flows/retrain.py) and `grpoflow retrain --metric`
+# grpo-retrain's gate (flows/lineage/retrain.py) and `grpoflow retrain --metric`
 GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]
 
-# run.report_to: the experiment trackers (flows/tracking/: one tracker class per name)
+# run.report_to: the experiment trackers (flows/viewing/tracking/: one tracker class per name)
 TRACKER_NAMES = ("tensorboard", "mlflow", "wandb")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpoflow.tasks.config.choices import Baseline, LossType, Scale
+from grpoflow.tasks.group_signal import is_flat, reward_std
 
 if TYPE_CHECKING:
     from grpoflow.tasks.config.algorithm import AlgorithmConfig
@@ -21,28 +22,6 @@ if TYPE_CHECKING:
 # One reward function's share of a completion's reward: (weight, its own valid value or None when the
 # cell is invalid, whether imputed or not).
 Part = tuple[float, float | None]
-
-
-def _std(xs: list[float]) -> float:
-    # Unbiased (n-1) std, like torch.std and TRL: with G=2 the population std halves the signal's scale.
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
-# A group's rewards count as all equal when their std is within this fraction of their magnitude:
-# rewards computed by float arithmetic differ in their last bits (0.1 + 0.2 vs 0.3: a std of ~3e-17),
-# which `std == 0` misses and `group` scaling would blow up into advantages of ~1e-13 that no longer
-# compare equal to 0.
-ZERO_STD_RTOL = 1e-6
-
-
-def _flat(xs: list[float], std: float) -> bool:
-    return std <= ZERO_STD_RTOL * max(1.0, max(abs(x) for x in xs))
-
-
-def has_signal(valid_rewards: list[float]) -> bool:
-    """Whether a group's valid rewards can teach anything: at least two, not all equal (the same test
-    as `group_advantages`' zero std). DAPO's dynamic sampling keeps the groups that have it."""
-    return len(valid_rewards) >= 2 and not _flat(valid_rewards, _std(valid_rewards))
 
 
 def group_advantages(
@@ -61,8 +40,8 @@ def group_advantages(
     group with fewer than 2 valid completions trains nothing. The baseline b is the group's mean valid
     reward (`group_mean`) or the mean of the other valid rewards (`leave_one_out`, RLOO). `group`:
     (r - b) / (std_g + eps); `batch`: (r - b) / (std over all valid rewards of the batch + eps);
-    `none`: r - b. A group whose std is within ZERO_STD_RTOL of its magnitude has zero std: advantages
-    exactly 0, and with `filter_zero_std` it trains nothing.
+    `none`: r - b. A group whose std is within ZERO_STD_RTOL (tasks/group_signal.py) of its magnitude
+    has zero std: advantages exactly 0, and with `filter_zero_std` it trains nothing.
 
     `parts` (per group, None or per completion, per reward function: (weight, own valid value or None)) makes
     leave_one_out leave each function out separately, so a value imputed from the group's other samples
@@ -74,14 +53,14 @@ def group_advantages(
         for rs, vs in zip(rewards, valid, strict=True)
     ]
     all_valid = [r for g in groups_valid for r in g]
-    batch_std = _std(all_valid) if len(all_valid) > 1 else 0.0
+    batch_std = reward_std(all_valid) if len(all_valid) > 1 else 0.0
     advs, masks = [], []
     too_few = zero_std = trained = 0
     for gi, (rs, vs, good) in enumerate(zip(rewards, valid, groups_valid, strict=True)):
         use = len(good) >= 2
         too_few += not use
-        std = _std(good) if use else 0.0
-        flat = use and _flat(good, std)
+        std = reward_std(good) if use else 0.0
+        flat = use and is_flat(good, std)
         if flat and filter_zero_std:
             use = False
             zero_std += 1

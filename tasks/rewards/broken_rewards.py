@@ -1,7 +1,7 @@
 """A reward broken on a whole batch: it failed (raised, timed out, returned the wrong number of values)
-on every completion, which is a bug in the function or its config, not data to mask. `broken_rewards`
-names each one with its first traceback and, where the completions' form looks like the cause, what to
-set; the flow stops a run on a required one (`BrokenRewardError`, flows/step_close.py: RewardWatch)."""
+on every completion, which is a bug in the function or its config, not data to mask. `broken_rewards` names
+each one with its first traceback and, where the completions' form looks like the cause, what to set; the flow
+stops a run on a required one (`BrokenRewardError`, flows/training/step_close.py: RewardWatch)."""
 
 from __future__ import annotations
 

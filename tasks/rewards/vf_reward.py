@@ -2,7 +2,7 @@
 
 verifiers scores each episode itself (its task's `@vf.reward` methods, plugged rewards and judges) and
 records the scores on the episode's trace. Each reward is an entry of the run's `rewards` with
-`fn: VERIFIERS_REWARD`, its name and weight (flows/environments.py: `check_verifiers` adds them), and
+`fn: VERIFIERS_REWARD`, its name and weight (flows/training/environments.py: `check_verifiers` adds them), and
 each rollout's cell is read from its episode's `VerifiersOutcome`, never called:
 
 - a recorded score is `valid` (or `invalid` when NaN/inf);

@@ -3,10 +3,10 @@ scale", section 3.2): a step keeps generating further prompts until it holds `pr
 whose valid rewards differ, since a group whose samples all score the same has zero advantage and
 teaches nothing.
 
-The data cursor stays a pure function of the step: round 0 is the step's own rows
-(flows/data.py: rows_for_step); round r > 0 draws rows from a stream seeded by (seed, step, r), and its
-groups get prompt indices in a space of their own (`EXTRA_BASE` + ...), so their sampling seeds and
-group ids never meet a cursor position, and a resume that redoes the step draws the same rows.
+The data cursor stays a pure function of the step: round 0 is the step's own rows (flows/training/data.py:
+rows_for_step); round r > 0 draws rows from a stream seeded by (seed, step, r), and its groups get prompt
+indices in a space of their own (`EXTRA_BASE` + ...), so their sampling seeds and group ids never meet a
+cursor position, and a resume that redoes the step draws the same rows.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpoflow.storage.records import RolloutGroup
-from grpoflow.tasks.learner.grpo import has_signal
+from grpoflow.tasks.group_signal import has_signal
 
 EXTRA_BASE = 1_000_000_000  # prompt indices of further rounds' groups start here (cursor positions never do)
 MAX_ROUNDS = 128  # rounds per step the index space holds (AlgorithmConfig.max_sampling_rounds <= 100)

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start."""
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     handle = start_server(
@@ -44,7 +44,7 @@ def chaos_store(vllm_server, tiny_model_dir, prefect_api, tmp_path_factory):
     from pathlib import Path
 
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     root = tmp_path_factory.mktemp("chaos")
     cfg = load_config(
@@ -98,7 +98,7 @@ def gemma3_server(tiny_gemma3_dir, tmp_path_factory):
 
 def _lora_server(model_dir, tmp_path_factory, log_name: str):
     """A real server of `model_dir` started as a LoRA run's are (adapters up to rank 64), stopped after."""
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
 
     log = tmp_path_factory.mktemp("logs") / log_name
     handle = start_server(model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from grpoflow.flows.cluster import runtime_env
+from grpoflow.flows.processes.cluster import runtime_env
 from tests.integration.test_distributed import batch, saved_weights, sharded, single, weights
 
 

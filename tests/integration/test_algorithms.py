@@ -20,7 +20,7 @@ def _reward_curve(root) -> list[float]:
 
 @pytest.mark.slow
 def test_two_passes_per_batch_clip_in_sql_and_still_learn(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     # Pinned: seed 0 with run.reproducible: the same bits every run, so the clip and the reward's rise
     # asserted below depend on no timing.
@@ -52,7 +52,7 @@ def test_two_passes_per_batch_clip_in_sql_and_still_learn(tmp_path, vllm_server,
 def test_cispo_leave_one_out_seq_tis_in_mini_batches(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     # Every new option at once, for 3 steps: each step takes 2 optimizer steps, and the advantages the
     # store holds are the leave-one-out ones: (r - mean of the group's other valid rewards) / (std + 1e-4).
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     sets = {
         "run.steps": 3,
@@ -88,8 +88,8 @@ def test_dynamic_sampling_and_overlong_filtering_through_the_server(
     """DAPO's dynamic sampling with a reward that gives rows whose id is not a multiple of 3 no spread
     (0.0 whatever the model writes): those groups always drop for zero variance, so a step whose own
     rows include one always generates a further round, from the rows (seed, step, round) fix."""
-    from grpoflow.flows.data import rows_for_step
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.data import rows_for_step
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.rollouts.sampling import EXTRA_BASE, MAX_ROUNDS, NO_SIGNAL, STEP_FULL, DynamicSampling
 
     per_step, steps, rounds = 4, 2, 3
@@ -101,7 +101,7 @@ def test_dynamic_sampling_and_overlong_filtering_through_the_server(
     }  # fmt: skip
     cfg = tiny_cfg(tmp_path, tiny_model_dir, vllm_server.url, **sets)
     grpo_train(config=cfg)
-    from grpoflow.flows.data import load_rows, split_rows
+    from grpoflow.flows.training.data import load_rows, split_rows
 
     rows = split_rows(cfg, load_rows(cfg))[0]  # the training rows, as the run draws from
     ds = DynamicSampling(rows, per_step, cfg.run.seed, rounds)

@@ -34,7 +34,7 @@ def base_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 def _train(tmp_path, model_dir, url, rows, run_id, **sets):
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     data = tmp_path / f"{run_id}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

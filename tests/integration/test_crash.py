@@ -59,7 +59,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", "run.steps=50"]
     set_args = [a for s in sets for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", "orphan", *set_args]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--run-id", "orphan", *set_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     pid_file = tmp_path / "pids" / "vllm-orphan.json"
     seen: list[int] = []
@@ -88,7 +88,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_resumes(tmp_path, tiny_mod
             proc.kill()
     meta = json.loads((tmp_path / "runs" / "orphan.json").read_text())
     assert run_status(meta) == "interrupted"
-    resume = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", "orphan", *set_args]
+    resume = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--resume", "orphan", *set_args]
     resume += ["--set", f"inference.url={vllm_server.url}", "--set", "run.steps=2"]
     out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

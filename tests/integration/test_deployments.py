@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.launch import free_port, is_healthy
+from grpoflow.flows.processes.launch import free_port, is_healthy
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.storage.rollouts import RolloutStore
 from tests.support import need_browser, wait_for
@@ -190,7 +190,7 @@ def cancel_from_the_ui(api, env, procs, tmp_path, tiny_model_dir, vllm_server) -
     finally:
         kill_tree(server)
     assert run_status(json.loads((store / "runs" / "cancelme.json").read_text())) == "cancelled"
-    resume = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", "cancelme", "--set", f"storage.root={store}",
+    resume = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--resume", "cancelme", "--set", f"storage.root={store}",
               "--set", f"model.path={tiny_model_dir}", "--set", f"inference.url={vllm_server.url}",
               "--set", "run.steps=2"]  # fmt: skip
     out = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -37,7 +37,7 @@ def learner_run(model_dir) -> LearnerRun:
 def cluster():
     """A local Ray for this module's ranks (2 CPUs: one per rank)."""
     pytest.importorskip("ray")
-    from grpoflow.flows.cluster import ray_cluster
+    from grpoflow.flows.processes.cluster import ray_cluster
     from grpoflow.tasks.config.run import ScaleConfig
 
     with ray_cluster(ScaleConfig(ray_address="local", num_cpus=2)) as c:

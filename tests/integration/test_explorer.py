@@ -117,7 +117,7 @@ def _live_step(root: Path, step: int) -> None:
 def explorer(chaos_store, tmp_path):
     root = tmp_path / "store"
     shutil.copytree(chaos_store[0], root)
-    proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli", "ui", "--root", str(root), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli.main", "ui", "--root", str(root), "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         line = proc.stdout.readline()

@@ -74,7 +74,7 @@ def test_pushing_every_two_steps_under_a_slow_learner_trains_every_batch(
     batches of steps 2 and 4 start under weights 2 steps old, within the bound max_staleness +
     sync_every - 1 = 2, so every batch is trained; the steps' staleness and the rollouts' column are
     one number (training steps between the generating policy and the trained one)."""
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     monkeypatch.setenv("GRPOFLOW_FAULTS", "train:sleep=0.5")
     steps = 6

@@ -65,7 +65,7 @@ def gemma3_base(gemma3_server, tmp_path_factory):
 def gemma3_run(gemma3_server, tiny_gemma3_dir, prefect_api, tmp_path_factory):
     """A base-model run: STEPS steps on plain-text prompts, full weights pushed after every step
     (`checkpoint` backend), on-policy (staleness 0), a checkpoint at its last step."""
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     root = tmp_path_factory.mktemp("gemma3-run")
     data = root / "questions.jsonl"
@@ -103,7 +103,7 @@ def test_gemma3_trains_on_plain_text_prompts_with_one_bos_and_its_own_numerics(g
 
 def test_the_server_serves_the_runs_last_weights_and_the_export_is_a_gemma3_model(gemma3_run, gemma3_server,
                                                                                   tmp_path):  # fmt: skip
-    from grpoflow.flows.export import export_checkpoint
+    from grpoflow.flows.lineage.export import export_checkpoint
 
     root, _ = gemma3_run
     exported = export_checkpoint(root, "g3", tmp_path / "export")

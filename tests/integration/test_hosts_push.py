@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpoflow.flows.serve import upload_dir_of
+from grpoflow.flows.processes.serve import upload_dir_of
 from grpoflow.storage.sql import query
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from tests.hosts import Host
@@ -50,7 +50,7 @@ class Remote:
         """Start `grpoflow serve` there (as a machine's service manager would at boot); wait for it."""
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own Prefect API
         env |= {"PREFECT_HOME": str(self.root / "prefect-home"), "GRPOFLOW_API_KEY": KEY}
-        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir),
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "serve", "--model", str(tiny_model_dir),
                "--lora-rank", "8", "--host", self.host.address, "--port", str(PORT), "--root", str(self.root)]  # fmt: skip
         with open(self.root / "serve.log", "ab") as log:  # the server keeps its own descriptor
             proc = self.host.run(
@@ -93,7 +93,7 @@ def train(store: Path, run_id: str, url: str, *extra: str, resume: bool = False,
     cmd = [
         sys.executable,
         "-m",
-        "grpoflow.flows.cli",
+        "grpoflow.flows.cli.main",
         "train",
         *(["--resume"] if resume else ["--run-id"]),
         run_id,
@@ -148,7 +148,7 @@ def test_a_lora_run_sends_its_adapters_to_a_server_that_cannot_read_the_store(re
     assert gap(merged, served(url, f"far-lora@v{STEPS}")) < 1e-3
     # Promotion into the live server, as a LoRA lineage: the checkpoint's adapter goes over the network
     # too, and the lineage's name serves it.
-    from grpoflow.flows.promote import checkpoint_version, promote
+    from grpoflow.flows.lineage.promote import checkpoint_version, promote
     from grpoflow.tasks.config.inference import InferenceConfig
 
     candidate = checkpoint_version(store, "far-lora")
@@ -250,7 +250,7 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     on the local server and the run goes on; the host comes back, its server starts, and the run's
     reviver sends it the served version over the network before it rejoins."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.rollouts.replicas import ReplicaSet
 
     store, steps = remote.store, STEPS

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.launch import is_healthy
+from grpoflow.flows.processes.launch import is_healthy
 from grpoflow.storage.sql import query
 from tests.hosts import Host, ray_node
 from tests.integration.test_distributed import WEIGHT_ATOL
@@ -246,9 +246,9 @@ def test_a_run_whose_prefect_server_host_dies_trains_every_step_and_exits(
 ):
     """Last: it kills the second host (the Prefect server and a Ray worker). `grpoflow train` on the
     learner's host, its Prefect API that host's, loses it after its first step: every step is trained and
-    stored exactly once, and the command exits 0, saying that Prefect recorded neither the flow run's end
-    nor its last logs and events, instead of retrying each of them for hours (flows/prefect_api.py)."""
-    from grpoflow.flows.prefect_api import EXIT_DRAIN_S
+    stored exactly once, and the command exits 0, saying that Prefect recorded neither the flow run's end nor
+    its last logs and events, instead of retrying each of them for hours (flows/processes/prefect_api.py)."""
+    from grpoflow.flows.processes.prefect_api import EXIT_DRAIN_S
     from grpoflow.storage.rollouts import RolloutStore
 
     learner, worker, _ = three_hosts

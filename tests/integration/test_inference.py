@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpoflow.flows.launch import ServerStartError
-from grpoflow.flows.serve import start_server
+from grpoflow.flows.processes.launch import ServerStartError
+from grpoflow.flows.processes.serve import start_server
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import push_version, weight_push
 from grpoflow.tasks.push.weights import save_weights
@@ -127,7 +127,7 @@ async def test_too_long_prompt_is_a_400_with_the_servers_message(vllm_server):
 
 
 async def test_server_not_started_gives_a_clear_error_quickly():
-    from grpoflow.flows.launch import free_port
+    from grpoflow.flows.processes.launch import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     async with VLLMClient(url, retries=2, backoff_s=0.05) as c:

@@ -65,7 +65,7 @@ def _get(url: str) -> str:
 @pytest.fixture(scope="module")
 def smollm2_lora_server(tmp_path_factory):
     """SmolLM2-135M-Instruct served as a LoRA run's embedded server is (adapters up to rank 16)."""
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
 
     model = REPO / "models" / "smollm2-135m"
     if not (model / "config.json").is_file():
@@ -163,7 +163,7 @@ def test_a_trl_project_on_smollm2_every_cell_valid_and_what_rewards_log_stored(
     from transformers import AutoTokenizer
 
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     pytest.importorskip("math_verify")
     system = "Think inside <think></think> tags, then give only the answer in \\boxed{}."
@@ -220,7 +220,7 @@ def test_a_lora_run_against_a_server_without_lora_fails_before_its_first_step(
     sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
             "run.steps=2", "learner.lora={rank: 8}"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", "no-lora", *[a for s in sets for a in ("--set", s)]],
+        [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--run-id", "no-lora", *[a for s in sets for a in ("--set", s)]],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
     )  # fmt: skip

@@ -105,8 +105,8 @@ def test_a_lora_retrain_is_promoted_and_rolled_back_beside_another_lineage(
 ):
     from transformers import AutoTokenizer
 
-    from grpoflow.flows.promote import checkpoint_version, rollback
-    from grpoflow.flows.retrain import grpo_retrain
+    from grpoflow.flows.lineage.promote import checkpoint_version, rollback
+    from grpoflow.flows.lineage.retrain import grpo_retrain
     from grpoflow.tasks.push.lora_serve import internal_name
 
     url, tok = lora_server.url, AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -93,7 +93,7 @@ async def test_a_server_without_a_method_answers_so(vllm_server):
 
 def test_a_lora_merged_run_serves_its_last_adapter_merged(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     steps = 3

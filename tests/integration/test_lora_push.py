@@ -109,7 +109,7 @@ def test_grpo_evaluate_scores_a_lora_checkpoint_as_its_base_with_the_adapter(
     """A LoRA run's checkpoint holds an adapter, not a model: evaluation loads it through the lora
     push (here into a caller's eval server) and its requests name it."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.evaluate import grpo_evaluate
+    from grpoflow.flows.lineage.evaluate import grpo_evaluate
     from grpoflow.storage.checkpoints import CheckpointStore
     from grpoflow.storage.sql import query
     from grpoflow.tasks.learner.lora import write_adapter

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
-from grpoflow.flows.launch import free_port
+from grpoflow.flows.config import ConfigError, GRPOConfig
+from grpoflow.flows.processes.launch import free_port
+from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.config.rollouts import McpServerConfig, ToolsConfig
 from tests.support import REPO, wait_for
 from tests.unit.scripted import scripted_groups, tool_call
@@ -112,24 +113,24 @@ def test_bad_mcp_servers_fail_before_the_first_step_naming_the_field(http_server
     def cfg(server: dict, **tools) -> GRPOConfig:
         return GRPOConfig.model_validate({"tools": {"mcp": [server], **tools}})
 
-    check_imports(cfg({"name": "calc", "url": http_server}))  # reachable, no clash
+    check_run(cfg({"name": "calc", "url": http_server}))  # reachable, no clash
     with pytest.raises(
         ConfigError, match=r"tools.mcp\[0\] \(calc\): its tool 'add' has the name of tools.tools\[0\]'s"
     ):
-        check_imports(cfg({"name": "calc", "url": http_server}, tools=[f"{__name__}:add"]))
+        check_run(cfg({"name": "calc", "url": http_server}, tools=[f"{__name__}:add"]))
     dead = f"http://127.0.0.1:{free_port()}/mcp"
     with pytest.raises(ConfigError, match=rf"tools.mcp\[0\] \(gone\): cannot list the tools of {dead}: "):
-        check_imports(cfg({"name": "gone", "url": dead}))
+        check_run(cfg({"name": "gone", "url": dead}))
     with pytest.raises(ValueError, match="set exactly one of url"):
         cfg({"name": "both", "url": http_server, "command": STDIO})
     # a worker-started run: a URL its worker allows, a stdio server only as `python -m <allowed module>`
     monkeypatch.setenv("GRPOFLOW_ALLOWED_SERVERS", "http://127.0.0.1:1")
     with pytest.raises(ConfigError, match=r"tools.mcp\[0\] \(calc\): .* is not in GRPOFLOW_ALLOWED_SERVERS"):
-        check_imports(cfg({"name": "calc", "url": http_server}))
+        check_run(cfg({"name": "calc", "url": http_server}))
     with pytest.raises(
         ConfigError, match=r"module 'tests.integration.mcp_server' is not in GRPOFLOW_ALLOWED_MODULES"
     ):
-        check_imports(cfg({"name": "t", "command": STDIO}))
+        check_run(cfg({"name": "t", "command": STDIO}))
     monkeypatch.delenv("GRPOFLOW_ALLOWED_SERVERS")
     # without the extra: one line that names it
     import grpoflow.tasks.rollouts.mcp_tools as m
@@ -142,4 +143,4 @@ def test_bad_mcp_servers_fail_before_the_first_step_naming_the_field(http_server
         ConfigError,
         match=r"tools.mcp\[0\] \(calc\): tools.mcp needs the 'mcp' package: pip install 'grpoflow\[mcp\]'",
     ):
-        check_imports(cfg({"name": "calc", "url": http_server}))
+        check_run(cfg({"name": "calc", "url": http_server}))

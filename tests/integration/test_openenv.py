@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.launch import ServerHandle, free_port
+from grpoflow.flows.processes.launch import ServerHandle, free_port
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.config.rollouts import ToolsConfig
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD
@@ -176,7 +176,7 @@ def test_a_short_run_on_the_real_server_scores_with_the_environments_reward(
 ):
     """No reward function and no wrapper: the config names the server; every rollout a session."""
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
 
     config = tmp_path / "echo.yaml"

@@ -1,12 +1,12 @@
 """Flow runs that a Prefect API still shows Running after their run ended while that API's server was
-down (flows/prefect_api.py: settle_flow_runs, which `grpoflow train` calls against a configured API):
+down (flows/processes/prefect_api.py: settle_flow_runs, which `grpoflow train` calls against a configured API):
 set from the store's record, on the real Prefect API (the session's ephemeral server)."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpoflow.flows.prefect_api import settle_flow_runs
+from grpoflow.flows.processes.prefect_api import settle_flow_runs
 from grpoflow.storage.rollouts import RolloutStore
 
 pytestmark = pytest.mark.integration

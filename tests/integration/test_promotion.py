@@ -24,7 +24,7 @@ PROMPTS = ["Write a word like cat with many letters a.", "Write a word like bana
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir, tmp_path_factory):
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
 
     log = tmp_path_factory.mktemp("live") / "vllm.log"
     handle = start_server(
@@ -56,8 +56,8 @@ def test_promote_reject_rollback_on_a_live_server(
 ):
     from transformers import AutoTokenizer
 
-    from grpoflow.flows import cli
-    from grpoflow.flows.retrain import grpo_retrain
+    from grpoflow.flows.cli import main as cli
+    from grpoflow.flows.lineage.retrain import grpo_retrain
     from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 

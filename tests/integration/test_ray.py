@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
     scoped: a session-long one would keep later tests, whose flows start a Ray of their own, from
     connecting."""
     pytest.importorskip("ray")
-    from grpoflow.flows.cluster import ray_cluster
+    from grpoflow.flows.processes.cluster import ray_cluster
 
     project = tmp_path_factory.mktemp("project")
     (project / "config.yaml").write_text(CONFIG)
@@ -209,7 +209,7 @@ def test_modules_beside_the_config_reach_the_workers(cluster):
 CHILD = """
 import sys, time
 import ray
-from grpoflow.flows.cluster import ray_cluster
+from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.tasks.config.run import ScaleConfig
 
 with ray_cluster(ScaleConfig(ray_address="local", num_cpus=1, object_store_mb=100)) as c:

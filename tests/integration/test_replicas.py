@@ -78,7 +78,7 @@ def test_two_replicas_survive_a_sigkill_and_the_killed_one_rejoins(
     tmp_path, tiny_model_dir, prefect_api, monkeypatch
 ):
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     sets = [
         f"storage.root={tmp_path}",

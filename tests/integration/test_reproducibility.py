@@ -1,6 +1,6 @@
 """Reruns reproduce, bit for bit, on the real vLLM server: the same config and seed trained twice give
 the same rollouts (token ids and vLLM's logprobs), reward cells, advantages, `steps` metrics (times
-aside) and final weights (flows/compare.py, what `grpoflow compare` prints). On-policy runs reproduce
+aside) and final weights (flows/viewing/compare.py, what `grpoflow compare` prints). On-policy runs reproduce
 as they are; runs that generate ahead (max_staleness 2) with run.reproducible, with tools and an
 environment, also when the second one is SIGKILLed mid-run and resumed.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.compare import identical, report
 from grpoflow.flows.config import load_config
+from grpoflow.flows.viewing.compare import identical, report
 from tests.support import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -37,7 +37,7 @@ def _same(root: Path, a: str, b: str) -> dict:
 
 
 def test_an_on_policy_run_trained_twice_is_the_same_bits(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=4", "algorithm.max_staleness=0")
     for run in ("a", "b"):
@@ -63,7 +63,7 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
                  "algorithm.max_staleness=2", "run.reproducible=true", "learner.torch_threads=1")  # fmt: skip
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train"]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train"]
 
     def train(*more: str, faults: str | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([*cmd, *more, *args], cwd=REPO, capture_output=True, text=True, timeout=600,

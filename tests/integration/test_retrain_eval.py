@@ -20,8 +20,8 @@ def always_fails(completions: list[str], **_) -> list[float]:
 
 
 def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from grpoflow.flows.analyze import rollout_sql
-    from grpoflow.flows.retrain import grpo_retrain
+    from grpoflow.flows.lineage.retrain import grpo_retrain
+    from grpoflow.flows.viewing.analyze import rollout_sql
 
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
         f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
@@ -45,7 +45,7 @@ def test_retrain_twice_then_evaluate_and_query(tmp_path, vllm_server, tiny_model
     assert 0.0 <= second["eval"]["pass_rate"] <= 1.0 and second["eval"]["completions"] == 32
 
     # greedy: one completion per prompt at temperature 0 (the training config itself refuses 0)
-    from grpoflow.flows.evaluate import grpo_evaluate
+    from grpoflow.flows.lineage.evaluate import grpo_evaluate
 
     greedy = grpo_evaluate(config=cfg, run_id="nightly", prompts=4, greedy=True, server_url=vllm_server.url)
     assert greedy["completions"] == 4 and cfg.generation.temperature > 0

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from grpoflow.flows.launch import free_port, is_healthy
+from grpoflow.flows.processes.launch import free_port, is_healthy
 from grpoflow.storage.processes import group_members, kill_tree
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
@@ -56,7 +56,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), GRPOFLOW_API_KEY=key)
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli", "serve", "--model", str(tiny_model_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "grpoflow.flows.cli.main", "serve", "--model", str(tiny_model_dir),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_for(healthy_while_running(url, proc), 400, "the server's first start", interval_s=0.5)
@@ -122,7 +122,7 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
     import threading
 
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.rollouts import RolloutStore
 
     model = tmp_path / "embedded-model"  # a unique path, so pgrep finds only this run's server

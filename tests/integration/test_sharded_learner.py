@@ -29,7 +29,7 @@ def ranks_alive() -> list[int]:
 
 
 def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     # Pinned: seed 0 with run.reproducible (generation and its versions depend on no timing; two gloo
     # ranks sum their gradients in a fixed order), so the rise asserted below is the same every run.

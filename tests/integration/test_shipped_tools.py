@@ -19,12 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_counter_env_config_stores_tool_calls_after_its_warm_up(
     tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
-    from grpoflow.flows.data import load_rows
-    from grpoflow.flows.runs import prepare_model
-    from grpoflow.flows.train import grpo_train
-    from grpoflow.tasks.learner.warmup import PromptRenderer
+    from grpoflow.flows.training.data import load_rows
+    from grpoflow.flows.training.runs import prepare_model
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.rollouts.templates import load_tokenizer, render
     from grpoflow.tasks.rollouts.tools import HermesToolParser
+    from grpoflow.tasks.warmup import PromptRenderer
 
     cfg = load_config(
         REPO / "configs" / "tiny-counter-env.yaml",
@@ -60,7 +60,7 @@ def test_the_dict_form_shows_each_rows_rollouts_only_its_environments_tools(
     its rollouts' stored prompts name only its tools, and each scores with its own get_reward()."""
     import json
 
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Task {i}."}], "id": i,

@@ -34,7 +34,7 @@ def smollm2_model_dir():
 
 @pytest.mark.slow
 def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2_model_dir, prefect_api):
-    from grpoflow.flows.serve import start_server
+    from grpoflow.flows.processes.serve import start_server
 
     config = REPO / "configs" / "smollm2-tools.yaml"
     sets = [f"storage.root={tmp_path}", f"model.path={smollm2_model_dir}", f"run.steps={STEPS}",
@@ -50,8 +50,8 @@ def test_smollm2_tool_rollouts_parse_align_store_and_reproduce(tmp_path, smollm2
 
 
 def _train_and_check(config, sets, smollm2_model_dir, tmp_path):
-    from grpoflow.flows.compare import identical, report
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
+    from grpoflow.flows.viewing.compare import identical, report
     from grpoflow.tasks.rollouts.templates import load_tokenizer
 
     cfg = load_config(config, [*sets, "run.run_id=smol-tools"])

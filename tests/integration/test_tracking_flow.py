@@ -118,7 +118,7 @@ def test_trackers_hold_the_steps_table_through_a_kill_and_a_dead_mlflow_server(
 
     def train(*args: str, faults: str = "") -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "grpoflow.flows.cli", "train", *args, *[a for s in sets for a in ("--set", s)]],
+            [sys.executable, "-m", "grpoflow.flows.cli.main", "train", *args, *[a for s in sets for a in ("--set", s)]],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**env, "GRPOFLOW_FAULTS": faults} if faults else env,
         )  # fmt: skip

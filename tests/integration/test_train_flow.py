@@ -58,7 +58,7 @@ def step_files(root: Path, table: str, run_id: str) -> list[int]:
 
 @pytest.mark.slow
 def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_model_dir, prefect_api):
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     # Pinned: tiny-letters at seed 0 with run.reproducible, so this curve is the same bits every run
     # (the reward's rise asserted below depends on no timing).
@@ -128,7 +128,7 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
     assert len(lines) == steps and all(x.startswith("wrote rollouts + rewards in ") for x in lines), lines[:2]
     assert "; trained " in lines[0] and f"; pushed version {steps} in " in " ".join(lines)
     # grpoflow report on this finished run: the plotted reward curve is the SQL one
-    from grpoflow.flows.report import write_report
+    from grpoflow.flows.viewing.report import write_report
 
     data = json.loads((write_report(tmp_path, "up") / "report.json").read_text())
     assert [r for _, r in data["reward_curve"]] == pytest.approx([r[1] for r in rows])
@@ -137,7 +137,7 @@ def test_reward_goes_up_and_store_is_contiguous(tmp_path, vllm_server, tiny_mode
 def test_without_step_task_runs_the_same_work_lands(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """run.step_task_runs off: no task run per step (a checkpoint and the first push still are one),
     every table whole, the pipeline ahead as usual (its batches on threads of the flow run)."""
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     steps = 4
     sets = {
@@ -165,9 +165,9 @@ def _losses(root: Path, run_id: str) -> list[float]:
 
 def test_staleness_zero_equals_plain_synchronous_loop(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     """max_staleness 0 through the pipelined flow == a plain generate -> score -> train -> push loop."""
-    from grpoflow.flows.data import load_rows, rows_for_step
-    from grpoflow.flows.runs import RunState, build_learner, rollout_job
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.data import load_rows, rows_for_step
+    from grpoflow.flows.training.runs import RunState, build_learner, rollout_job
+    from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.advantages import assign_advantages
     from grpoflow.tasks.push.push import weight_push
     from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
@@ -221,7 +221,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
     ]
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     set_args = [a for s in sets for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--run-id", run_id, *set_args]
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--run-id", run_id, *set_args]
     try:
         killed = subprocess.run(
             cmd, cwd=REPO, env={**env, "GRPOFLOW_FAULTS": KILL_DRILL[point]},
@@ -234,7 +234,7 @@ def test_sigkill_at_each_point_then_resume_has_every_step_once(
         _, rows = query(tmp_path, "SELECT step, count(*) FROM rollouts GROUP BY step")
         assert all(n == per_step * 8 for _, n in rows)
 
-        resume_cmd = [sys.executable, "-m", "grpoflow.flows.cli", "train", "--resume", run_id, *set_args]
+        resume_cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train", "--resume", run_id, *set_args]
         resumed = subprocess.run(resume_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert not _paused(vllm_server.url)  # a kill mid-push left it paused: the resumed run released it

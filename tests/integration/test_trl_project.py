@@ -50,7 +50,7 @@ def test_a_broken_trl_reward_stops_the_run_loudly_and_resumes_once_fixed(
 
     def train(reward_sets: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "grpoflow.flows.cli", "train", *args, *[a for s in [*sets, reward_sets] for a in ("--set", s)]],
+            [sys.executable, "-m", "grpoflow.flows.cli.main", "train", *args, *[a for s in [*sets, reward_sets] for a in ("--set", s)]],
             cwd=REPO, capture_output=True, text=True, timeout=600,
             env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip

@@ -37,7 +37,7 @@ def test_train_with_a_users_own_reward_tool_and_data_beside_the_config(
     cmd = [
         sys.executable,
         "-m",
-        "grpoflow.flows.cli",
+        "grpoflow.flows.cli.main",
         "train",
         "--config",
         "../proj/cfg.yaml",

@@ -30,7 +30,7 @@ def vf_packages(monkeypatch):
 
 def _train(tmp_path, run_id: str, block: dict, *, model: str, server: str, steps: int = 1, template=None):
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.train import grpo_train
+    from grpoflow.flows.training.train import grpo_train
 
     config = tmp_path / f"{run_id}.yaml"
     config.write_text(f"""

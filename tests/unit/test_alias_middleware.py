@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpoflow.flows.launch import PLUGINS
+from grpoflow.flows.processes.launch import PLUGINS
 
 pytestmark = pytest.mark.unit
 
@@ -164,7 +164,7 @@ def test_models_lists_each_alias_as_its_targets_card(alias):
 
 
 def test_every_server_grpoflow_starts_carries_it_inside_the_key_check():
-    from grpoflow.flows.serve import server_command
+    from grpoflow.flows.processes.serve import server_command
 
     for key in (None, "k"):
         cmd, _, _ = server_command("m", python="py", port=9, api_key=key, lora_rank=None)
@@ -180,7 +180,7 @@ def test_the_client_drives_the_middleware_over_http(alias):
 
     import uvicorn
 
-    from grpoflow.flows.launch import free_port
+    from grpoflow.flows.processes.launch import free_port
     from grpoflow.tasks.rollouts.inference import VLLMClient
     from grpoflow.tasks.rollouts.inference_api import InferenceHTTPError
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
-from grpoflow.flows.runs import preflight
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.training.environments import check_run
+from grpoflow.flows.training.runs import preflight
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def cfg(**sections) -> GRPOConfig:
 )
 def test_a_worker_run_imports_only_allowed_modules_and_public_names(worker, section, field):
     with pytest.raises(ConfigError, match=re.escape(field) + ": refused: .*GRPOFLOW_ALLOWED_MODULES"):
-        check_imports(cfg(**section))
+        check_run(cfg(**section))
 
 
 def test_a_re_exported_object_from_another_module_is_refused(worker, monkeypatch):
@@ -51,14 +52,14 @@ def test_a_re_exported_object_from_another_module_is_refused(worker, monkeypatch
 
     monkeypatch.setattr(examples.rewards, "shell", __import__("os").system, raising=False)
     with pytest.raises(ConfigError, match=r"rewards\[0\].fn: refused: .*module 'posix'"):
-        check_imports(cfg(rewards=[{"name": "r", "fn": "grpoflow.examples.rewards:shell"}]))
-    check_imports(cfg())  # the shipped examples are fine
+        check_run(cfg(rewards=[{"name": "r", "fn": "grpoflow.examples.rewards:shell"}]))
+    check_run(cfg())  # the shipped examples are fine
 
 
 def test_the_cli_keeps_its_freedom_without_the_settings(worker, monkeypatch):
     anything = cfg(tools={"tools": ["json:dumps"]})
     with pytest.raises(ConfigError, match=r"tools\.tools\[0\]: refused"):
-        check_imports(anything)  # a worker run: refused
+        check_run(anything)  # a worker run: refused
     for k in (
         "PREFECT__FLOW_RUN_ID",
         "GRPOFLOW_ALLOWED_MODULES",
@@ -66,7 +67,7 @@ def test_the_cli_keeps_its_freedom_without_the_settings(worker, monkeypatch):
         "GRPOFLOW_ALLOWED_SERVERS",
     ):
         monkeypatch.delenv(k, raising=False)
-    check_imports(anything)  # the same config: any importable callable, as today
+    check_run(anything)  # the same config: any importable callable, as today
 
 
 def test_a_worker_run_reads_no_file_outside_its_roots_and_never_echoes_it(worker, tmp_path_factory):

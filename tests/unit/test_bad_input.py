@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import sys
-from grpoflow.flows.cli import main
+from grpoflow.flows.cli.main import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
 print("RC", rc, "HEAVY", ",".join(heavy) or "-")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import grpoflow.flows.cli as cli
-import grpoflow.flows.cli_store as cli_store
+import grpoflow.flows.cli.main as cli
+import grpoflow.flows.cli.store_commands as cli_store
 from grpoflow.flows.config import GRPOConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +28,10 @@ TINY = REPO / "configs" / "tiny-letters.yaml"
 @pytest.fixture
 def no_prefect_api(monkeypatch):
     """Commands that run flows enter owned_prefect_api(); these tests never get that far."""
-    import grpoflow.flows.prefect_api  # noqa: F401  (binds the package; its attribute is used)
+    import grpoflow.flows.processes.prefect_api  # noqa: F401  (binds the package; its attribute is used)
     from grpoflow import flows
 
-    monkeypatch.setattr(flows.prefect_api, "owned_prefect_api", contextlib.nullcontext)
+    monkeypatch.setattr(flows.processes.prefect_api, "owned_prefect_api", contextlib.nullcontext)
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "grpoflow"):
@@ -83,7 +83,7 @@ def test_ctrl_c_returns_130_with_one_line(monkeypatch, capsys):
 def _fake_train(monkeypatch, *, begins_run: bool):
     """grpo_train that is interrupted, after writing its run's meta (as the real flow does first) or
     before."""
-    import grpoflow.flows.train  # noqa: F401  (binds the package; its attribute is used)
+    import grpoflow.flows.training.train  # noqa: F401  (binds the package; its attribute is used)
     from grpoflow import flows
     from grpoflow.storage.rollouts import RolloutStore
 
@@ -95,7 +95,7 @@ def _fake_train(monkeypatch, *, begins_run: bool):
             RolloutStore(Path(config.storage.root)).write_run_meta(config.run.run_id, {"status": "running"})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(flows.train, "grpo_train", grpo_train)
+    monkeypatch.setattr(flows.training.train, "grpo_train", grpo_train)
     return seen
 
 
@@ -140,22 +140,24 @@ def test_refused_query_is_one_line(capsys, tmp_path):
 
 @pytest.mark.unit
 def test_bad_run_id_is_one_line_before_any_flow_runs(capsys, tmp_path, monkeypatch, no_prefect_api):
-    import grpoflow.flows.report  # noqa: F401  (binds the package; its attribute is used)
+    import grpoflow.flows.viewing.report  # noqa: F401  (binds the package; its attribute is used)
     from grpoflow import flows
 
-    monkeypatch.setattr(flows.report, "grpo_report_flow", lambda: pytest.fail("the flow must not run"))
+    monkeypatch.setattr(
+        flows.viewing.report, "grpo_report_flow", lambda: pytest.fail("the flow must not run")
+    )
     assert cli.main(["report", "../outside", "--root", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error: invalid run id '../outside'")
 
 
 @pytest.mark.unit
 def test_serving_off_loopback_without_a_key_is_one_line(capsys, monkeypatch, no_prefect_api):
-    import grpoflow.flows.policy_server  # noqa: F401  (binds the package; its attribute is used)
+    import grpoflow.flows.processes.policy_server  # noqa: F401  (binds the package; its attribute is used)
     from grpoflow import flows
 
     monkeypatch.delenv("GRPOFLOW_API_KEY", raising=False)
     monkeypatch.setattr(
-        flows.policy_server, "policy_server", lambda **kw: pytest.fail("the flow must not run")
+        flows.processes.policy_server, "policy_server", lambda **kw: pytest.fail("the flow must not run")
     )
     assert cli.main(["serve", "--model", "m", "--host", "0.0.0.0"]) == 2
     assert capsys.readouterr().err.startswith("error: --host 0.0.0.0: refusing to serve off loopback")
@@ -213,9 +215,9 @@ PROBE = textwrap.dedent(
     from prefect import flow, get_run_logger, task
     from prefect.runtime import flow_run
 
-    import grpoflow.flows.cli as cli
-    import grpoflow.flows.cli_flows as cli_flows
-    from grpoflow.flows.prefect_api import owned_prefect_api
+    import grpoflow.flows.cli.main as cli
+    import grpoflow.flows.cli.flow_commands as cli_flows
+    from grpoflow.flows.processes.prefect_api import owned_prefect_api
 
     runs = {}
 
@@ -305,9 +307,7 @@ def test_a_closed_pipe_is_not_an_error():
     import subprocess
     import sys
 
-    cmd = (
-        f"{sys.executable} -m grpoflow.flows.cli config schema | true"  # the reader is gone before any write
-    )
+    cmd = f"{sys.executable} -m grpoflow.flows.cli.main config schema | true"  # the reader is gone before any write
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
 
@@ -315,7 +315,7 @@ def test_a_closed_pipe_is_not_an_error():
 @pytest.mark.unit
 def test_retrain_passes_the_gate_to_the_flow(monkeypatch, tmp_path, capsys):
     # The flow itself runs in tests/integration/test_promotion.py; here, what the command hands it.
-    import grpoflow.flows.retrain  # noqa: F401  (binds the package; its attribute is used)
+    import grpoflow.flows.lineage.retrain  # noqa: F401  (binds the package; its attribute is used)
     from grpoflow import flows
 
     seen = {}
@@ -325,7 +325,7 @@ def test_retrain_passes_the_gate_to_the_flow(monkeypatch, tmp_path, capsys):
         decision = {"decision": "rejected", "reason": "r"}
         return {"decision": decision, "eval": {"reward_mean": 0.1}, "incumbent_eval": {"reward_mean": 0.2}}
 
-    monkeypatch.setattr(flows.retrain, "grpo_retrain", fake)
+    monkeypatch.setattr(flows.lineage.retrain, "grpo_retrain", fake)
     args = cli.build_parser().parse_args(["retrain", "--lineage", "prod", "--steps", "3", "--server", "http://h:1",
                                           "--metric", "pass_rate", "--margin", "0.05", "--root", str(tmp_path)])  # fmt: skip
     assert args.fn(args) == 0

@@ -298,7 +298,7 @@ def test_background_compactor_runs_one_at_a_time_waits_on_close_and_logs_failure
 
 
 def test_grpoflow_compact_compacts_closed_steps_of_one_or_every_run(tmp_path, capsys):
-    from grpoflow.flows.cli import main
+    from grpoflow.flows.cli.main import main
 
     store = RolloutStore(tmp_path)
     write_steps(store, "done", range(6))

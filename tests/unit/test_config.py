@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.training.environments import check_run
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +39,7 @@ def test_shipped_config_parses_and_imports(path):
     assert cfg.config_dir == path.resolve().parent
     # every value the file sets is the run's: no validator silently rewrote or dropped one
     assert _mismatches(yaml.safe_load(path.read_text()), cfg.model_dump(), cfg.config_dir) == []
-    check_imports(cfg)  # every reward/tool/env/generator import path resolves
+    check_run(cfg)  # every reward/tool/env/generator import path resolves
 
 
 def test_every_field_is_documented():
@@ -93,7 +94,7 @@ def test_set_overrides_parse_yaml_values():
 def test_missing_reward_import_is_named():
     cfg = load_config(None, ["rewards=[{name: r, fn: 'grpoflow.examples.rewards:does_not_exist'}]"])
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.fn"):
-        check_imports(cfg)
+        check_run(cfg)
 
 
 def test_duplicate_reward_names_rejected():
@@ -175,8 +176,8 @@ def test_the_servers_key_comes_from_the_environment_and_is_never_written(tmp_pat
     import json
 
     from grpoflow.flows.config_docs import render_yaml
-    from grpoflow.flows.runs import RunState, write_meta
-    from grpoflow.flows.tracking.tracker_api import config_params
+    from grpoflow.flows.training.runs import RunState, write_meta
+    from grpoflow.flows.viewing.tracking.tracker_api import config_params
 
     tiny = CONFIGS[0].parent / "tiny-letters.yaml"
     monkeypatch.delenv("GRPOFLOW_API_KEY", raising=False)

@@ -1,7 +1,7 @@
-"""The rollout explorer's API (flows/ui.py over storage/explore.py, explore_rollouts.py) on a small store written by the store's
-own writers, through real HTTP (aiohttp's test server): each answer checked against the rows written,
-the filters against hand-counted rows, and the safety rules (read-only, loopback Host, API key, no file
-outside the static folder, SQL confined). The pages themselves run in a browser in
+"""The rollout explorer's API (flows/viewing/ui.py over storage/explore.py, explore_rollouts.py) on a small
+store written by the store's own writers, through real HTTP (aiohttp's test server): each answer checked
+against the rows written, the filters against hand-counted rows, and the safety rules (read-only, loopback
+Host, API key, no file outside the static folder, SQL confined). The pages themselves run in a browser in
 tests/integration/test_explorer.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from grpoflow.flows.ui import check_bind, make_app
-from grpoflow.flows.ui_api import tokens_of
+from grpoflow.flows.viewing.ui import check_bind, make_app
+from grpoflow.flows.viewing.ui_api import tokens_of
 from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 

@@ -8,7 +8,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpoflow.flows.cli import main
+from grpoflow.flows.cli.main import main
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.learner import LoraConfig

@@ -449,16 +449,17 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
 
 
 def test_environment_that_cannot_snapshot_fails_preflight_naming_the_fix():
-    from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
+    from grpoflow.flows.config import ConfigError, GRPOConfig
+    from grpoflow.flows.training.environments import check_run
 
     cfg = GRPOConfig.model_validate({"tools": {"environment": "tests.unit.envs:LockedEnv"}})
     with pytest.raises(ConfigError, match=r"tools.environment: .*cannot be deep-copied.*snapshot\(\)"):
-        check_imports(cfg)
+        check_run(cfg)
     letter = [{"name": "letter", "fn": "grpoflow.examples.rewards:letter_fraction"}]
     ok = GRPOConfig.model_validate(
         {"tools": {"environment": "tests.unit.envs:LockedEnvWithSnapshot"}, "rewards": letter}
     )
-    check_imports(ok)  # its own snapshot() is the contract
+    check_run(ok)  # its own snapshot() is the contract
 
 
 def test_own_snapshot_method_is_used_and_is_not_a_tool():

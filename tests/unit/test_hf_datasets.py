@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
-from grpoflow.flows.data import load_rows, split_rows
-from grpoflow.flows.runs import confine, preflight
+from grpoflow.flows.training.data import load_rows, split_rows
+from grpoflow.flows.training.runs import confine, preflight
 from grpoflow.storage.ids import row_id_of
 
 pytestmark = pytest.mark.unit
@@ -309,7 +309,7 @@ def test_worker_allow_lists_cover_the_dataset_paths(tmp_path, monkeypatch):
 
 PROBE = """
 import sys
-from grpoflow.flows.cli import main
+from grpoflow.flows.cli.main import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
 print("RC", rc, "HEAVY", ",".join(heavy) or "-")

@@ -151,7 +151,7 @@ async def test_400_is_not_retried_and_carries_the_body(replay_server):
 
 
 async def test_connection_refused_is_retried_then_raises():
-    from grpoflow.flows.launch import free_port
+    from grpoflow.flows.processes.launch import free_port
 
     async with VLLMClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as c:
         with pytest.raises(InferenceUnavailableError, match="ClientConnectorError"):
@@ -241,7 +241,7 @@ async def fake_server():
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     # A new server: its port may be one an earlier test's server had, whose weights are no rollback
-    # target here (flows/serve.py: VLLMServer.stop forgets them as its server stops).
+    # target here (flows/processes/serve.py: VLLMServer.stop forgets them as its server stops).
     forget_server(url)
     yield app, url
     app["release"].set()  # hanging handlers return (as a 200 the client gave up on long ago)
@@ -459,7 +459,7 @@ async def test_a_server_started_again_at_the_same_url_is_never_rolled_back_to_th
     """What this process loaded into a server is its rollback target only while that server runs: once
     grpoflow stops it, a new server at the same URL (a restart, or an unrelated one on a reused port) is
     rolled back to the model it serves, never to the weights the old one held."""
-    from grpoflow.flows.serve import VLLMServer
+    from grpoflow.flows.processes.serve import VLLMServer
 
     app, url = fake_server
     pusher, servers = pusher_for(tmp_path), one_server(url)
@@ -543,7 +543,7 @@ async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_ser
 async def test_promote_and_rollback_honour_the_reload_timeout_of_sync(fake_server, tmp_path):
     """Promotion and rollback load through the run's weight push with the whole `sync` section: a reload
     slower than `sync.reload_timeout_s` fails them (with the 300 s default it would succeed)."""
-    from grpoflow.flows.promote import promote, rollback
+    from grpoflow.flows.lineage.promote import promote, rollback
     from grpoflow.storage.promotions import version
 
     app, url = fake_server

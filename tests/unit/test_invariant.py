@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpoflow.flows.launch import PLUGINS
+from grpoflow.flows.processes.launch import PLUGINS
 
 
 @pytest.fixture(scope="module")

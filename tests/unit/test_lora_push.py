@@ -202,7 +202,7 @@ def test_weight_push_picks_the_backend_and_none_is_checkpoint(tmp_path):
 
 def test_only_adapters_served_as_adapters_enable_lora_in_the_runs_servers():
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.train import served_lora
+    from grpoflow.flows.training.train import served_lora
 
     lora = {"learner": {"lora": {"rank": 8}}}
     assert served_lora(GRPOConfig.model_validate(lora)).rank == 8  # backend None -> 'lora'
@@ -313,7 +313,7 @@ async def test_the_client_loads_unloads_and_names_adapters(adapter_server):
 
 def test_evaluation_finds_a_lora_checkpoints_adapter_and_its_base(tmp_path):
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.evaluate import adapter_base, model_for
+    from grpoflow.flows.lineage.evaluate import adapter_base, model_for
     from grpoflow.storage.checkpoints import CheckpointStore
 
     def checkpoint(d):

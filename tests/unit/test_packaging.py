@@ -41,7 +41,7 @@ def test_the_wheel_builds_without_a_warning_and_carries_the_vllm_plugins(tmp_pat
     }
     assert plugins and plugins <= names
     page = {
-        f"grpoflow/flows/ui_static/{name}" for name in ("index.html", "app.js", "style.css")
+        f"grpoflow/flows/viewing/ui_static/{name}" for name in ("index.html", "app.js", "style.css")
     }  # grpoflow ui
     assert page <= names
     # One import name: every module under grpoflow/, none at the top level where a user's would be.

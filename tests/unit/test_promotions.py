@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from grpoflow.flows.promote import (
+from grpoflow.flows.lineage.promote import (
     base_version,
     checkpoint_version,
     promote,
@@ -19,7 +19,7 @@ from grpoflow.flows.promote import (
     rollback,
     serving_version,
 )
-from grpoflow.flows.retrain import gate
+from grpoflow.flows.lineage.retrain import gate
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.promotions import PromotionError, PromotionLog
 from grpoflow.storage.rollouts import RolloutStore
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def root(tmp_path, monkeypatch):
     # Prefect events and artifacts outside a flow run: no API is needed (they are dropped).
-    monkeypatch.setattr("grpoflow.flows.promote._announce", lambda row: None)
+    monkeypatch.setattr("grpoflow.flows.lineage.promote._announce", lambda row: None)
     store = CheckpointStore(tmp_path)
     for step in range(4):
 
@@ -90,7 +90,7 @@ def test_a_failed_load_leaves_nothing_recorded_or_pinned(root, monkeypatch):
     def dead(*a, **k):
         raise ConnectionError("server down")
 
-    monkeypatch.setattr("grpoflow.flows.promote.load_into_server", dead)
+    monkeypatch.setattr("grpoflow.flows.lineage.promote.load_into_server", dead)
     v2 = checkpoint_version(root, "lin", 2)
     with pytest.raises(ConnectionError):
         promote(
@@ -261,7 +261,7 @@ def test_the_gate(cand, inc, margin, promoted):
 
 
 def test_a_lineages_server_starts_from_what_it_serves(root):
-    from grpoflow.flows.policy_server import served_model_dir
+    from grpoflow.flows.processes.policy_server import served_model_dir
 
     assert served_model_dir(root, "lin", "base-dir") == "base-dir"  # nothing decided yet
     with pytest.raises(ValueError, match="lineage 'lin' has no promotion"):
@@ -282,7 +282,7 @@ def test_run_meta_without_a_base_model(tmp_path):
 def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_root, monkeypatch):
     from contextlib import contextmanager
 
-    import grpoflow.flows.retrain as retrain
+    import grpoflow.flows.lineage.retrain as retrain
     from grpoflow.flows.config import GRPOConfig
 
     started, evaluated = [], []
@@ -314,8 +314,8 @@ def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_ro
 
 
 def test_a_lora_server_serves_each_lineage_under_its_name_from_the_log(lora_root, monkeypatch, capsys):
-    from grpoflow.flows import cli
-    from grpoflow.flows.policy_server import lora_lineages
+    from grpoflow.flows.cli import main as cli
+    from grpoflow.flows.processes.policy_server import lora_lineages
 
     root = lora_root
     assert cli.main(["serve", "--lineage", "ada", "--lineage", "bea", "--root", str(root)]) == 2
@@ -338,7 +338,7 @@ def test_an_evaluation_a_required_reward_broke_on_is_refused():
     reward" (the gate would reject every candidate). An optional reward broken, or one failing on some
     completions only, is data."""
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.evaluate import refuse_broken
+    from grpoflow.flows.lineage.evaluate import refuse_broken
     from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup
     from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError
 

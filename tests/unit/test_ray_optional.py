@@ -36,8 +36,8 @@ def test_ray_is_not_imported_unless_asked():
     code = textwrap.dedent(
         """
         import asyncio, sys
-        import grpoflow.flows.evaluate, grpoflow.flows.train
-        from grpoflow.flows.cluster import ray_cluster
+        import grpoflow.flows.lineage.evaluate, grpoflow.flows.training.train
+        from grpoflow.flows.processes.cluster import ray_cluster
         from grpoflow.flows.config import GRPOConfig
         from grpoflow.tasks.rewards.score import score_groups
         from grpoflow.tasks.rollouts.tools import ParsedCall, ToolBox

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
-from grpoflow.flows.serve import core_shares
+from grpoflow.flows.processes.serve import core_shares
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import MAX_RESTARTS, Replica, ReplicaSet
 from tests.support import wait_for

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from grpoflow.flows.report import write_report
-from grpoflow.flows.report_data import NO_TOOL_CALLS, STEP_TIME_PARTS, report_data
-from grpoflow.flows.report_figures import FIGURES, figures
+from grpoflow.flows.viewing.report import write_report
+from grpoflow.flows.viewing.report_data import NO_TOOL_CALLS, STEP_TIME_PARTS, report_data
+from grpoflow.flows.viewing.report_figures import FIGURES, figures
 from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import query

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpoflow.flows.config import load_config
-from grpoflow.flows.pipeline import RolloutPipeline
+from grpoflow.flows.training.pipeline import RolloutPipeline
 from grpoflow.tasks.rollouts.reproducible import KEPT_FILE, environment, load_kept, mismatches, save_kept
 from grpoflow.tasks.steps import RolloutBatch
 from tests.support import rich_group
@@ -167,7 +167,7 @@ def _run(root, run: str, logprob: float, weight: float) -> None:
 
 
 def test_grpoflow_compare_says_identical_or_names_the_first_difference(tmp_path, capsys):
-    from grpoflow.flows import cli
+    from grpoflow.flows.cli import main as cli
 
     _run(tmp_path, "a", -1.0, 0.5)
     _run(tmp_path, "b", -1.0, 0.5)

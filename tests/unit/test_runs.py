@@ -7,8 +7,8 @@ import json
 import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
-from grpoflow.flows.data import load_rows, rows_for_step
-from grpoflow.flows.runs import open_run, prepare_model
+from grpoflow.flows.training.data import load_rows, rows_for_step
+from grpoflow.flows.training.runs import open_run, prepare_model
 from grpoflow.storage.records import RolloutCompletion, RolloutGroup
 from grpoflow.tasks.advantages import assign_advantages
 from grpoflow.tasks.config.algorithm import AlgorithmConfig

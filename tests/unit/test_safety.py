@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from grpoflow.flows.cli import build_parser
+from grpoflow.flows.cli.main import build_parser
 from grpoflow.flows.config import GRPOConfig
-from grpoflow.flows.launch import PLUGINS
-from grpoflow.flows.policy_server import policy_server
-from grpoflow.flows.serve import server_command
+from grpoflow.flows.processes.launch import PLUGINS
+from grpoflow.flows.processes.policy_server import policy_server
+from grpoflow.flows.processes.serve import server_command
 from grpoflow.tasks.rollouts.tools import HermesToolParser
 from tests.support import toolbox, wait_for
 

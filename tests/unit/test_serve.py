@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import grpoflow.flows.serve as serve
-from grpoflow.flows.serve import cpu_list, server_command
+import grpoflow.flows.processes.serve as serve
+from grpoflow.flows.processes.serve import cpu_list, server_command
 
 pytestmark = pytest.mark.unit
 

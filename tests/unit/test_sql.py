@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.flows.cli import main as cli
+from grpoflow.flows.cli.main import main as cli
 from grpoflow.storage.records import RewardCell, RolloutCompletion, RolloutGroup, ToolCallRecord
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.storage.sql import CANNED, QueryError, ReadOnlyQueryError, query, run_canned

@@ -1,4 +1,4 @@
-"""The step's close hook (flows/step_close.py): what happens when a step closes, in its order.
+"""The step's close hook (flows/training/step_close.py): what happens when a step closes, in its order.
 
 The store and the step runner are the real ones (Parquet files read back); the checkpoint unit, the
 pipeline, the compactor and the trackers are recording stand-ins (a unit test loads no model and
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from grpoflow.flows.config import GRPOConfig
-from grpoflow.flows.runner import StepRunner
-from grpoflow.flows.runs import RunState
-from grpoflow.flows.step_close import StepClose, due
+from grpoflow.flows.training.runner import StepRunner
+from grpoflow.flows.training.runs import RunState
+from grpoflow.flows.training.step_close import StepClose, due
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardError
 
@@ -51,7 +51,7 @@ def _close(tmp_path, log: Log, monkeypatch, steps=4, every=2, start=0, checkpoin
     reporter = SimpleNamespace(
         step=lambda rec: log.append(("line", rec.step)), flush=lambda: log.append(("flush",))
     )
-    monkeypatch.setattr("grpoflow.flows.step_close.StepReporter", lambda cfg, run: reporter)
+    monkeypatch.setattr("grpoflow.flows.training.step_close.StepReporter", lambda cfg, run: reporter)
     close = StepClose(cfg, run, StepRunner(task_runs=False), units, pipeline, compactor, trackers)
     close.store = log.store(Path(tmp_path))
     return close

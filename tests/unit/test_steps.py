@@ -1,17 +1,17 @@
-"""A step's units as the run calls them (flows/runner.py over tasks/steps.py), on the real tiny model and
-real Parquet files: the step's rows are written beside the update, a write or push that fails runs
-again as its own task (the real Prefect task, on the session's ephemeral API, its retry delay cut to
-0 for the test) without undoing the applied update, and the runner's clock counts what Prefect adds
-to the step's critical path."""
+"""A step's units as the run calls them (flows/training/runner.py over tasks/steps.py), on the real tiny model
+and real Parquet files: the step's rows are written beside the update, a write or push that fails runs again
+as its own task (the real Prefect task, on the session's ephemeral API, its retry delay cut to 0 for the test)
+without undoing the applied update, and the runner's clock counts what Prefect adds to the step's critical
+path."""
 
 from __future__ import annotations
 
 import pytest
 from prefect import flow
 
-import grpoflow.flows.runner  # noqa: F401  (binds the package; its attribute is used)
+import grpoflow.flows.training.runner  # noqa: F401  (binds the package; its attribute is used)
 from grpoflow import flows
-from grpoflow.flows.runner import StepRunner, StepUnits
+from grpoflow.flows.training.runner import StepRunner, StepUnits
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.push.push import weight_push
@@ -25,8 +25,10 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def no_retry_delay(monkeypatch):
-    monkeypatch.setattr(flows.runner, "persist", persist.with_options(retry_delay_seconds=0))
-    monkeypatch.setattr(flows.runner, "push_weights", push_weights.with_options(retry_delay_seconds=0))
+    monkeypatch.setattr(flows.training.runner, "persist", persist.with_options(retry_delay_seconds=0))
+    monkeypatch.setattr(
+        flows.training.runner, "push_weights", push_weights.with_options(retry_delay_seconds=0)
+    )
 
 
 def trained_weight(learner) -> float:
@@ -110,7 +112,7 @@ def test_the_runner_counts_what_prefect_adds_to_the_critical_path(monkeypatch):
     wait for a rollout batch that its body did not run in (a dispatch while the learner trained is
     hidden; a late start and the result's hand-off are not)."""
     now = [0.0]
-    monkeypatch.setattr(flows.runner.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(flows.training.runner.time, "perf_counter", lambda: now[0])
     runner = StepRunner(task_runs=False)
     rec = runner.begin(0)
     rec.times.prefect = 0.002  # a submit call's

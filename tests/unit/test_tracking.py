@@ -1,4 +1,4 @@
-"""Trackers as sinks of the `steps` table (flows/tracking/), with the real libraries and their own
+"""Trackers as sinks of the `steps` table (flows/viewing/tracking/), with the real libraries and their own
 readers: TensorBoard's event files through TensorBoard's EventAccumulator, MLflow through its client on
 a local SQLite store, W&B offline through its transaction logs (tests/support_wandb.py). What each
 holds is the steps table exactly (TensorBoard: to float32, its scalar type); a continue logs each step
@@ -21,10 +21,10 @@ import psutil
 import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
-from grpoflow.flows.tracking import TRACKERS, check_trackers, tracking
-from grpoflow.flows.tracking.mlflow_tracker import _mlflow_key, local_mlflow_uri
-from grpoflow.flows.tracking.tracker_api import config_params, sample_table, step_metrics
-from grpoflow.flows.tracking.wandb_tracker import WandbTracker
+from grpoflow.flows.viewing.tracking import TRACKERS, check_trackers, tracking
+from grpoflow.flows.viewing.tracking.mlflow_tracker import _mlflow_key, local_mlflow_uri
+from grpoflow.flows.viewing.tracking.tracker_api import config_params, sample_table, step_metrics
+from grpoflow.flows.viewing.tracking.wandb_tracker import WandbTracker
 from grpoflow.storage.records import RewardCell
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.config.choices import TRACKER_NAMES
@@ -394,7 +394,7 @@ def test_tensorboard_relog_after_a_kill_shows_only_the_new_values(tmp_path):
 _KILLED = f"""
 import sys, time
 from grpoflow.flows.config import load_config
-from grpoflow.flows.tracking import tracking
+from grpoflow.flows.viewing.tracking import tracking
 
 tracking(load_config(None, sys.argv[1:]), {RUN!r}).closed(2)
 time.sleep(600)
@@ -488,7 +488,7 @@ def test_the_trackers_are_the_configs_choices():
 def test_no_tracking_without_report_to_and_no_tracker_imported_until_then(tmp_path):
     assert tracking(_cfg(tmp_path), RUN) is None
     code = (
-        "import sys, grpoflow.flows.tracking; "
+        "import sys, grpoflow.flows.viewing.tracking; "
         "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

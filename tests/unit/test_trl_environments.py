@@ -11,7 +11,8 @@ import math
 import pytest
 
 import grpoflow.tasks.rollouts.generate as gen
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports, load_config
+from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
+from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD
@@ -113,26 +114,26 @@ def _cfg(**over) -> GRPOConfig:
 def test_an_environment_with_get_reward_is_a_reward_of_its_own_as_in_trl():
     counter = {"environment": "grpoflow.examples.envs:CounterEnv"}
     alone = _cfg(tools=counter)
-    check_imports(alone)  # no `rewards`: the environment's reward replaces the demo's default
+    check_run(alone)  # no `rewards`: the environment's reward replaces the demo's default
     assert [(r.name, r.fn, r.weight) for r in alone.rewards] == [("CounterEnv", ENVIRONMENT_REWARD, 1.0)]
-    check_imports(alone)  # idempotent: preflight runs in the CLI and again in the flow
+    check_run(alone)  # idempotent: preflight runs in the CLI and again in the flow
     assert len(alone.rewards) == 1
     both = _cfg(tools=counter, rewards=[LETTER])
-    check_imports(both)  # TRL's rule: the functions and the environment's reward both count
+    check_run(both)  # TRL's rule: the functions and the environment's reward both count
     assert [r.name for r in both.rewards] == ["letter", "CounterEnv"]
     off = _cfg(tools=counter | {"environment_reward": False}, rewards=[LETTER])
-    check_imports(off)
+    check_run(off)
     assert [r.name for r in off.rewards] == ["letter"]
     with pytest.raises(
         ConfigError, match=r"rewards: the config names no reward, and tools.environment is not scored"
     ):
-        check_imports(_cfg(tools=counter | {"environment_reward": False}))
+        check_run(_cfg(tools=counter | {"environment_reward": False}))
     with pytest.raises(
         ConfigError, match=r"rewards: 'CounterEnv' is the name of tools.environment's get_reward"
     ):
-        check_imports(_cfg(tools=counter, rewards=[{**LETTER, "name": "CounterEnv"}]))
+        check_run(_cfg(tools=counter, rewards=[{**LETTER, "name": "CounterEnv"}]))
     with pytest.raises(ConfigError, match=r"no reward, and tools.environment has no get_reward\(\)"):
-        check_imports(_cfg(tools={"environment": "tests.unit.envs:ListEnv"}))
+        check_run(_cfg(tools={"environment": "tests.unit.envs:ListEnv"}))
 
 
 def test_the_dict_form_gives_each_rollout_its_rows_environment_and_only_its_tools(tok):
@@ -154,14 +155,14 @@ def test_the_dict_form_gives_each_rollout_its_rows_environment_and_only_its_tool
     assert [(tc.name, tc.failed) for c in echo.completions for tc in c.tool_calls] == [("echo", False)] * 2
     # two classes with get_reward(): one reward, 'environment', each rollout scored by its own one
     cfg = _cfg(tools={"environment": envs}, data={"generator": "grpoflow.examples.envs:letters_rows"})
-    check_imports(cfg)
+    check_run(cfg)
     assert [r.name for r in cfg.rewards] == ["environment"]
     score_groups([counter, echo], cfg.rewards)
     assert [c.reward for g in (counter, echo) for c in g.completions] == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_rows_that_name_no_configured_environment_fail_before_the_first_step_naming_the_row():
-    from grpoflow.flows.environments import check_environment_rows
+    from grpoflow.flows.training.environments import check_environment_rows
 
     cfg = _cfg(tools={"environment": {"counter": "grpoflow.examples.envs:CounterEnv"}})
     check_environment_rows(cfg, [{"prompt": "a", "environment": "counter"}])
@@ -177,13 +178,13 @@ def test_rows_that_name_no_configured_environment_fail_before_the_first_step_nam
     mixed = _cfg(tools={"environment": {"counter": "grpoflow.examples.envs:CounterEnv", "list": "tests.unit.envs:ListEnv"}},
                  rewards=[LETTER])  # fmt: skip
     with pytest.raises(ConfigError, match=r"\['counter'\] have get_reward\(\) but \['list'\] do not"):
-        check_imports(mixed)
+        check_run(mixed)
 
 
 def test_an_environment_that_owns_its_data_gives_the_prompts(tok, tmp_path):
     """No dataset (data.generator: null): run.steps x prompts_per_step rows, each with a `seed` that a
     group's samples share; reset() returns the prompt. One that returns nothing fails loudly."""
-    from grpoflow.flows.data import load_rows
+    from grpoflow.flows.training.data import load_rows
     from tests.unit.envs import PuzzleEnv
 
     path = tmp_path / "puzzles.yaml"
@@ -192,7 +193,7 @@ def test_an_environment_that_owns_its_data_gives_the_prompts(tok, tmp_path):
         "tools: {environment: 'tests.unit.envs:PuzzleEnv'}\n"
     )
     cfg = load_config(path)  # a config file may leave rewards and rows to its environment
-    check_imports(cfg)
+    check_run(cfg)
     assert [r.name for r in cfg.rewards] == ["PuzzleEnv"]
     rows = load_rows(cfg)
     assert len(rows) == 6 and [r["seed"] for r in rows] == list(range(6))
@@ -230,17 +231,17 @@ def test_a_nan_from_get_reward_is_invalid_not_zero():
 def test_an_environment_server_that_does_not_answer_or_is_not_allowed_fails_before_the_first_step(
     monkeypatch,
 ):
-    from grpoflow.flows.launch import free_port
+    from grpoflow.flows.processes.launch import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ConfigError, match=rf"tools.environment: the OpenEnv server at {url} does not answer"):
-        check_imports(_cfg(tools={"environment": url}))
+        check_run(_cfg(tools={"environment": url}))
     both = {"environment": {"board": url, "counter": "grpoflow.examples.envs:CounterEnv"}}
     with pytest.raises(
         ConfigError, match=rf"tools.environment.board: the OpenEnv server at {url} does not answer"
     ):
-        check_imports(_cfg(tools=both))
+        check_run(_cfg(tools=both))
     # a worker-started run: only the servers its worker allows, refused before any request
     monkeypatch.setenv("GRPOFLOW_ALLOWED_SERVERS", "http://127.0.0.1:1")
     with pytest.raises(ConfigError, match=rf"tools.environment: '{url}' is not in GRPOFLOW_ALLOWED_SERVERS"):
-        check_imports(_cfg(tools={"environment": url}))
+        check_run(_cfg(tools={"environment": url}))

@@ -203,7 +203,7 @@ def test_timeouts_on_every_completion_are_a_broken_reward_too():
 
 def _watched(limit: int):
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.step_close import RewardWatch
+    from grpoflow.flows.training.step_close import RewardWatch
 
     specs = [RewardConfig(name="ok", fn=lambda completions, **_: [1.0] * len(completions)),
              RewardConfig(name="docs", fn=docs_style)]  # fmt: skip
@@ -252,7 +252,7 @@ def test_the_step_line_says_nothing_trained_and_which_rewards_failed():
     from types import SimpleNamespace
 
     from grpoflow.flows.config import GRPOConfig
-    from grpoflow.flows.progress import StepReporter
+    from grpoflow.flows.training.progress import StepReporter
 
     cfg = GRPOConfig(rewards=[RewardConfig(name="acc", fn="grpoflow.examples.rewards:letter_fraction"),
                               RewardConfig(name="fmt", fn="grpoflow.examples.rewards:letter_fraction")])  # fmt: skip

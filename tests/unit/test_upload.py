@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 
-from grpoflow.flows.launch import PLUGINS, free_port
+from grpoflow.flows.processes.launch import PLUGINS, free_port
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
@@ -123,9 +123,9 @@ def served(app):
 
 
 def stacked_as_served(mod):
-    """The fake vLLM inside grpoflow's middlewares as flows/serve.py gives them to vLLM (with a key):
-    Starlette's add_middleware makes each one given wrap the ones given before it."""
-    from grpoflow.flows.serve import server_command
+    """The fake vLLM inside grpoflow's middlewares as flows/processes/serve.py gives them to vLLM (with a
+    key): Starlette's add_middleware makes each one given wrap the ones given before it."""
+    from grpoflow.flows.processes.serve import server_command
 
     cmd, _, _ = server_command("m", python="py", port=9, api_key=KEY)
     app = inner

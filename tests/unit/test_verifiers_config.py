@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
+from grpoflow.flows.config import ConfigError, GRPOConfig
+from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.rewards.vf_reward import VERIFIERS_REWARD, VerifiersOutcome, cell_of, episode_metrics
 from tests.support import REPO
 
@@ -28,11 +29,11 @@ def _cfg(**over) -> GRPOConfig:
 
 
 def test_its_rewards_become_reward_entries_with_verifiers_weights_and_its_tasks_rows():
-    from grpoflow.flows.environments import verifiers_rows
+    from grpoflow.flows.training.environments import verifiers_rows
 
     cfg = _cfg()
-    check_imports(cfg)
-    check_imports(cfg)  # preflight runs twice for a CLI run: entries added once
+    check_run(cfg)
+    check_run(cfg)  # preflight runs twice for a CLI run: entries added once
     assert [(r.name, r.fn, r.weight) for r in cfg.rewards] == [
         ("correct", VERIFIERS_REWARD, 1.0), ("odd_only", VERIFIERS_REWARD, 0.5)
     ]  # fmt: skip
@@ -44,7 +45,7 @@ def test_its_rewards_become_reward_entries_with_verifiers_weights_and_its_tasks_
 
 def test_rewards_of_the_users_own_join_the_environments():
     cfg = _cfg(rewards=[{"name": "exact", "fn": "grpoflow.examples.rewards:exact_number"}])
-    check_imports(cfg)
+    check_run(cfg)
     assert [r.name for r in cfg.rewards] == ["exact", "correct", "odd_only"]
 
 
@@ -63,7 +64,7 @@ def test_rewards_of_the_users_own_join_the_environments():
 )  # fmt: skip
 def test_what_cannot_run_fails_before_the_first_step_naming_the_field(over, message):
     with pytest.raises(ConfigError) as e:
-        check_imports(GRPOConfig.model_validate(over))
+        check_run(GRPOConfig.model_validate(over))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -72,13 +73,13 @@ def test_without_verifiers_the_error_names_the_extra(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "verifiers", None)  # an import of it fails, as where it is not installed
     with pytest.raises(ConfigError, match=r"pip install 'grpoflow\[verifiers\]'"):
-        check_imports(_cfg())
+        check_run(_cfg())
 
 
 def test_a_worker_started_run_imports_allowed_tasksets_only(monkeypatch):
     monkeypatch.setenv("GRPOFLOW_ALLOWED_MODULES", "grpoflow.examples")
     with pytest.raises(ConfigError, match="tools.verifiers.taskset.id: .*'vf_sum' is not in"):
-        check_imports(_cfg())
+        check_run(_cfg())
 
 
 def test_cells_are_never_a_silent_zero():

@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from grpoflow.flows.config import ConfigError, GRPOConfig, check_imports
+from grpoflow.flows.config import ConfigError, GRPOConfig
+from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.config.algorithm import WarmupConfig
 from grpoflow.tasks.config.rollouts import ToolsConfig
-from grpoflow.tasks.learner.warmup import IGNORE, PromptRenderer, example_ids, load_examples
 from grpoflow.tasks.rollouts.templates import TemplateError
 from grpoflow.tasks.rollouts.tools import HermesToolParser
+from grpoflow.tasks.warmup import IGNORE, PromptRenderer, example_ids, load_examples
 
 CALC = ToolsConfig(tools=["grpoflow.examples.tools:calculator"])
 
@@ -66,9 +67,7 @@ def test_bad_examples_name_the_field_and_the_row():
     with pytest.raises(ValueError, match="warmup.steps is 5 but warmup.examples is not set"):
         WarmupConfig(steps=5)
     with pytest.raises(ConfigError, match="warmup.examples"):
-        check_imports(
-            GRPOConfig(warmup={"examples": "grpoflow.examples.warmup:no_such_function", "steps": 1})
-        )
+        check_run(GRPOConfig(warmup={"examples": "grpoflow.examples.warmup:no_such_function", "steps": 1}))
     rows = [{"prompt": "a", "reply": "b"}, {"prompt": "c"}]
     with pytest.raises(ValueError, match="example 1 needs 'prompt' and 'reply'"):
         load_examples(WarmupConfig(examples=lambda: rows))
@@ -96,7 +95,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
 
 
 def test_warm_up_runs_once_per_model_and_settings(tmp_path):
-    from grpoflow.flows.runs import prepare_model
+    from grpoflow.flows.training.runs import prepare_model
 
     def cfg(**warmup):
         return GRPOConfig(

