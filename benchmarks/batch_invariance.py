@@ -10,7 +10,7 @@ same tokens and the same logprobs, and the first differing token position of eac
     .venv/bin/python benchmarks/batch_invariance.py [--model DIR] [--tokens 48]
 
 Without --model it builds the tiny model (seed 0). A pattern with fewer than 8/8 same logprobs is a
-batch-dependence that breaks README's "Reproducible runs"; BENCHMARKS.md records the results.
+batch-dependence that breaks docs/reproducibility.md; BENCHMARKS.md records the results.
 """
 
 from __future__ import annotations

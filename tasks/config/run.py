@@ -84,7 +84,7 @@ class RunConfig(Section):
         "across a resume: each push first waits for the batches generated ahead (none then changes "
         "weights mid-way; the step's wait is its settle_seconds), and each checkpoint keeps those "
         "batches for a resume instead of generating them again under its weights. One server only. "
-        "README, 'Reproducible runs'.",
+        "See docs/reproducibility.md.",
     )
     step_task_runs: bool = Field(
         True,

@@ -1,4 +1,4 @@
-"""What a reproducible run keeps and records (run.reproducible; README, "Reproducible runs").
+"""What a reproducible run keeps and records (run.reproducible; docs/reproducibility.md).
 
 A checkpoint keeps the batches generated ahead of it (`save_kept`): after a resume they are trained
 on as they were generated, under the weights of their time, instead of being generated again under
