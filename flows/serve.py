@@ -2,7 +2,8 @@
 
 The server runs from its own environment (`.venv-vllm`, or `GRPOFLOW_VLLM_PYTHON`): grpoflow never
 imports vllm, it only talks HTTP. That environment has grpoflow.server installed (server/pyproject.toml:
-the guard, the middlewares and the worker extension below, which vLLM imports by their dotted names). Loopback by default; any other bind address needs an API key.
+the guard, the middlewares and the worker extension below, which vLLM imports by their dotted names).
+Loopback by default; any other bind address needs an API key.
 The process handling it shares with Prefect's API server and Ray (the guard, health wait, stop by
 process group) is flows/launch.py.
 """
