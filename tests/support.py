@@ -400,3 +400,21 @@ def save_smollm2_tokenizer(out_dir: str | Path) -> Path:
 
     out = Path(out_dir)
     return out if (out / "tokenizer_config.json").is_file() else save_gguf_tokenizer(smollm2_gguf_path(), out)
+
+
+def server_imports() -> dict[str, set[str]]:
+    """{module file of grpoflow.server: every module it imports, anywhere in it (absolute names; a
+    function's imports too, as the worker extension imports torch and vllm inside its functions)}."""
+    import ast
+
+    out: dict[str, set[str]] = {}
+    for path in sorted((REPO / "server").glob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path.name}: a relative import"  # the scan reads absolute names
+                names.add(node.module)
+        out[path.name] = names
+    return out

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.flows.processes.launch import ServerHandle, free_port, guarded_command
+from grpoflow.server.protocol import GUARD_SESSION_ENV
 from grpoflow.storage.processes import session_pids
 from grpoflow.tasks.config.run import ScaleConfig
 
@@ -110,7 +111,7 @@ class LocalRay(ServerHandle):
 
 def _env() -> dict[str, str]:
     # GRPOFLOW_GUARD_SESSION: the guard kills the whole session (workers included) if the run dies
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "GRPOFLOW_GUARD_SESSION": "1"}
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", GUARD_SESSION_ENV: "1"}
 
 
 @functools.cache

@@ -17,10 +17,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
+from grpoflow.server import guard
 from grpoflow.storage.processes import forget_process, record_process
-
-PLUGINS = Path(__file__).resolve().parents[1] / "vllm_plugins"  # importable by the server: stdlib + psutil
-GUARD = PLUGINS / "grpoflow_guard.py"  # runs the server and kills its process group if we die
 
 
 class ServerStartError(RuntimeError):
@@ -60,9 +58,10 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
-    """`python -m module args`, run under the guard: its process group is killed once this process
+    """`python -m module args`, run under the guard (`python -m grpoflow.server.guard`, so `python`'s
+    environment must have grpoflow.server installed): its process group is killed once this process
     (the one that builds and starts it) is gone, however it dies."""
-    return [python, str(GUARD), str(os.getpid()), module, *args]
+    return guard.command(python, os.getpid(), module, args)
 
 
 def _group_exists(pgid: int) -> bool:

@@ -1,7 +1,9 @@
 """Start, supervise and stop the vLLM server (the long-lived `policy-server` flow: flows/processes/policy_server.py).
 
 The server runs from its own environment (`.venv-vllm`, or `GRPOFLOW_VLLM_PYTHON`): grpoflow never
-imports vllm, it only talks HTTP. Loopback by default; any other bind address needs an API key.
+imports vllm, it only talks HTTP. That environment has grpoflow.server installed (server/pyproject.toml:
+the guard, the middlewares and the worker extension below, which vLLM imports by their dotted names).
+Loopback by default; any other bind address needs an API key.
 The process handling it shares with Prefect's API server and Ray (the guard, health wait, stop by
 process group) is flows/processes/launch.py.
 """
@@ -9,19 +11,38 @@ process group) is flows/processes/launch.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpoflow.flows.processes.launch import PLUGINS, ServerHandle, free_port, guarded_command, is_loopback
+from grpoflow.flows.processes.launch import ServerHandle, free_port, guarded_command, is_loopback
+from grpoflow.server.protocol import API_KEY_ENV, UPLOAD_DIR_ENV, WORKER_EXTENSION
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import forget_server
 
 REPO = Path(__file__).resolve().parents[2]
+
+# What vLLM imports from grpoflow.server by dotted name, beside the guard: the worker extension
+# (protocol.WORKER_EXTENSION: a LoRA adapter merged into the served weights in place, reloads that keep a
+# tied LM head current) and these middlewares.
+MIDDLEWARES = (
+    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
+    "grpoflow.server.lease.PauseLease",
+    # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
+    # (tasks/push/lora_serve.py); without any alias it passes every request through unbuffered.
+    "grpoflow.server.alias.ModelAlias",
+    # Weight versions received as bytes (a server whose host cannot read the learner's disk).
+    "grpoflow.server.upload.WeightUpload",
+)
+# With an API key. vLLM's own check leaves the control endpoints open, so a middleware guards every path
+# but /health. Added last, it is the outermost: the lease, alias and upload endpoints are guarded too.
+AUTH_MIDDLEWARE = "grpoflow.server.auth.RequireApiKey"
 
 
 def vllm_python() -> str:
@@ -52,7 +73,7 @@ def server_command(
     cores its engine binds to on a CPU-only machine (default: all this process may use).
     `lora_rank`: the server loads LoRA adapters at runtime (`/v1/load_lora_adapter`) up to this rank
     (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch.
-    `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow_upload), a
+    `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow.server.upload), a
     folder of its own (its sweep removes staging dirs it does not know); None: `GRPOFLOW_UPLOAD_DIR`
     from this environment, if set, else uploads are off."""
     if not is_loopback(host) and not api_key:
@@ -67,24 +88,14 @@ def server_command(
         # One batch mixes the current version's adapter with stale versions still generating.
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
     cmd += list(extra_args)
-    # A LoRA adapter merged into the served weights in place (`sync.backend: lora_merged`).
-    cmd += ["--worker-extension-cls", "grpoflow_merge.LoraMerge"]
-    # A pause has an owner and a lease, so supervision can resume one whose trainer died mid-push.
-    cmd += ["--middleware", "grpoflow_lease.PauseLease"]
-    # Model-name aliases: a LoRA lineage's name re-pointed between loaded adapters in one step
-    # (tasks/push/lora_serve.py); without any alias it passes every request through unbuffered.
-    cmd += ["--middleware", "grpoflow_alias.ModelAlias"]
-    # Weight versions received as bytes (a server whose host cannot read the learner's disk).
-    cmd += ["--middleware", "grpoflow_upload.WeightUpload"]
-    if api_key:
-        # The key goes by environment, never argv (which `ps` shows to every user). vLLM's own check
-        # leaves the control endpoints open, so a middleware guards every path but /health. Added
-        # last, it is the outermost: the lease, alias and upload endpoints are guarded too.
-        cmd += ["--middleware", "grpoflow_auth.RequireApiKey"]
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    # The key goes by environment, never argv (which `ps` shows to every user).
+    for middleware in (*MIDDLEWARES, *([AUTH_MIDDLEWARE] if api_key else [])):
+        cmd += ["--middleware", middleware]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     env = _server_env(api_key, kv_cache_gb, cores)
     if upload_dir is not None:
-        env["GRPOFLOW_UPLOAD_DIR"] = str(Path(upload_dir).resolve())
+        env[UPLOAD_DIR_ENV] = str(Path(upload_dir).resolve())
     if lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the load/unload routes exist only with it
     return cmd, env, f"http://{connect_host}:{port}"
@@ -134,10 +145,9 @@ def _server_env(
     api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None
 ) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
-    env.pop("VLLM_API_KEY", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
+    env.pop(API_KEY_ENV, None)
     if api_key:
-        env["VLLM_API_KEY"] = api_key
+        env[API_KEY_ENV] = api_key
     if _cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
@@ -189,9 +199,27 @@ def upload_dir_of(root: str | Path, name: str) -> Path:
     return Path(root) / "uploads" / name
 
 
+@functools.cache
+def require_server_package(python: str) -> None:
+    """Raise a RuntimeError naming the fix unless `python` (the vLLM environment's) can import
+    grpoflow.server: the guard, middlewares and worker extension vLLM is handed live there."""
+    probe = subprocess.run([python, "-c", "import grpoflow.server.guard"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(
+            f"the vLLM environment's python {python} cannot import grpoflow.server ({last}): install it "
+            f"there with `{python} -m pip install --no-deps -e {REPO / 'server'}` (`make install` does it "
+            "for .venv-vllm)"
+        )
+
+
 class VLLMServer(ServerHandle):
     """A vLLM server process. Once it stops, what this process loaded into it is forgotten: a server
     started later at its URL serves its own model, never the weights a rollback would reload."""
+
+    def start(self) -> ServerHandle:
+        require_server_package(self.cmd[0])  # before vLLM starts: its own error comes minutes later
+        return super().start()
 
     def stop(self, grace_s: float = 15.0) -> None:
         forget_server(self.url)

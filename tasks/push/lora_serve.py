@@ -8,7 +8,7 @@ registered adapter, so the engine re-reads its files from disk at every step tha
 (lora/worker_manager.py: add_adapter), until the name is next replaced.
 
 So the lineage's name is an alias (grpoflow's middleware in the server,
-flows/vllm_plugins/grpoflow_alias.py) of an adapter loaded under an internal name of its own,
+grpoflow.server.alias) of an adapter loaded under an internal name of its own,
 `<lineage>@<hash of its path>`, loaded once and never in place. A swap:
 
 1. loads the new adapter under its internal name (kept if the server already holds it);
@@ -36,6 +36,7 @@ import shutil
 import time
 from pathlib import Path
 
+from grpoflow.server.protocol import ALIASES
 from grpoflow.tasks.push.push_api import WeightPushError
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError, already_loaded
@@ -61,7 +62,7 @@ async def serve_adapter(client: VLLMClient, name: str, path: str, *, drain_s: fl
         if e.status != 404:
             raise
         raise WeightPushError(
-            f"{client.base_url} has no grpoflow alias middleware (GET /grpoflow/aliases: 404), so "
+            f"{client.base_url} has no grpoflow alias middleware (GET {ALIASES}: 404), so "
             f"lineage {name!r} cannot be re-pointed without a 404 window: start the server with "
             "`grpoflow serve --lora-rank R` (or flows/processes/serve.py's server_command)"
         ) from e

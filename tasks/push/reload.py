@@ -19,13 +19,13 @@ import os
 import socket
 from collections.abc import Callable
 
+from grpoflow.server.protocol import MERGE_LORA_RPC, WORKER_EXTENSION
 from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.push.lora_push import LoraUnsupportedError
 from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.rollouts.cache_salt import renew_cache_salt
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceUnavailableError, no_such_method
-from grpoflow.tasks.rollouts.server_control import MERGE_LORA_RPC
 
 # How a path gets into a server: a model dir is reloaded, an adapter merged into the base weights.
 RELOAD, MERGE = "reload_weights", MERGE_LORA_RPC
@@ -142,9 +142,10 @@ class Reload:
 def _cannot_merge(url: str, e: InferenceError) -> str:
     return (
         f"the vLLM server at {url} cannot merge LoRA adapters: it was not started with "
-        f"--worker-extension-cls grpoflow_merge.LoraMerge (vLLM answered {str(e)[:300]}). "
+        f"--worker-extension-cls {WORKER_EXTENSION} (vLLM answered {str(e)[:300]}). "
         "sync.backend 'lora_merged' needs a server grpoflow starts (the run's own, `grpoflow serve`, the "
-        "policy-server deployment), with flows/vllm_plugins on its PYTHONPATH; or set sync.backend 'lora'"
+        "policy-server deployment), with grpoflow.server installed in its environment; or set "
+        "sync.backend 'lora'"
     )
 
 

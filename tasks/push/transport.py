@@ -11,8 +11,8 @@ loaded (the server publishes it only after its checksums match).
 
 `auto` asks each server, at its first load, whether its host can read the learner's files: the
 pusher writes a small random probe file beside the version and the server answers its digest
-(`POST /grpoflow/probe`); a matching digest means `path`, anything else `network`. A server without
-grpoflow's plugin cannot be asked and gets `path` (as before this existed). A server that cannot take
+(`POST` protocol.PROBE); a matching digest means `path`, anything else `network`. A server without
+grpoflow's upload middleware cannot be asked and gets `path` (as before this existed). A server that cannot take
 the transport chosen (`path` it cannot read, `network` without uploads) raises TransportError at its
 first load, which a run does before its first step: one `error:` line naming the server and the field.
 
@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from grpoflow.server.protocol import PROBE_PREFIX, UPLOAD_DIR_ENV
 from grpoflow.tasks.config.choices import SyncTransport
 from grpoflow.tasks.push.push_api import Sent, WeightPushError
 from grpoflow.tasks.push.upload import local_files, upload_dir
@@ -43,7 +44,6 @@ from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError
 
 PATH, NETWORK = Sent.PATH, Sent.NETWORK
-PROBE_PREFIX = ".grpoflow-probe-"
 
 
 class TransportError(WeightPushError):
@@ -131,7 +131,7 @@ class Transport:
         why = "" if readable else f" and cannot read the learner's files in {folder}"
         raise TransportError(
             f"{field} but the vLLM server at {url} takes no uploads (started without "
-            f"GRPOFLOW_UPLOAD_DIR){why}: start it with `grpoflow serve`, which keeps uploads under its "
+            f"{UPLOAD_DIR_ENV}){why}: start it with `grpoflow serve`, which keeps uploads under its "
             "store root"
         )
 

@@ -1,6 +1,6 @@
 """A weight version sent to a vLLM server as bytes, for a server whose host cannot read the learner's
 disk: its files go over HTTP into the server's upload dir (grpoflow's upload middleware,
-flows/vllm_plugins/grpoflow_upload.py, whose doc has the protocol), and the path it answers is what the
+grpoflow.server.upload, whose doc has the protocol), and the path it answers is what the
 server then reloads, as a push on one host reloads the learner's own path.
 
 Each file goes in chunks of `chunk_bytes`, `streams` of them on their way at once (each read on a

@@ -1,7 +1,8 @@
 """The vLLM server's control endpoints, which weight pushes and supervisors call: pause and resume
 (with grpoflow's pause lease), the prefix cache, LoRA adapters and their aliases, weight loads
 through `collective_rpc`, and weight versions sent as bytes (grpoflow's upload middleware; the
-whole upload is tasks/push/upload.py).
+whole upload is tasks/push/upload.py). Routes, fields and answer shapes are grpoflow.server.protocol's,
+which the server's side imports too.
 
 `ServerControl` is a mixin of `VLLMClient` (tasks/rollouts/inference.py): it sends through the
 client's `_request` (one retry policy, the control timeout) and never through the semaphore that
@@ -16,6 +17,8 @@ from urllib.parse import quote
 
 import aiohttp
 
+from grpoflow.server import protocol as wire
+from grpoflow.server.protocol import MERGE_LORA_RPC, RELOAD_RPC, fields
 from grpoflow.tasks.rollouts.inference_api import (
     RETRY_STATUS,
     InferenceError,
@@ -23,10 +26,6 @@ from grpoflow.tasks.rollouts.inference_api import (
     json_object,
     no_such_method,
 )
-
-# The methods grpoflow's worker extension adds to vLLM's workers (flows/vllm_plugins/grpoflow_merge.py).
-MERGE_LORA_RPC = "grpoflow_merge_lora"
-RELOAD_RPC = "grpoflow_reload_weights"
 
 
 class ServerControl:
@@ -48,18 +47,18 @@ class ServerControl:
         supervisor resumes a pause only once its lease has run out (its owner died mid-push)."""
         params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
         if owner is not None:
-            params["owner"] = owner
+            params[wire.PAUSE_OWNER] = owner
         if lease_s is not None:
-            params["lease_s"] = f"{lease_s:.3f}"
-        await self._request("POST", "/pause", params=params)
+            params[wire.PAUSE_LEASE_S] = f"{lease_s:.3f}"
+        await self._request("POST", wire.PAUSE, params=params)
 
-    async def pause_lease(self) -> dict[str, Any]:
-        """Who paused the server and for how much longer: {"owner", "expires_in_s", "paused_at"}."""
-        text = await self._request("GET", "/grpoflow/pause_lease")
-        return json_object(text, f"GET {self.base_url}/grpoflow/pause_lease", ("owner", "expires_in_s"))
+    async def pause_lease(self) -> wire.LeaseState:
+        """Who paused the server and for how much longer."""
+        text = await self._request("GET", wire.PAUSE_LEASE)
+        return json_object(text, f"GET {self.base_url}{wire.PAUSE_LEASE}", fields(wire.LeaseState))
 
     async def resume(self) -> None:
-        await self._request("POST", "/resume")
+        await self._request("POST", wire.RESUME)
 
     async def reset_prefix_cache(self, *, running: bool = True) -> bool:
         """Drop the server's prefix cache, for every client. `running`: requests in flight are
@@ -101,15 +100,15 @@ class ServerControl:
     async def set_alias(self, name: str, target: str | None) -> str | None:
         """Point the model name `name` at the loaded adapter (or model) `target`: requests naming
         `name` are served by `target` from the next one on; None removes the alias. grpoflow's alias
-        middleware in the server (flows/vllm_plugins/grpoflow_alias.py); a server without it answers
+        middleware in the server (grpoflow.server.alias); a server without it answers
         404 (InferenceHTTPError). The target `name` pointed at before, or None."""
         text = await self._request(
             "POST",
-            "/grpoflow/alias",
-            json_body={"name": name, "target": target},
+            wire.ALIAS,
+            json_body=wire.AliasRequest(name=name, target=target),
             retry_status=RETRY_STATUS - {500},
         )
-        return json_object(text, f"POST {self.base_url}/grpoflow/alias", ("previous",))["previous"]
+        return json_object(text, f"POST {self.base_url}{wire.ALIAS}", fields(wire.AliasAnswer))["previous"]
 
     async def aliases(self) -> dict[str, str]:
         """The server's alias table {name: target}."""
@@ -119,9 +118,9 @@ class ServerControl:
         """{target: requests sent to it through an alias whose answer has not ended yet}."""
         return (await self._alias_state())["in_flight"]
 
-    async def _alias_state(self) -> dict[str, Any]:
-        where = f"GET {self.base_url}/grpoflow/aliases"
-        state = json_object(await self._request("GET", "/grpoflow/aliases"), where, ("aliases", "in_flight"))
+    async def _alias_state(self) -> wire.AliasTable:
+        where = f"GET {self.base_url}{wire.ALIASES}"
+        state = json_object(await self._request("GET", wire.ALIASES), where, fields(wire.AliasTable))
         if not isinstance(state["aliases"], dict) or not isinstance(state["in_flight"], dict):
             raise InferenceProtocolError(
                 f"{where}: 'aliases' and 'in_flight' must be objects: {state!r:.300}"
@@ -139,7 +138,7 @@ class ServerControl:
         a pooled connection would only reveal on the next call (a reset, not retried for a reload).
 
         Through grpoflow's worker extension, which keeps a tied LM head current on CPU
-        (flows/vllm_plugins/grpoflow_merge.py); a server started without it gets vLLM's own reload."""
+        (grpoflow.server.merge); a server started without it gets vLLM's own reload."""
         try:
             return await self.collective_rpc(RELOAD_RPC, {"weights_path": str(path)}, timeout_s)
         except InferenceError as e:
@@ -149,7 +148,7 @@ class ServerControl:
 
     async def merge_lora(self, adapter_path: str, *, timeout_s: float | None = None) -> Any:
         """Serve the base model with the PEFT adapter at `adapter_path` merged into its weights (the
-        server's `grpoflow_merge` worker extension; paused around it, as for `reload_weights`)."""
+        server's worker extension, grpoflow.server.merge; paused around it, as for `reload_weights`)."""
         return await self.collective_rpc(MERGE_LORA_RPC, {"adapter_path": str(adapter_path)}, timeout_s)
 
     async def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
@@ -162,7 +161,7 @@ class ServerControl:
         )
         text = await self._request(
             "POST",
-            "/collective_rpc",
+            wire.COLLECTIVE_RPC,
             json_body=body,
             retries=0,
             timeout=timeout,
@@ -172,25 +171,27 @@ class ServerControl:
             return None
         return json_object(text, f"POST {self.base_url}/collective_rpc")
 
-    # -- weight versions sent as bytes (flows/vllm_plugins/grpoflow_upload.py; a server without the
+    # -- weight versions sent as bytes (grpoflow.server.upload; a server without the
     # middleware, or started without an upload dir, answers these with 404) -----------------------
 
     async def upload_begin(self, name: str, files: list[dict[str, Any]], recycle: str | None = None) -> str:
         """Start an upload of the version `name` ({"path", "size"} per file) into the server's upload
         dir (over the files of the committed version `recycle`, which it replaces); its id. A retried
         create that had reached the server is superseded by the next one."""
-        body = {"name": name, "files": files, **({"recycle": recycle} if recycle else {})}
-        text = await self._request("POST", "/grpoflow/uploads", json_body=body, retry_status=_NOT_500)
-        return json_object(text, f"POST {self.base_url}/grpoflow/uploads", ("upload",))["upload"]
+        body = wire.UploadCreate(name=name, files=files)
+        if recycle:
+            body["recycle"] = recycle
+        text = await self._request("POST", wire.UPLOADS, json_body=body, retry_status=_NOT_500)
+        return json_object(text, f"POST {self.base_url}{wire.UPLOADS}", fields(wire.UploadCreated))["upload"]
 
     async def upload_chunk(self, upload_id: str, path: str, offset: int, data: bytes, crc32: str) -> None:
         """Write `data` at `offset` of the upload's file `path`; `crc32` (8 hex digits) is its CRC-32,
         which the server checks (a mismatch is an InferenceHTTPError 422). Idempotent: retried as it is."""
         await self._request(
             "PUT",
-            f"/grpoflow/uploads/{upload_id}/{quote(path)}",
+            wire.upload_route(upload_id, quote(path)),
             data=data,
-            params={"offset": str(offset), "crc32": crc32},
+            params={wire.CHUNK_OFFSET: str(offset), wire.CHUNK_CRC32: crc32},
             retry_status=_NOT_500,
         )
 
@@ -199,15 +200,13 @@ class ServerControl:
         CRC-32; its path on the server's host. A file not covered is an InferenceHTTPError 422 naming it
         (the upload is gone)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
-        where = f"/grpoflow/uploads/{upload_id}/commit"
+        where = wire.upload_route(upload_id, wire.COMMIT)
         text = await self._request("POST", where, json_body={}, timeout=timeout, retry_status=_NOT_500)
-        return json_object(text, f"POST {self.base_url}{where}", ("path",))["path"]
+        return json_object(text, f"POST {self.base_url}{where}", fields(wire.Committed))["path"]
 
     async def upload_abort(self, upload_id: str, *, retries: int = 1) -> None:
         """Drop an upload in progress and what it wrote."""
-        await self._request(
-            "DELETE", f"/grpoflow/uploads/{upload_id}", retries=retries, retry_status=_NOT_500
-        )
+        await self._request("DELETE", wire.upload_route(upload_id), retries=retries, retry_status=_NOT_500)
 
     async def uploaded_versions(self) -> list[str]:
         """The names of the versions committed in the server's upload dir."""
@@ -216,19 +215,20 @@ class ServerControl:
     async def uploaded(self) -> tuple[str, list[str]]:
         """(the server's upload dir on its host, the names of the versions committed there): a
         version `name` is `<dir>/<name>`."""
-        text = await self._request("GET", "/grpoflow/versions")
-        out = json_object(text, f"GET {self.base_url}/grpoflow/versions", ("root", "versions"))
+        text = await self._request("GET", wire.VERSIONS)
+        out = json_object(text, f"GET {self.base_url}{wire.VERSIONS}", fields(wire.VersionList))
         return out["root"], out["versions"]
 
-    async def probe(self, path: str) -> dict[str, Any]:
-        """Can the server's host read the probe file `path` (a `.grpoflow-probe-<hex>` file)? {"sha256":
-        its content's digest or None, "uploads": whether uploads are on}. 404 without grpoflow's plugin."""
-        text = await self._request("POST", "/grpoflow/probe", json_body={"path": path}, retry_status=_NOT_500)
-        return json_object(text, f"POST {self.base_url}/grpoflow/probe", ("sha256", "uploads"))
+    async def probe(self, path: str) -> wire.ProbeAnswer:
+        """Can the server's host read the probe file `path` (a `wire.PROBE_PREFIX` file)? Its content's
+        digest (None if not) and whether uploads are on. 404 without grpoflow's upload middleware."""
+        body = wire.ProbeRequest(path=path)
+        text = await self._request("POST", wire.PROBE, json_body=body, retry_status=_NOT_500)
+        return json_object(text, f"POST {self.base_url}{wire.PROBE}", fields(wire.ProbeAnswer))
 
     async def delete_uploaded_version(self, name: str) -> None:
         """Remove the committed version `name` from the server's upload dir (404 if it has none)."""
-        await self._request("DELETE", f"/grpoflow/versions/{quote(name)}", retry_status=_NOT_500)
+        await self._request("DELETE", wire.version_route(quote(name)), retry_status=_NOT_500)
 
 
 # A 500 from the upload routes is an error of the server's disk (no space, no permission): final, so

@@ -113,7 +113,7 @@ def test_the_server_serves_the_runs_last_weights_and_the_export_is_a_gemma3_mode
     tok = AutoTokenizer.from_pretrained(exported.out)
     assert tok.encode("Question")[0] == tok.bos_token_id  # the export keeps the tokenizer's BOS rule
     # The run trained the tied embedding too: the server's LM head is the new embedding (not a pack of
-    # the old one kept by vLLM's CPU reload: flows/vllm_plugins/grpoflow_merge.py).
+    # the old one kept by vLLM's CPU reload: server/merge.py).
     answers = served(gemma3_server.url, None)
     assert gap(exported.out, answers) < 1e-3
     assert gap(gemma3_server.model_dir, answers) > 1e-2  # the run changed the policy

@@ -13,12 +13,11 @@ import sys
 import psutil
 import pytest
 
-from grpoflow.storage.processes import alive
+from grpoflow.server import guard
+from grpoflow.storage.processes import alive, guarded
 from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.integration
-
-GUARD = REPO / "flows" / "vllm_plugins" / "grpoflow_guard.py"
 
 
 def _pids(path, timeout_s: float) -> list[int]:
@@ -35,10 +34,10 @@ def test_a_guarded_server_and_its_children_die_with_a_sigkilled_parent(tmp_path)
             sys.executable,
             "-c",
             "import os, subprocess, sys, threading, time\n"
-            "t = threading.Thread(target=lambda: subprocess.Popen([sys.executable, sys.argv[1], "
-            "str(os.getpid()), 'tests.integration.sleeper', sys.argv[2]], start_new_session=True))\n"
+            "from grpoflow.server import guard\n"
+            "argv = guard.command(sys.executable, os.getpid(), 'tests.integration.sleeper', [sys.argv[1]])\n"
+            "t = threading.Thread(target=lambda: subprocess.Popen(argv, start_new_session=True))\n"
             "t.start(); t.join(); time.sleep(600)",
-            str(GUARD),
             str(pid_file),
         ],
         cwd=REPO,
@@ -49,6 +48,8 @@ def test_a_guarded_server_and_its_children_die_with_a_sigkilled_parent(tmp_path)
         # A death signal tied to the spawning thread (PR_SET_PDEATHSIG) would fire as it exits.
         wait_for(lambda: psutil.Process(run.pid).num_threads() == 1, 10, "the spawning thread to exit")
         assert alive(server) and alive(engine)
+        assert (server, run.pid) in guarded()  # found by its command line (`python -m` the guard)
+        assert psutil.Process(server).cmdline()[1:3] == ["-m", guard.MODULE]
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         wait_for(lambda: not alive(server) and not alive(engine), 10, "the server to die with the run")

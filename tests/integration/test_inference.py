@@ -66,7 +66,7 @@ async def test_seed_makes_sampling_reproducible(vllm_server, tok):
 
 async def test_a_long_prompts_logprobs_follow_neither_its_batch_nor_its_cached_prefix(vllm_server):
     """The bits of a 600-token prompt's completion are the same alone, prefilled in one step with prompts
-    of 200 and 700 tokens, and with its prefix cached. Before grpoflow_invariant cut prefills into
+    of 200 and 700 tokens, and with its prefix cached. Before grpoflow.server.invariant cut prefills into
     pieces, vLLM's CPU attention tiled a prompt's queries by the work of the whole step (its rows 480-491
     came out otherwise beside these two), and the logprobs differed from the 11th token on."""
 

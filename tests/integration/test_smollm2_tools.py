@@ -90,7 +90,7 @@ def _train_and_check(config, sets, smollm2_model_dir, tmp_path):
 
     # The same config again (on-policy: max_staleness 0): SmolLM2's tool-calling turns, vLLM's logprobs,
     # rewards and weights are the same bits (a one-token decode batch once gave other last bits:
-    # flows/vllm_plugins/grpoflow_invariant.py).
+    # server/invariant.py).
     grpo_train(config=load_config(config, [*sets, "run.run_id=smol-again"]))
     summary = report(tmp_path, "smol-tools", "smol-again")
     assert identical(summary) and summary["rollouts_total"] == STEPS * PROMPTS * G, summary

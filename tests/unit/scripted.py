@@ -4,7 +4,7 @@ integration tests drive the real server.
 
 It also answers the LoRA adapter calls the `lora` weight push makes, as vLLM 0.32 does (status codes
 and messages), and the model-name aliases of grpoflow's middleware in the server
-(flows/vllm_plugins/grpoflow_alias.py), so a push, a lineage's swap and generation can run against one
+(grpoflow.server.alias), so a push, a lineage's swap and generation can run against one
 scripted server."""
 
 from __future__ import annotations

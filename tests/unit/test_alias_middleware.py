@@ -1,31 +1,25 @@
-"""grpoflow's alias middleware (flows/vllm_plugins/grpoflow_alias.py) driven as vLLM runs it: an ASGI
+"""grpoflow's alias middleware (grpoflow.server.alias) driven as vLLM runs it: an ASGI
 app wrapping the server's, here a tiny fake that records what it received and answers /v1/models."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import pytest
-
-from grpoflow.flows.processes.launch import PLUGINS
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def alias():
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import grpoflow_alias
-    finally:
-        sys.path.remove(str(PLUGINS))
-    grpoflow_alias._aliases.clear()
-    grpoflow_alias._in_flight.clear()
-    yield grpoflow_alias
-    grpoflow_alias._aliases.clear()
-    grpoflow_alias._in_flight.clear()
+    from grpoflow.server import alias as module
+
+    module._aliases.clear()
+    module._in_flight.clear()
+    yield module
+    module._aliases.clear()
+    module._in_flight.clear()
 
 
 MODELS = {"object": "list", "data": [
@@ -169,8 +163,9 @@ def test_every_server_grpoflow_starts_carries_it_inside_the_key_check():
     for key in (None, "k"):
         cmd, _, _ = server_command("m", python="py", port=9, api_key=key, lora_rank=None)
         middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
-        assert middleware == ["grpoflow_lease.PauseLease", "grpoflow_alias.ModelAlias", "grpoflow_upload.WeightUpload",
-                              *(["grpoflow_auth.RequireApiKey"] if key else [])]  # fmt: skip
+        assert middleware == ["grpoflow.server.lease.PauseLease", "grpoflow.server.alias.ModelAlias",
+                              "grpoflow.server.upload.WeightUpload",
+                              *(["grpoflow.server.auth.RequireApiKey"] if key else [])]  # fmt: skip
 
 
 def test_the_client_drives_the_middleware_over_http(alias):

@@ -1,25 +1,17 @@
-"""How grpoflow_invariant (flows/vllm_plugins/, run inside vLLM's workers) cuts a step's attention call
+"""How grpoflow.server.invariant (run inside vLLM's workers) cuts a step's attention call
 into pieces: hand-derived cases. The real kernel's bits, alone against beside other prompts, are
 tests/integration/test_inference.py's."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-
-from grpoflow.flows.processes.launch import PLUGINS
 
 
 @pytest.fixture(scope="module")
 def pieces():
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        from grpoflow_invariant import _pieces
+    from grpoflow.server.invariant import _pieces
 
-        yield _pieces
-    finally:
-        sys.path.remove(str(PLUGINS))
+    return _pieces
 
 
 def test_decodes_and_short_prompts_stay_whole(pieces):

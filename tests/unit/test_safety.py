@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
+import os
 
 import pytest
 
 from grpoflow.flows.cli.main import build_parser
 from grpoflow.flows.config import GRPOConfig
-from grpoflow.flows.processes.launch import PLUGINS
 from grpoflow.flows.processes.policy_server import policy_server
 from grpoflow.flows.processes.serve import server_command
 from grpoflow.tasks.rollouts.tools import HermesToolParser
@@ -36,12 +35,13 @@ def test_binding_elsewhere_needs_a_key_which_goes_by_environment_not_argv():
     assert "s3cret" not in " ".join(cmd) and env["VLLM_API_KEY"] == "s3cret"
     middleware = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
     assert middleware == [
-        "grpoflow_lease.PauseLease",
-        "grpoflow_alias.ModelAlias",
-        "grpoflow_upload.WeightUpload",
-        "grpoflow_auth.RequireApiKey",
+        "grpoflow.server.lease.PauseLease",
+        "grpoflow.server.alias.ModelAlias",
+        "grpoflow.server.upload.WeightUpload",
+        "grpoflow.server.auth.RequireApiKey",
     ]  # the key check outermost
-    assert env["PYTHONPATH"].split(":")[0] == str(PLUGINS)
+    assert cmd[1:3] == ["-m", "grpoflow.server.guard"]  # installed in vLLM's environment, no PYTHONPATH
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
 
 
 def _call(app, path: str, auth: str | None = None, method: str = "POST") -> int:
@@ -60,11 +60,7 @@ def _call(app, path: str, auth: str | None = None, method: str = "POST") -> int:
 
 
 def test_key_middleware_guards_control_endpoints_too(monkeypatch):
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        from grpoflow_auth import RequireApiKey
-    finally:
-        sys.path.remove(str(PLUGINS))
+    from grpoflow.server.auth import RequireApiKey
 
     async def ok_app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -100,17 +96,14 @@ def test_a_pause_has_an_owner_and_a_lease_that_runs_out():
     paused and for how long, /resume clears it, /grpoflow/pause_lease reports it."""
     import json
 
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import grpoflow_lease
-    finally:
-        sys.path.remove(str(PLUGINS))
+    from grpoflow.server import lease
+
     forwarded = []
 
     async def server(scope, receive, send):
         forwarded.append(scope["path"])
 
-    app = grpoflow_lease.PauseLease(server)
+    app = lease.PauseLease(server)
 
     def call(path, method="POST", query=b""):
         sent = []

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-# The production code: `server/` is the vLLM plugins' package once it leaves flows/vllm_plugins/.
+# The production code, the vLLM server's package (`server/`) included.
 PACKAGES = ("flows", "tasks", "storage", "examples", "server")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60

@@ -1,4 +1,4 @@
-"""Weight versions sent as bytes: grpoflow's upload middleware (flows/vllm_plugins/grpoflow_upload.py)
+"""Weight versions sent as bytes: grpoflow's upload middleware (grpoflow.server.upload)
 driven as vLLM runs it, an ASGI app wrapping the server's (here a fake that answers everything else),
 called by hand or served by uvicorn to the client half (tasks/push/upload.py)."""
 
@@ -9,13 +9,14 @@ import contextlib
 import importlib
 import json
 import os
-import sys
 import threading
 import zlib
 
 import pytest
 
-from grpoflow.flows.processes.launch import PLUGINS, free_port
+from grpoflow.flows.processes.launch import free_port
+from grpoflow.server import upload_store
+from grpoflow.server.protocol import API_KEY_ENV, UPLOAD_DIR_ENV, UPLOAD_MAX_BYTES_ENV
 from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
@@ -25,15 +26,12 @@ KEY = "s3cret"
 @pytest.fixture
 def mod(tmp_path, monkeypatch):
     """The middleware's module, with uploads going to <tmp>/uploads."""
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import grpoflow_upload
-    finally:
-        sys.path.remove(str(PLUGINS))
-    monkeypatch.setenv("GRPOFLOW_UPLOAD_DIR", str(tmp_path / "uploads"))
-    monkeypatch.delenv("GRPOFLOW_UPLOAD_MAX_BYTES", raising=False)
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    return grpoflow_upload
+    from grpoflow.server import upload
+
+    monkeypatch.setenv(UPLOAD_DIR_ENV, str(tmp_path / "uploads"))
+    monkeypatch.delenv(UPLOAD_MAX_BYTES_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    return upload
 
 
 async def inner(scope, receive, send):
@@ -129,13 +127,9 @@ def stacked_as_served(mod):
 
     cmd, _, _ = server_command("m", python="py", port=9, api_key=KEY)
     app = inner
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        for spec in (cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"):
-            module, name = spec.rsplit(".", 1)
-            app = getattr(importlib.import_module(module), name)(app)
-    finally:
-        sys.path.remove(str(PLUGINS))
+    for spec in (cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"):
+        module, name = spec.rsplit(".", 1)
+        app = getattr(importlib.import_module(module), name)(app)
     return app
 
 
@@ -171,7 +165,7 @@ def test_a_version_goes_over_http_in_chunks_and_is_committed_whole(mod, tmp_path
 
 
 def test_a_body_is_written_in_batches_as_it_arrives(mod, tmp_path, monkeypatch):
-    store = sys.modules["grpoflow_upload_store"]
+    store = upload_store
     writes, write = [], store.write
     monkeypatch.setattr(store, "write", lambda up, rel, at, pieces, c: (writes.append((at, sum(map(len, pieces)))),
                                                                         write(up, rel, at, pieces, c))[1])  # fmt: skip
@@ -223,7 +217,7 @@ def test_a_chunk_that_fails_its_crc32_is_refused_and_the_commit_names_what_never
 
 
 def test_chunks_go_in_any_order_and_bytes_written_over_must_be_checked_again(mod, tmp_path):
-    store = sys.modules["grpoflow_upload_store"]
+    store = upload_store
     app = mod.WeightUpload(inner)
     data, junk = os.urandom(3000), b"x" * 1000
     upload = create(app, "r/v1", {"w": 3000})
@@ -400,7 +394,7 @@ def test_a_failed_upload_is_aborted_and_its_error_names_the_server_and_the_file(
     from grpoflow.tasks.push.upload import WeightUploadError, WeightUploadUnavailableError, upload_dir
 
     local, _ = version_dir(tmp_path)
-    store = sys.modules["grpoflow_upload_store"]
+    store = upload_store
     write = store.write
 
     def full_disk(up, rel, at, pieces, c):

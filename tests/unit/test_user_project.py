@@ -81,13 +81,13 @@ def test_a_missing_data_file_names_both_places_looked(tmp_path):
     assert str(elsewhere / "gone.jsonl") in error and str(proj / "gone.jsonl") in error
 
 
-def test_grpoflow_leaves_the_names_tasks_flows_storage_and_examples_to_the_user(tmp_path):
+def test_grpoflow_leaves_the_names_tasks_flows_storage_server_and_examples_to_the_user(tmp_path):
     # Installed, grpoflow is `grpoflow.*` alone: in a folder without modules of those names, none imports.
     out = _run(
         """
         import importlib.util
-        print([n for n in ("tasks", "flows", "storage", "examples") if importlib.util.find_spec(n)])
-        import grpoflow.tasks, grpoflow.flows, grpoflow.storage, grpoflow.examples
+        print([n for n in ("tasks", "flows", "storage", "server", "examples") if importlib.util.find_spec(n)])
+        import grpoflow.tasks, grpoflow.flows, grpoflow.storage, grpoflow.server, grpoflow.examples
         """,
         cwd=tmp_path,
     )

@@ -1,4 +1,4 @@
-"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow_upload.WeightUpload`): a weight
+"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow.server.upload.WeightUpload`): a weight
 version sent as bytes over HTTP, for a server on another host that cannot read the learner's disk.
 
 The server keeps received versions in `GRPOFLOW_UPLOAD_DIR` (a directory on its own host; unset: every
@@ -41,14 +41,14 @@ by its path: the server's workers share its host's disk.
   {"root": dir, "versions": [name, ...]} (the dirs holding a manifest); `DELETE
   /grpoflow/versions/<name>` removes a committed version (a dir holding a manifest, nothing else).
 
-Authentication: none here. `grpoflow_auth.RequireApiKey` guards every path but the health probes when
+Authentication: none here. `auth.RequireApiKey` guards every path but the health probes when
 the server has a key. vLLM adds each `--middleware` with Starlette's `add_middleware`, which makes the
-last one given the outermost, so RequireApiKey is given after this one (flows/serve.py) and checks the
+last one given the outermost, so RequireApiKey is given after this one (flows/processes/serve.py) and checks the
 key before any upload route runs.
 
-The disk side is grpoflow_upload_store.py (called on a thread). The table of uploads in progress lives
+The disk side is upload_store.py (called on a thread). The table of uploads in progress lives
 in this API server process: one upload in flight when the server restarts is lost, and its staging dir
-swept by the next create. Standard library only: it runs in the server's environment.
+swept by the next create. Standard library only; the names and shapes on the wire are protocol.py's.
 """
 
 from __future__ import annotations
@@ -57,18 +57,35 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import time
 from urllib.parse import parse_qs
 
-import grpoflow_upload_store as store
-from grpoflow_http import reply_json, route
-from grpoflow_upload_store import File, Refused, Upload
+from grpoflow.server import upload_store as store
+from grpoflow.server.http import reply_json, route
+from grpoflow.server.protocol import (
+    CHUNK_CRC32,
+    CHUNK_OFFSET,
+    COMMIT,
+    PROBE,
+    PROBE_NAME,
+    PROBE_PREFIX,
+    UPLOAD_DIR_ENV,
+    UPLOAD_MAX_BYTES_ENV,
+    UPLOADS,
+    VERSIONS,
+    Aborted,
+    ChunkWritten,
+    Committed,
+    Error,
+    ProbeAnswer,
+    UploadCreated,
+    VersionDeleted,
+    VersionList,
+)
+from grpoflow.server.upload_store import File, Refused, Upload
 
-UPLOADS, VERSIONS, PROBE = "/grpoflow/uploads", "/grpoflow/versions", "/grpoflow/probe"
-PROBE_NAME = re.compile(r"\.grpoflow-probe-[0-9a-f]{32}")
 PROBE_MAX_BYTES = 64
 DEFAULT_MAX_BYTES = 64 << 30
 MAX_JSON_BYTES = 4 << 20  # a create or commit body
@@ -84,9 +101,9 @@ class _Gone(Exception):
 class WeightUpload:
     def __init__(self, app):
         self.app = app
-        folder = os.environ.get("GRPOFLOW_UPLOAD_DIR")
+        folder = os.environ.get(UPLOAD_DIR_ENV)
         self.root = os.path.abspath(folder) if folder else None
-        self.max_bytes = int(os.environ.get("GRPOFLOW_UPLOAD_MAX_BYTES") or DEFAULT_MAX_BYTES)
+        self.max_bytes = int(os.environ.get(UPLOAD_MAX_BYTES_ENV) or DEFAULT_MAX_BYTES)
         self.uploads: dict[str, Upload] = {}
         self.committed: dict[str, str] = {}  # upload id -> the version's path
 
@@ -99,10 +116,12 @@ class WeightUpload:
         body = _Body(receive)
         try:
             if path == PROBE and method == "POST":
-                answer = {"sha256": await _probe(await _read_json(body)), "uploads": self.root is not None}
+                answer = ProbeAnswer(
+                    sha256=await _probe(await _read_json(body)), uploads=self.root is not None
+                )
                 return await reply_json(send, answer)
             if self.root is None:
-                raise Refused(404, "uploads are off on this server: start it with GRPOFLOW_UPLOAD_DIR set")
+                raise Refused(404, f"uploads are off on this server: start it with {UPLOAD_DIR_ENV} set")
             answer = await self._dispatch(path, method, scope, body)
         except _Gone:
             return None
@@ -113,20 +132,22 @@ class WeightUpload:
         else:
             return await reply_json(send, answer)
         await body.drain()  # an answer sent before the body is read may never reach the client
-        await reply_json(send, {"error": message}, status)
+        await reply_json(send, Error(error=message), status)
 
     async def _dispatch(self, path: str, method: str, scope, body: _Body) -> dict:
         if path == UPLOADS and method == "POST":
             return await self._create(await _read_json(body))
         if path == VERSIONS and method == "GET":
-            return {"root": self.root, "versions": await asyncio.to_thread(store.versions, self.root)}
+            return VersionList(root=self.root, versions=await asyncio.to_thread(store.versions, self.root))
         if path.startswith(VERSIONS + "/") and method == "DELETE":
             name = store.relative_name(path[len(VERSIONS) + 1 :], "name", hidden=False)
-            return {"deleted": name, "path": await asyncio.to_thread(store.remove_version, self.root, name)}
+            return VersionDeleted(
+                deleted=name, path=await asyncio.to_thread(store.remove_version, self.root, name)
+            )
         upload_id, _, rest = path[len(UPLOADS) + 1 :].partition("/")
         if method == "PUT" and rest:
             return await self._put(self._live(upload_id), rest, scope, body)
-        if method == "POST" and rest == "commit":
+        if method == "POST" and rest == COMMIT:
             await body.drain()  # nothing in it is needed: the chunks came with their checksums
             return await self._commit(upload_id)
         if method == "DELETE" and not rest:
@@ -165,15 +186,15 @@ class WeightUpload:
         except BaseException:
             self.uploads.pop(up.id, None)
             raise
-        return {"upload": up.id}
+        return UploadCreated(upload=up.id)
 
     async def _put(self, up: Upload, rel: str, scope, body: _Body) -> dict:
         if rel not in up.files:
             raise Refused(404, f"upload {up.id} ({up.name}) declared no file {rel!r}")
         size = up.files[rel].size
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        offset, length = _offset(query.get("offset", ["0"])[0]), _content_length(scope)
-        want = store.crc32_hex(query.get("crc32", [None])[0], f"{rel}: query field 'crc32'")
+        offset, length = _offset(query.get(CHUNK_OFFSET, ["0"])[0]), _content_length(scope)
+        want = store.crc32_hex(query.get(CHUNK_CRC32, [None])[0], f"{rel}: query field {CHUNK_CRC32!r}")
         if offset + (length or 0) > size:
             raise Refused(
                 413, f"{rel}: bytes up to {offset + (length or 0)} are past its declared size {size}"
@@ -193,11 +214,11 @@ class WeightUpload:
             checked = (offset + written, got)
         finally:
             store.end_chunk(f, offset, end, checked)
-        return {"path": rel, "offset": offset, "written": written}
+        return ChunkWritten(path=rel, offset=offset, written=written)
 
     async def _commit(self, upload_id: str) -> dict:
         if upload_id in self.committed:
-            return {"path": self.committed[upload_id]}
+            return Committed(path=self.committed[upload_id])
         up = self._live(upload_id)
         if up.committing:
             raise Refused(503, f"upload {upload_id} ({up.name}) is being committed: try again")
@@ -217,14 +238,14 @@ class WeightUpload:
         self.committed[up.id] = path
         while len(self.committed) > KEEP_COMMITTED:
             del self.committed[next(iter(self.committed))]
-        return {"path": path}
+        return Committed(path=path)
 
     async def _abort(self, up: Upload) -> dict:
         if up.committing:
             raise Refused(409, f"upload {up.id} ({up.name}) is being committed: too late to abort")
         del self.uploads[up.id]
         await asyncio.to_thread(shutil.rmtree, up.staging, True)
-        return {"aborted": up.id, "name": up.name}
+        return Aborted(aborted=up.id, name=up.name)
 
 
 class _Body:
@@ -302,7 +323,7 @@ async def _probe(req: dict) -> str | None:
         or not os.path.isabs(path)
         or not PROBE_NAME.fullmatch(os.path.basename(path))
     ):
-        raise Refused(400, "field 'path': an absolute path to a file named .grpoflow-probe-<32 hex digits>")
+        raise Refused(400, f"field 'path': an absolute path to a file named {PROBE_PREFIX}<32 hex digits>")
 
     def read() -> str | None:
         try:

@@ -23,10 +23,11 @@ attention shape (`_chunk_size`); 1 is a decode by construction. Non-causal atten
 
 `install()` wraps vLLM's `dispatch_cpu_unquantized_gemm`, which sets each layer's `cpu_linear` when the
 model's weights are processed (at load and after each reload), so it must run before the model loads:
-`grpoflow_merge`, the worker extension every server grpoflow starts imports into its workers, calls it.
+`merge.py`, the worker extension every server grpoflow starts imports into its workers, calls it.
 It also wraps the two CPU attention ops of `vllm._custom_ops` (the scheduler that plans a call, and the
 kernel), which vLLM's CPU attention backend looks up at each call.
-Runs inside vLLM's worker process: imports only vLLM and torch.
+Runs inside vLLM's worker process: vllm and torch (the environment's own, imported inside the functions
+that use them: grpoflow.server PROVIDED_BY_VLLM).
 """
 
 from __future__ import annotations

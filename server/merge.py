@@ -1,8 +1,9 @@
 """vLLM worker extension: weight reloads that keep a tied LM head current, and a PEFT LoRA adapter merged
 into the served weights (`sync.backend: lora_merged`).
 
-Every server grpoflow starts runs with `--worker-extension-cls grpoflow_merge.LoraMerge`, which adds two
-methods to vLLM's workers, called over `/collective_rpc`:
+Every server grpoflow starts runs with `--worker-extension-cls grpoflow.server.merge.LoraMerge`, which adds two
+methods to vLLM's workers, called over `/collective_rpc` (their names: protocol.RELOAD_RPC,
+protocol.MERGE_LORA_RPC):
 
 `grpoflow_reload_weights(weights_path)` is vLLM's `reload_weights`, then the tied LM heads re-packed: on
 CPU, vLLM packs an LM head's weight for oneDNN when the layer is processed. A model with tied embeddings
@@ -18,7 +19,8 @@ the server holds, so merges do not accumulate. A fused vLLM layer (q/k/v, gate/u
 `packed_modules_mapping`) is reloaded whole: its modules the adapter leaves alone get their base
 weights, and biases come from the base files too.
 
-Runs inside vLLM's worker process: imports only what vLLM's own environment has (torch, safetensors).
+Runs inside vLLM's worker process: torch, safetensors and vllm (the environment's own, imported inside
+the functions that use them: grpoflow.server PROVIDED_BY_VLLM).
 The server should be paused around the call (tasks/push/lora_push.py: MergedLoraPush), as for a reload.
 """
 
@@ -27,11 +29,11 @@ from __future__ import annotations
 import json
 import os
 
-import grpoflow_invariant
+from grpoflow.server import invariant
 
 # vLLM imports this module into every worker of a server grpoflow starts, before the model loads: where
-# the linear layers are made batch-invariant (grpoflow_invariant).
-grpoflow_invariant.install()
+# the linear layers are made batch-invariant (invariant.py).
+invariant.install()
 
 LORA_A, LORA_B, PREFIX = ".lora_A.weight", ".lora_B.weight", "base_model.model."
 

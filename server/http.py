@@ -1,6 +1,5 @@
-"""What grpoflow's middleware in the vLLM server share (grpoflow_lease, grpoflow_alias, grpoflow_auth):
-a request's route, and a JSON answer. Imported by the server as a top-level module (the plugins'
-folder is on its PYTHONPATH); standard library only."""
+"""What grpoflow's middlewares in the vLLM server share (lease, alias, upload, auth): a request's route,
+and a JSON answer. Standard library only."""
 
 from __future__ import annotations
 

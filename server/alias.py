@@ -1,4 +1,4 @@
-"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow_alias.ModelAlias`): model-name
+"""ASGI middleware loaded INTO the vLLM server (`--middleware grpoflow.server.alias.ModelAlias`): model-name
 aliases, so a LoRA lineage's name can be re-pointed from one loaded adapter to another in one step.
 
 vLLM 0.32 offers no atomic re-point: unload + load leaves a window where the name answers 404, and
@@ -17,14 +17,15 @@ internal name of its own (no in-place flag) and the lineage's name is an alias o
   the target adapter's path), so clients listing models see the lineage names.
 
 The table lives in this API server process (one per server; lost with it: whoever loads the adapters
-after a restart points the aliases again). Standard library only: it runs in the server's environment.
+after a restart points the aliases again). Standard library only.
 """
 
 from __future__ import annotations
 
 import json
 
-from grpoflow_http import reply_json, route
+from grpoflow.server.http import reply_json, route
+from grpoflow.server.protocol import ALIAS, ALIASES, AliasAnswer, AliasTable
 
 _aliases: dict[str, str] = {}  # alias -> the loaded adapter's (or model's) name it stands for
 _in_flight: dict[str, int] = {}  # target -> requests rewritten to it whose answer has not ended
@@ -38,9 +39,9 @@ class ModelAlias:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = route(scope)
-        if path == "/grpoflow/aliases" and method == "GET":
-            return await reply_json(send, {"aliases": dict(_aliases), "in_flight": dict(_in_flight)})
-        if path == "/grpoflow/alias" and method == "POST":
+        if path == ALIASES and method == "GET":
+            return await reply_json(send, AliasTable(aliases=dict(_aliases), in_flight=dict(_in_flight)))
+        if path == ALIAS and method == "POST":
             return await _set_alias(await _read_body(receive), send)
         if not _aliases:  # nothing to rewrite: no buffering at all
             return await self.app(scope, receive, send)
@@ -94,7 +95,7 @@ async def _set_alias(body: bytes, send) -> None:
     previous = _aliases.pop(name, None) if target is None else _aliases.get(name)
     if target is not None:
         _aliases[name] = target
-    await reply_json(send, {"name": name, "target": target, "previous": previous})
+    await reply_json(send, AliasAnswer(name=name, target=target, previous=previous))
 
 
 class _ModelsWithAliases:

@@ -1,4 +1,4 @@
-"""The upload directory of grpoflow_upload.WeightUpload (its module doc has the protocol): the names it
+"""The upload directory of upload.WeightUpload (its module doc has the protocol): the names it
 accepts, the staging dirs, the writes, and the check and publication of a version. Everything here
 touches the disk, so the middleware calls it on a thread. Standard library only.
 """
@@ -16,7 +16,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-MANIFEST = ".grpoflow-upload.json"  # in every committed version: what marks a dir as one
+from grpoflow.server.protocol import MANIFEST
+
 STAGING, TRASH = ".incoming-", ".trash-"
 MAX_FILES, MAX_DEPTH, MAX_NAME = 10_000, 8, 1024
 _IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX)

@@ -1,0 +1,60 @@
+"""The vLLM environment runs what grpoflow hands vLLM from the installed grpoflow.server alone: the guard,
+the middlewares and the worker extension (flows/processes/serve.py's own names) import there without any other
+part of grpoflow, and every third-party name the package imports is there. No server starts: the
+imports are what vLLM does first with them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grpoflow.flows.processes.serve import AUTH_MIDDLEWARE, MIDDLEWARES, vllm_python
+from grpoflow.server import guard
+from grpoflow.server.protocol import WORKER_EXTENSION
+from tests.support import server_imports
+
+pytestmark = pytest.mark.integration
+
+# Imports each "module" or "module.object" in argv, then prints the grpoflow modules loaded and which of
+# the third-party names given after "--" the environment has. The test's body judges.
+PROBE = """
+import importlib, importlib.util, json, sys
+entries, _, names = " ".join(sys.argv[1:]).partition(" -- ")
+for entry in entries.split():
+    try:
+        importlib.import_module(entry)
+    except ModuleNotFoundError:
+        module, _, obj = entry.rpartition(".")
+        getattr(importlib.import_module(module), obj)
+found = {n: importlib.util.find_spec(n) is not None for n in names.split()}
+print(json.dumps({"grpoflow": sorted(m for m in sys.modules if m.startswith("grpoflow")), "found": found}))
+"""
+
+
+def test_the_vllm_environment_imports_only_grpoflow_server_and_has_what_it_needs(tmp_path):
+    python = vllm_python()
+    assert python != sys.executable, "no vLLM environment (.venv-vllm or GRPOFLOW_VLLM_PYTHON): make install"
+    entries = [guard.MODULE, *MIDDLEWARES, AUTH_MIDDLEWARE, WORKER_EXTENSION]
+    third_party = sorted(
+        {n.partition(".")[0] for names in server_imports().values() for n in names}
+        - sys.stdlib_module_names
+        - {"grpoflow"}
+    )
+    # Outside the checkout, so that nothing of it is on the path but what is installed.
+    out = subprocess.run(
+        [python, "-c", PROBE, *entries, "--", *third_party],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert third_party and seen["found"] == dict.fromkeys(third_party, True), seen["found"]
+    assert "grpoflow.server.merge" in seen["grpoflow"] and "grpoflow.server.guard" in seen["grpoflow"]
+    outside = [m for m in seen["grpoflow"] if m not in ("grpoflow", "grpoflow.server")
+               and not m.startswith("grpoflow.server.")]  # fmt: skip
+    assert outside == [], outside
