@@ -66,7 +66,10 @@ $(OPENENV_VENV)/.installed: requirements/openenv.txt
 	$(OPENENV_VENV)/bin/pip install -q -r requirements/openenv.txt
 	touch $@
 
-install: $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test environment servers)
+# The three environments are independent: built side by side (pip waits on the network and on unpacking
+# as much as on the CPU), a fresh machine's install takes less than one after the other.
+install:  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test environment servers)
+	@$(MAKE) --no-print-directory -j3 $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed
 
 demo: $(BIN)/.core $(VLLM_VENV)/.installed  ## install what it runs, train the tiny demo through vLLM + Prefect, print the reward curve
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)

@@ -19,11 +19,12 @@ from grpoflow.tasks.config.inference import api_key_from_env
 
 def cmd_train(args) -> int:
     cfg = cli_config(args, *([f"run.run_id={args.run_id}"] if args.run_id else []))
-    from grpoflow.flows.training.runs import new_run_id, preflight
+    from grpoflow.flows.training.preflight import preflight, preflighted
+    from grpoflow.flows.training.runs import new_run_id
 
-    preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
     if args.resume is None and cfg.run.run_id is None:
         cfg.run.run_id = new_run_id()  # named here, so that an interrupted run can be named to resume
+    rows = preflight(cfg, args.resume)  # bad input: one clear line, before a flow run or a model exists
     args.interrupted_run = (cfg.storage.root, args.resume or cfg.run.run_id)
     from grpoflow.flows.processes.prefect_api import (
         completed_without_api,
@@ -37,7 +38,8 @@ def cmd_train(args) -> int:
         if own_url is None:  # a configured API may still show runs that ended while it was down
             settle_flow_runs(cfg.storage.root)
         try:
-            summary = grpo_train(config=cfg, resume=args.resume)
+            with preflighted(cfg, args.resume, rows):  # the flow's own preflight: checked just now
+                summary = grpo_train(config=cfg, resume=args.resume)
         except Exception as e:  # a Prefect API that died after the run's last step: the run is complete
             if (done := completed_without_api(cfg.storage.root, args.interrupted_run[1], e)) is None:
                 raise

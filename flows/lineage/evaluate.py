@@ -30,8 +30,9 @@ from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_server
 from grpoflow.flows.training.data import load_rows, split_rows
 from grpoflow.flows.training.environments import check_environment_rows, check_run
+from grpoflow.flows.training.preflight import confine
 from grpoflow.flows.training.progress import artifact_key
-from grpoflow.flows.training.runs import confine, prepare_model, rollout_job
+from grpoflow.flows.training.runs import prepare_model, rollout_job
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.tasks.config.learner import LoraConfig

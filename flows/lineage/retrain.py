@@ -28,7 +28,7 @@ from grpoflow.flows.lineage.promote import base_version, checkpoint_version, pro
 from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_server
 from grpoflow.flows.training.environments import check_run
-from grpoflow.flows.training.runs import confine
+from grpoflow.flows.training.preflight import confine
 from grpoflow.flows.training.train import grpo_train
 from grpoflow.storage.checkpoints import CheckpointStore
 from grpoflow.storage.ids import validate_run_id

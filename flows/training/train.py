@@ -20,12 +20,12 @@ from grpoflow.flows.lineage.evaluate import TrainingEval, eval_metrics
 from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_servers, replica_names, vllm_python
 from grpoflow.flows.training.pipeline import RolloutPipeline, replica_set
+from grpoflow.flows.training.preflight import preflight
 from grpoflow.flows.training.runner import StepRunner, StepUnits
 from grpoflow.flows.training.runs import (
     RunState,
     build_learner,
     open_run,
-    preflight,
     prepare_model,
     rollout_job,
     write_meta,

@@ -10,7 +10,7 @@ import pytest
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.training.environments import check_run
-from grpoflow.flows.training.runs import preflight
+from grpoflow.flows.training.preflight import preflight
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
-from grpoflow.flows.training.runs import preflight, prepare_model
+from grpoflow.flows.training.preflight import preflight
+from grpoflow.flows.training.runs import prepare_model
 from grpoflow.tasks.models import with_chat_template
 
 pytestmark = pytest.mark.unit

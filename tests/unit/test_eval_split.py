@@ -9,7 +9,7 @@ import pytest
 from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import eval_rows
 from grpoflow.flows.training.data import load_rows, split_rows
-from grpoflow.flows.training.runs import preflight
+from grpoflow.flows.training.preflight import preflight
 from grpoflow.storage.ids import held_out, row_id_of
 from tests.support import REPO
 

@@ -13,7 +13,7 @@ import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
 from grpoflow.flows.training.data import load_rows, split_rows
-from grpoflow.flows.training.runs import confine, preflight
+from grpoflow.flows.training.preflight import confine, preflight
 from grpoflow.storage.ids import row_id_of
 
 pytestmark = pytest.mark.unit

@@ -228,7 +228,7 @@ def _fresh_cache():
 
 def test_worker_allow_lists_bound_a_reward_model_path(tmp_path, monkeypatch):
     from grpoflow.flows.config import ConfigError, load_config
-    from grpoflow.flows.training.runs import confine
+    from grpoflow.flows.training.preflight import confine
 
     inside = tmp_path / "inside"
     inside.mkdir()

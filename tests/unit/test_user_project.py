@@ -32,7 +32,7 @@ def test_modules_and_data_beside_the_config_work_from_another_directory(tmp_path
     out = _run(
         f"""
         from grpoflow.flows.config import load_config
-        from grpoflow.flows.training.runs import preflight
+        from grpoflow.flows.training.preflight import preflight
         from grpoflow.storage.records import RolloutCompletion, RolloutGroup
         from grpoflow.tasks.rewards.score import score_groups
 
@@ -54,7 +54,7 @@ def _preflight_error(cfg_path, cwd) -> str:
     out = _run(
         f"""
         from grpoflow.flows.config import ConfigError, load_config
-        from grpoflow.flows.training.runs import preflight
+        from grpoflow.flows.training.preflight import preflight
         try:
             preflight(load_config({str(cfg_path)!r}))
         except ConfigError as e:
