@@ -47,7 +47,7 @@ KILL_DRILL_SETS = ("run.steps=6", "run.checkpoint_every=2", "algorithm.max_stale
 # two steps of any launch, fresh or resumed (>= 6 groups a step, 3 Parquet files a step, a checkpoint
 # every 2 steps, an external server's first push), so a kill costs the run at most 2 steps: k kills need
 # a run of more than 2k steps, and each kill then fires. `compact_*` only with storage.compact_every=2
-# (a compaction after every checkpoint); COMPACTION_POINTS drops them for runs that compact at the end.
+# (a compaction after every checkpoint); STEP_POINTS leaves them out, for runs that compact at the end.
 KILL_POINTS = {
     "run_start": 1,  # the record says `running`, nothing started yet
     "generate": 12,  # a group of step 0 or 1 generated, the others in flight
@@ -60,7 +60,7 @@ KILL_POINTS = {
     "compact_write": 1,  # the compaction after it: a range fsynced, not renamed
     "compact_publish": 1,  # ... renamed, its sources not yet deleted
 }
-COMPACTION_POINTS = ("compact_write", "compact_publish")
+STEP_POINTS = {p: hit for p, hit in KILL_POINTS.items() if not p.startswith("compact_")}
 
 
 def store_check(root: Path, run_id: str, steps: int, per_step: int) -> dict:

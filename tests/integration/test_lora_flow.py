@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpoflow.storage.sql import query
-from tests.drill import COMPACTION_POINTS, KILL_POINTS, clean_store, random_kill_drill, store_check
+from tests.drill import STEP_POINTS, clean_store, random_kill_drill, store_check
 from tests.support import REPO, assistant_text
 
 pytestmark = pytest.mark.integration
@@ -36,9 +36,8 @@ def test_a_lora_run_killed_at_random_failpoints_resumes_with_every_table_exactly
         "algorithm.max_staleness=1",
         "learner.lora={rank: 8, alpha: 16}",
     ]
-    points = {p: h for p, h in KILL_POINTS.items() if p not in COMPACTION_POINTS}  # it compacts at the end
-    # seed 0 plans train@2, weight_push@2: a LoRA update, then an adapter push with the server paused
-    fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=0, points=points,
+    # seed 0 plans train@2, weight_push@2: a LoRA update, an adapter push (STEP_POINTS: no compaction)
+    fig = random_kill_drill(tmp_path, "lora-drill", sets, kills=2, seed=0, points=STEP_POINTS,
                             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
     # Each planned (point, hit) was reached and killed its launch, as the store's kill records say.
     assert fig["exit_codes"] == [-9, -9] and fig["fired"] == [[p] for p in fig["planned"]], fig
