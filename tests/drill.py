@@ -149,6 +149,22 @@ def _steps_rows(root: Path, run_id: str) -> int:
     return rows[0][0]
 
 
+def _launch(cmd: list[str], env: dict, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Run `cmd` to its end (or kill it after `timeout_s`: then no failpoint record names it); the
+    process and the tail of its stderr."""
+    # stderr to a file, not a pipe: a server the run started keeps its copy open until its guard takes
+    # it down, and reading a pipe to its end would wait for that
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        err.seek(0)
+        return proc, err.read().decode(errors="replace")[-3000:]
+
+
 def random_kill_drill(
     root: Path,
     run_id: str,
@@ -185,18 +201,7 @@ def random_kill_drill(
     t0 = time.perf_counter()
     for spec in figures["planned"]:
         launch_env = {**env, FAULTS_ENV: ",".join(filter(None, [env.get(FAULTS_ENV), f"{spec}:kill"]))}
-        cmd = again if meta.is_file() else first
-        # stderr to a file, not a pipe: a server the run started keeps its copy open until its guard
-        # takes it down, and reading a pipe to its end would wait for that
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env, stdout=subprocess.DEVNULL, stderr=err)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:  # hung: killed here, and `fired` shows no failpoint did it
-                proc.kill()
-                proc.wait()
-            err.seek(0)
-            output = err.read().decode(errors="replace")[-3000:]
+        proc, output = _launch(again if meta.is_file() else first, launch_env, timeout_s)
         figures["exit_codes"].append(proc.returncode)
         figures["fired"].append(_fired(record_dir, proc.pid))
         if proc.returncode != -signal.SIGKILL:  # finished (its point never reached) or failed
