@@ -2,8 +2,9 @@
 
 One vLLM CPU server (tiny model) and one temporary Prefect API are shared by every drill:
 
-- SIGKILL of the training process at many random moments (seeded; tests/drill.py), a resume after
-  each: rows lost, duplicates, temp files left, and processes of the run that survived it (orphans);
+- SIGKILL of the training process at many seeded random failpoints (tests/drill.py KILL_POINTS: every
+  phase once per 10 kills, each at a random hit), a resume after each: rows lost, duplicates, temp
+  files left, and processes of the run that survived it (orphans);
 - SIGKILL of the training process at each named point (tests/drill.py KILL_DRILL), then
   `grpoflow train --resume`;
 - SIGKILL of the run's own embedded vLLM server mid-run (the flow restarts it);
@@ -164,20 +165,21 @@ def reward_tool_drill(root: Path, model: Path, url: str) -> dict:
 
 
 def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed: int) -> dict:
-    """SIGKILL the run process at `kills` random moments (seeded), resuming after each; then check every
+    """SIGKILL the run process at `kills` seeded random failpoints, resuming after each; then check every
     table, temp files, the run's status, and that no process the run started survived a kill."""
     from tests.drill import random_kill_drill, store_check
 
-    # Long enough that `kills` launches, each killed 5-20 s in (start-up is ~8 s), do not finish it.
-    steps, run_id = 120, "random-kills"
+    # Each kill costs at most 2 steps (tests/drill.py KILL_POINTS), so every planned kill fires while
+    # kills < steps / 2.
+    steps, run_id = max(120, 2 * kills + 4), "random-kills"
     sets = [f"model.path={model}", f"inference.url={url}", f"run.steps={steps}", "run.checkpoint_every=2",
             "algorithm.max_staleness=1", "storage.compact_every=2"]  # fmt: skip
     store = root / "random"
-    fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, window_s=(5.0, 20.0), env=env)
+    fig = random_kill_drill(store, run_id, sets, kills=kills, seed=seed, env=env)
     check = store_check(store, run_id, steps, PER_STEP * GROUP)
     dupes = sum(v for k, v in check.items() if k.endswith("_duplicates"))
     result = {
-        "fault": f"SIGKILL at {fig['kills']} random moments",
+        "fault": f"SIGKILL at {fig['kills']} random failpoints",
         "faults_injected": fig["kills"],
         "completed": fig["completed"] and check["status"] == "completed",
         "rows_lost": check["rows_lost"],
@@ -187,7 +189,8 @@ def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed:
         "superseded_files_left": len(check["superseded_files"]),
         "steps_rows": check["steps_rows"],
         "statuses_after_kill": sorted(set(fig["statuses_after_kill"])),
-        "kill_moments_s": fig["kill_moments_s"],
+        "kill_points": fig["planned"],
+        "fired": [f for fired in fig["fired"] for f in fired],  # what the store's kill records say
         "seconds": fig["seconds"],
     }
     print(json.dumps(result))
@@ -197,9 +200,9 @@ def random_drill(root: Path, model: Path, url: str, env: dict, kills: int, seed:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-server-kill", action="store_true", help="skip the drill that restarts a server")
-    ap.add_argument("--random-kills", type=int, default=20, help="SIGKILLs at random moments (0: skip)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random kill moments")
-    ap.add_argument("--only-random", action="store_true", help="run only the random-moment drill")
+    ap.add_argument("--random-kills", type=int, default=20, help="SIGKILLs at random failpoints (0: skip)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random kill points")
+    ap.add_argument("--only-random", action="store_true", help="run only the random-failpoint drill")
     args = ap.parse_args()
 
     from prefect.settings import PREFECT_API_URL

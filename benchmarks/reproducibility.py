@@ -6,11 +6,11 @@ and run `repro-b` one after the other in this process (`flows.training.train.grp
 same store root), and compares what they wrote:
 
     .venv/bin/python benchmarks/reproducibility.py --config configs/tiny-letters.yaml
-        [--set KEY=VALUE ...] [--steps 12] [--seed 7] [--kills N [--kill-window A B]] [--root DIR] [--keep]
+        [--set KEY=VALUE ...] [--steps 12] [--seed 7] [--kills N] [--root DIR] [--keep]
 
 --kills N: run `repro-b` as `grpoflow train` processes instead, SIGKILLed N times at seeded random
-moments --kill-window A B seconds (default 4 14) after each launch and resumed after each
-(tests/drill.py's random-moment drill).
+failpoints (tests/drill.py's random drill: each kill at a (failpoint, hit) reached within a launch's
+first two steps) and resumed after each.
 
 --root DIR keeps the store there (it must not hold runs `repro-a` / `repro-b` yet); without it a temp
 dir is used, removed at the end unless --keep.
@@ -51,8 +51,7 @@ def base_weights(url: str, model_dir: Path, inference) -> None:
         load_version(weight_push(tmp, "restore", SyncConfig(), inference), url, model_dir, 0)
 
 
-def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
-                window_s: tuple[float, float] = (4.0, 14.0)) -> None:  # fmt: skip
+def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0) -> None:
     """Runs RUNS one after the other on one shared server, each from the base weights; with `kills`,
     the second one SIGKILLed that many times and resumed."""
     from grpoflow.flows.cli.shared import quiet_prefect_task_logs
@@ -77,7 +76,7 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
                 sets = [*overrides, f"inference.url={server.url}"]
                 t0 = time.perf_counter()
                 if kills and run == RUNS[-1]:
-                    print(f"{run}: {killed(config, sets, root, run, kills, window_s)}", flush=True)
+                    print(f"{run}: {killed(config, sets, root, run, kills)}", flush=True)
                 else:
                     grpo_train(config=load_config(config, [*sets, f"run.run_id={run}"]))
                 print(f"trained {run} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -85,20 +84,20 @@ def train_twice(config: str, overrides: list[str], root: Path, kills: int = 0,
             server.stop()
 
 
-def killed(
-    config: str, sets: list[str], root: Path, run: str, kills: int, window_s: tuple[float, float]
-) -> dict:
-    """`run` trained by `grpoflow train` processes, SIGKILLed `kills` times at seeded random moments
-    and resumed after each; the drill's figures."""
+def killed(config: str, sets: list[str], root: Path, run: str, kills: int) -> dict:
+    """`run` trained by `grpoflow train` processes, SIGKILLed `kills` times at seeded random failpoints
+    (tests/drill.py STEP_POINTS) and resumed after each; the drill's figures."""
     from prefect.settings import PREFECT_API_URL
 
-    from tests.drill import random_kill_drill
+    from tests.drill import STEP_POINTS, random_kill_drill
 
-    fig = random_kill_drill(root, run, sets, kills=kills, seed=0, window_s=window_s, config=config,
+    fig = random_kill_drill(root, run, sets, kills=kills, seed=0, points=STEP_POINTS, config=config,
                             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})  # fmt: skip
     if not fig["completed"]:
         raise RuntimeError(f"{run} did not complete after its kills: {fig['final_output']}")
-    return {k: fig[k] for k in ("kills", "kill_moments_s", "finished_early", "orphans")}
+    if fig["fired"] != [[p] for p in fig["planned"]]:
+        raise RuntimeError(f"{run}: a planned kill did not fire: {fig}")
+    return {k: fig[k] for k in ("kills", "planned", "finished_early", "orphans")}
 
 
 def main() -> None:
@@ -108,14 +107,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--kills", type=int, default=0, help="SIGKILL the second run this many times")
-    ap.add_argument(
-        "--kill-window",
-        type=float,
-        nargs=2,
-        default=(4.0, 14.0),
-        metavar=("A", "B"),
-        help="seconds after each launch a kill's moment is drawn from",
-    )
     ap.add_argument("--root", type=Path, help="the store (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp store")
     args = ap.parse_args()
@@ -123,7 +114,7 @@ def main() -> None:
     overrides = [f"storage.root={root}", *args.set, f"run.steps={args.steps}", f"run.seed={args.seed}"]
     print(f"config {args.config} {' '.join(args.set)} steps={args.steps} seed={args.seed} store={root}")
     try:
-        train_twice(args.config, overrides, root, args.kills, tuple(args.kill_window))
+        train_twice(args.config, overrides, root, args.kills)
         summary = report(root, *RUNS)
         print(json.dumps(summary), flush=True)
     finally:

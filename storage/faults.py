@@ -10,8 +10,16 @@ Its value is a comma-separated list of `<point>[@<hit>]:<action>`:
 
 `hit` counts the calls of that point in this process (1-based); without it the action fires on every
 call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the worst crash there is) and
-`sleep=<seconds>`. Points, in the order a step reaches them:
+`sleep=<seconds>`.
 
+With GRPOFLOW_FAULTS_RECORD=<dir> also set, a kill first records where it fired: one JSON file
+`kill-<pid>-<point>@<hit>.json` ({"point", "hit", "pid"}) published atomically into that dir (the kill
+drills of tests/drill.py point it at `<store>/faults/<run>`, beside the store's tables, never in
+them), so that a drill reads from the store which moment it killed instead of trusting a clock.
+
+Points, in the order a run reaches them:
+
+    run_start         the run's record says `running` (flows/training/train.py), no server started, no step run
     generate          a group's completions are done (generation is still going for the others)
     score             the rewards of a batch are computed, not yet applied
     parquet_write     a Parquet file is written and fsynced under its temp name, not yet renamed
@@ -30,14 +38,18 @@ call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the wor
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 ENV = "GRPOFLOW_FAULTS"
+RECORD_ENV = "GRPOFLOW_FAULTS_RECORD"
 POINTS = (
+    "run_start",
     "generate",
     "score",
     "parquet_write",
@@ -90,5 +102,19 @@ def failpoint(point: str) -> None:
         todo = [(a, arg) for p, hit, a, arg in _parsed[1] if p == point and hit in (None, n)]
     for action, arg in todo:
         if action == "kill":
+            _record_kill(point, n)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(arg)
+
+
+def _record_kill(point: str, hit: int) -> None:
+    """Publish where this kill fires (GRPOFLOW_FAULTS_RECORD), whole or not at all, before it fires."""
+    where = os.environ.get(RECORD_ENV)
+    if not where:
+        return
+    # storage.rollouts imports this module: the one home of atomic writes is imported at kill time
+    from grpoflow.storage.rollouts import atomic_write_text
+
+    pid = os.getpid()
+    record = {"point": point, "hit": hit, "pid": pid}
+    atomic_write_text(Path(where) / f"kill-{pid}-{point}@{hit}.json", json.dumps(record))

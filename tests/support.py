@@ -192,6 +192,30 @@ def unpause(url: str) -> None:
     asyncio.run(go())
 
 
+def server_metric(url: str, name: str, api_key: str | None = None, **labels: str) -> float:
+    """The sum of vLLM's Prometheus series `name` (those with `labels`) at `url`/metrics: the server's
+    own record of what it runs and received, for tests that wait on it instead of sleeping."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=headers), timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(name + "{") and all(w in line for w in want)
+    )
+
+
+async def until_running(url: str, api_key: str | None = None, timeout_s: float = 60) -> None:
+    """Return once the server at `url` is generating a request (fail after `timeout_s`)."""
+    await asyncio.to_thread(
+        wait_for, lambda: server_metric(url, "vllm:num_requests_running", api_key) >= 1, timeout_s,
+        f"a request running on {url}", 0.02,
+    )  # fmt: skip
+
+
 # A user's project: their reward and tool modules, data and config in one folder. The modules take the
 # names grpoflow's own folders have (tasks, storage, examples, flows): installed as `grpoflow.*` alone,
 # grpoflow leaves those names to the user.

@@ -33,6 +33,7 @@ from grpoflow.flows.training.runs import (
 from grpoflow.flows.training.step_close import StepClose, due, finished
 from grpoflow.flows.viewing.tracking import tracking
 from grpoflow.storage.compact import BackgroundCompactor
+from grpoflow.storage.faults import failpoint
 from grpoflow.storage.processes import identity
 from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.advantages import assign_advantages
@@ -88,6 +89,7 @@ def grpo_train(
             cfg.run.seed, None if cfg.inference.external() else vllm_python(), cfg.learner.torch_threads
         ),
     )
+    failpoint("run_start")  # kill drills: a run recorded `running` that has started nothing yet
     try:
         with ray_cluster(
             cfg.scale, cfg.config_dir, Path(cfg.storage.root) / "logs" / f"ray-{run.run_id}.log"

@@ -9,7 +9,7 @@ import pytest
 
 from grpoflow.storage.processes import processes
 from grpoflow.storage.sql import query
-from tests.drill import clean_store, random_kill_drill, store_check
+from tests.drill import STEP_POINTS, clean_store, random_kill_drill, store_check
 from tests.support import tiny_cfg, unpause
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,20 +57,21 @@ def test_two_ranks_learn_then_the_run_resumes_at_one(tmp_path, vllm_server, tiny
     assert sum(curve[-2:]) / 2 > 0.3, curve  # and the resumed single process keeps what they learnt
 
 
-def test_random_moment_kills_of_a_two_rank_run(tmp_path, vllm_server, tiny_model_dir, prefect_api):
+def test_random_failpoint_kills_of_a_two_rank_run(tmp_path, vllm_server, tiny_model_dir, prefect_api):
     from prefect.settings import PREFECT_API_URL
 
     steps, per_step = 6, 8 * 8
     sets = [f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}", f"run.steps={steps}",
             "run.checkpoint_every=2"] + [f"{k}={v}" for k, v in SHARDED.items()]  # fmt: skip
     try:
-        # Ray and the ranks take ~15 s to start: the kills land in start-up, training and pushes.
+        # seed 0 plans train@2, weight_push@2 (STEP_POINTS: this run compacts only at its end)
         fig = random_kill_drill(
-            tmp_path, "drill", sets, kills=2, seed=3, window_s=(8.0, 30.0),
+            tmp_path, "drill", sets, kills=2, seed=0, points=STEP_POINTS,
             env={"PREFECT_API_URL": str(PREFECT_API_URL.value())},
         )  # fmt: skip
     finally:
         unpause(vllm_server.url)
+    assert fig["fired"] == [[p] for p in fig["planned"]], fig  # each planned point killed its launch
     assert fig["completed"], fig["final_output"]
     assert fig["orphans"] == 0 and ranks_alive() == [], fig
     check = store_check(tmp_path, "drill", steps, per_step)

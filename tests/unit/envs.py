@@ -22,9 +22,10 @@ class TargetEnv:
 
 class ListEnv:
     """Mutable state shared by reference (a list), a tool that adds to it, and a tool that hangs until
-    `release` is set and then writes to the state it was bound to."""
+    `release` is set and then writes to the state it was bound to (and sets `wrote`)."""
 
     release = threading.Event()
+    wrote = threading.Event()  # a test waits on this, not on a sleep, for the late write to happen
 
     def __init__(self) -> None:
         self.items: list[str] = []
@@ -46,6 +47,7 @@ class ListEnv:
         """Never returns in time."""
         ListEnv.release.wait(30)
         self.items.append("late")
+        ListEnv.wrote.set()
         return "too late"
 
 

@@ -28,7 +28,9 @@ class ScriptedBackend:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING, so the load route is missing); `adapters` maps the names it holds
     to their paths, `aliases` alias names to the adapter names they stand for; `calls` records every
     load, unload and alias change. A request naming a model it does not hold (an alias: its target)
-    is refused with vLLM's 404; `in_flight` is what the alias middleware reports. Usable as its own control client (`async with`).
+    is refused with vLLM's 404; `in_flight` is what the alias middleware reports, `in_flight_polls` how
+    often it was asked (a test waits on that, not on a sleep). Usable as its own control client
+    (`async with`).
     """
 
     def __init__(self, tok, script, max_len=1024, *, max_lora_rank: int | None = 64, route: bool = True):
@@ -40,6 +42,7 @@ class ScriptedBackend:
         self.calls: list[tuple[str, str]] = []
         self.aliases_: dict[str, str] = {}
         self.in_flight: dict[str, int] = {}
+        self.in_flight_polls = 0
 
     async def __aenter__(self) -> ScriptedBackend:
         return self
@@ -130,6 +133,7 @@ class ScriptedBackend:
         return dict(self.aliases_)
 
     async def alias_in_flight(self) -> dict[str, int]:
+        self.in_flight_polls += 1
         return dict(self.in_flight)
 
     async def reset_prefix_cache(self, *, running: bool = True) -> bool:

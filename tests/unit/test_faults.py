@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,6 +74,26 @@ def test_kill_fires_at_exactly_the_configured_hit():
     )
     assert out.returncode == -signal.SIGKILL
     assert out.stdout.split() == ["1", "2", "3"]  # killed inside the 3rd call, not before or after
+
+
+def test_a_kill_publishes_where_it_fired_before_it_fires(tmp_path):
+    """GRPOFLOW_FAULTS_RECORD: the kill drills read which (point, hit) killed a launch from this record."""
+    out = run_py(
+        """
+        import os
+        from grpoflow.storage.faults import failpoint
+        print(os.getpid(), flush=True)
+        for _ in range(5):
+            failpoint("score")
+        """,
+        GRPOFLOW_FAULTS="score@2:sleep=0,score@4:kill",
+        GRPOFLOW_FAULTS_RECORD=str(tmp_path / "faults" / "run"),
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    pid = int(out.stdout.split()[0])
+    (record,) = (tmp_path / "faults" / "run").iterdir()  # one whole file, no temp file beside it
+    assert record.name == f"kill-{pid}-score@4.json"
+    assert json.loads(record.read_text()) == {"point": "score", "hit": 4, "pid": pid}
 
 
 def test_atomic_parquet_write_killed_before_rename_leaves_no_visible_file(tmp_path):

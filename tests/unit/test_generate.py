@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import time
+import threading
 
 import pytest
 
@@ -246,10 +246,12 @@ def test_every_tool_failure_is_recorded_and_the_rollout_goes_on(tok):
 
 def test_slow_sync_tool_does_not_block_other_rollouts(tok):
     finished: list[str] = []
+    fast_finished, waited = threading.Event(), []
 
     def slow() -> str:
-        """Takes a while."""
-        time.sleep(0.5)
+        """Returns once the other rollout has got its tool's answer."""
+        # blocking the event loop would hold that answer back: 8 s (under the tool timeout) then fails
+        waited.append(fast_finished.wait(8))
         return "slow done"
 
     def fast() -> str:
@@ -259,6 +261,8 @@ def test_slow_sync_tool_does_not_block_other_rollouts(tok):
     async def script(text, k, seed):
         if "<tool_response>" in text:
             finished.append("slow" if "slow done" in text else "fast")
+            if finished[-1] == "fast":
+                fast_finished.set()
             return "ok"
         return call("slow") if "use slow" in text else call("fast")
 
@@ -274,7 +278,7 @@ def test_slow_sync_tool_does_not_block_other_rollouts(tok):
         )
     )
     # the fast rollout finished while the slow tool was still running in its thread
-    assert finished == ["fast", "slow"]
+    assert finished == ["fast", "slow"] and waited == [True]
 
 
 def test_token_budget_and_max_model_len(tok):
@@ -419,6 +423,7 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
     from tests.unit.envs import ListEnv
 
     ListEnv.release.clear()
+    ListEnv.wrote.clear()
 
     async def script(text, k, seed):
         sample = (seed - text.count("<tool_response>")) // 101  # inverse of sample_seed, base seed 0
@@ -427,7 +432,8 @@ def test_snapshots_are_isolated_and_a_timed_out_slot_is_never_reused(tok):
             return call("hang") if calls == 0 else "done"
         if calls == 0:
             ListEnv.release.set()  # the hung call of sample 0 now writes to its instance...
-            await asyncio.sleep(0.3)  # ...while this rollout holds the slot (if it was reused)
+            # ...while this rollout holds the slot (if it was reused); 30 s: a write that never comes fails
+            assert await asyncio.to_thread(ListEnv.wrote.wait, 30), "the hung call never wrote"
             return call("put", item=f"s{sample}")
         return "done"
 

@@ -52,6 +52,9 @@ async def replay_server(aiohttp_unused_port=None):
     app["seen"] = []
     app["fail_first"] = 0
     app["inflight"] = [0, 0]  # current, max
+    # Completions are answered only once `hold_until` of them have been inside at once (or 10 s passed:
+    # then `held_too_long` counts it): a test of the in-flight bound waits on this, not on a sleep.
+    app["hold_until"], app["held_too_long"], app["inside"] = 0, 0, asyncio.Condition()
 
     async def completions(request: web.Request) -> web.Response:
         app["seen"].append((request.method, request.path_qs, request.headers.get("Authorization")))
@@ -63,10 +66,17 @@ async def replay_server(aiohttp_unused_port=None):
         if len(body["prompt"]) > 1000:
             rec = recording("completions_too_long")
             return web.Response(status=rec["status"], text=rec["body"], content_type="application/json")
-        app["inflight"][0] += 1
-        app["inflight"][1] = max(app["inflight"])
-        await asyncio.sleep(0.02)
-        app["inflight"][0] -= 1
+        async with app["inside"]:
+            app["inflight"][0] += 1
+            app["inflight"][1] = max(app["inflight"])
+            app["inside"].notify_all()
+            try:
+                await asyncio.wait_for(
+                    app["inside"].wait_for(lambda: app["inflight"][1] >= app["hold_until"]), 10
+                )
+            except TimeoutError:
+                app["held_too_long"] += 1
+            app["inflight"][0] -= 1
         rec = recording("completions")
         return web.Response(status=rec["status"], text=rec["body"], content_type="application/json")
 
@@ -161,9 +171,10 @@ async def test_connection_refused_is_retried_then_raises():
 
 async def test_in_flight_requests_are_bounded(replay_server):
     app, url = replay_server
+    app["hold_until"] = 3  # each answered once three are in: the bound is reached, never passed
     async with VLLMClient(url, max_in_flight=3) as c:
         await asyncio.gather(*(c.complete([1], max_tokens=2) for _ in range(12)))
-    assert app["inflight"][1] == 3
+    assert app["inflight"][1] == 3 and app["held_too_long"] == 0
 
 
 async def test_cache_salt_reaches_the_server_and_usage_is_parsed(replay_server):

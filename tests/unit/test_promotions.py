@@ -208,14 +208,21 @@ def test_a_swap_unloads_the_replaced_adapter_only_once_requests_sent_to_it_have_
         old = server.aliases_["ada"]
         server.in_flight[old] = 1
         swap = asyncio.create_task(serve_adapter(server, "ada", a2))
-        await asyncio.sleep(0.2)
+        # the swap is draining once it has asked for the in-flight count twice (still 1 both times)
+        deadline = time.monotonic() + 30
+        while server.in_flight_polls < 2:
+            assert time.monotonic() < deadline, "the swap never asked for the in-flight count"
+            await asyncio.sleep(0.01)
         assert not swap.done() and old in server.adapters and server.aliases_["ada"] != old
         del server.in_flight[old]
         assert await swap == "replaced" and old not in server.adapters
-        server.in_flight[server.aliases_["ada"]] = 1  # a request that never leaves: bounded wait
-        t0 = time.monotonic()
-        assert await serve_adapter(server, "ada", a1, drain_s=0.3) == "replaced"
-        assert 0.3 <= time.monotonic() - t0 < 5
+        stuck = server.aliases_["ada"]
+        server.in_flight[stuck] = 1  # a request that never leaves: bounded wait
+        polls = server.in_flight_polls
+        # drain_s bounds the wait: it returns (60 s fails the test), having waited (polled again and
+        # again) and then unloaded the adapter whose request is still counted
+        assert await asyncio.wait_for(serve_adapter(server, "ada", a1, drain_s=0.3), 60) == "replaced"
+        assert server.in_flight_polls - polls >= 2 and stuck not in server.adapters
 
     asyncio.run(go())
 

@@ -4,6 +4,7 @@ with a real local Ray are tests/integration/test_ray.py and test_distributed.py.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,7 @@ def test_ray_executor_without_a_cluster_address_names_the_field(tmp_path):
 def test_ray_is_not_imported_unless_asked():
     code = textwrap.dedent(
         """
-        import asyncio, sys
+        import asyncio, json, sys
         import grpoflow.flows.lineage.evaluate, grpoflow.flows.training.train
         from grpoflow.flows.processes.cluster import ray_cluster
         from grpoflow.flows.config import GRPOConfig
@@ -45,15 +46,17 @@ def test_ray_is_not_imported_unless_asked():
 
         cfg = GRPOConfig()
         with ray_cluster(cfg.scale) as c:
-            assert c is None
+            cluster = repr(c)
             score_groups(make_groups(), cfg.rewards)
             box = ToolBox({"f": lambda: 1})
             asyncio.run(box.call(ParsedCall("f", {}, "{}"), turn=1))
-        assert "ray" not in sys.modules, "ray was imported"
+        print(json.dumps({"cluster": cluster, "ray_imported": "ray" in sys.modules}))
         """
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+    # no cluster started, and scoring and a tool call ran without importing Ray
+    assert json.loads(out.stdout.splitlines()[-1]) == {"cluster": "None", "ray_imported": False}
 
 
 def test_world_size_above_one_needs_a_ray_address(tmp_path):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -137,16 +137,41 @@ def test_a_gemma3_reward_model_scores_plain_and_conversational_text(tmp_path, ge
     assert got + chat == pytest.approx(by_hand(path, plain + texts), abs=1e-5)  # one load of the model
 
 
+class _CountingLock:
+    """A lock that counts the threads that came to take it."""
+
+    def __init__(self) -> None:
+        self._lock, self._cv, self.callers = threading.Lock(), threading.Condition(), 0
+
+    def __enter__(self) -> _CountingLock:
+        with self._cv:
+            self.callers += 1
+            self._cv.notify_all()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def wait_for_callers(self, n: int, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.callers >= n, timeout_s)
+
+
 def test_loaded_once_per_path_and_device_even_from_threads(tmp_path, monkeypatch):
     from transformers import AutoModelForSequenceClassification
 
     path = save_reward_model(tmp_path / "rm", build_tokenizer())
-    loads = []
+    loads, waited = [], []
     original = AutoModelForSequenceClassification.from_pretrained
+    # The race made certain, not likely: the load goes on only once all four threads are at the key's
+    # lock (the one loading holds it), so three of them ask while the model is being loaded.
+    gate = _CountingLock()
+    monkeypatch.setitem(rm._key_locks, (str(path.resolve()), "cpu"), gate)
 
     def counting(*args, **kwargs):
         loads.append(args[0])
-        time.sleep(0.2)  # widen the race window
+        waited.append(gate.wait_for_callers(4, timeout_s=30))  # 30 s: a thread that never comes fails
         return original(*args, **kwargs)
 
     monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", counting)
@@ -162,6 +187,7 @@ def test_loaded_once_per_path_and_device_even_from_threads(tmp_path, monkeypatch
     for t in threads:
         t.join()
     assert len(loads) == 1 and len(results) == 4 and all(r is results[0] for r in results)
+    assert waited == [True]
     assert reward_model(path / ".." / "rm", "cpu") is results[0]
     assert len(loads) == 1
     assert reward_model(path, "auto").device in ("cpu", "cuda")
@@ -211,10 +237,13 @@ def test_check_reward_model(tmp_path):
 def test_check_reward_model_does_not_import_torch(tmp_path):
     good = save_reward_model(tmp_path / "rm", build_tokenizer())
     code = (
-        "import sys; from grpoflow.tasks.rewards.reward_model import check_reward_model as c; c(sys.argv[1]); "
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
+        "import json, sys; from grpoflow.tasks.rewards.reward_model import check_reward_model as c; "
+        "c(sys.argv[1]); print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))"
     )
-    subprocess.run([sys.executable, "-c", code, str(good)], cwd=REPO, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, str(good)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == []  # checked without importing torch or transformers
 
 
 @pytest.fixture(autouse=True)

@@ -169,32 +169,44 @@ def test_reward_receives_columns_prompts_and_environments():
 
 
 def test_all_functions_run_concurrently():
-    # Four sync + four async functions that each take 1 s finish in about 1 s, not 8 s.
-    started = []
+    # Four sync and four async functions, each of which returns only once all eight are inside at the
+    # same time: run one after another, the first would wait for the others forever (the 30 s timeout
+    # fails the test; it never decides a passing result).
+    n, inside, lock, everyone_in = 8, [], threading.Lock(), threading.Event()
+
+    def arrive(name: str) -> None:
+        with lock:
+            inside.append(name)
+            if len(inside) == n:
+                everyone_in.set()
 
     def make_sync(i):
         def f(completions, **_):
-            started.append(("sync", i, time.perf_counter()))
-            time.sleep(1.0)
+            arrive(f"s{i}")
+            if not everyone_in.wait(30):
+                raise TimeoutError(f"only {inside} got in")
             return [1.0] * len(completions)
 
         return f
 
     def make_async(i):
         async def f(completions, **_):
-            started.append(("async", i, time.perf_counter()))
-            await asyncio.sleep(1.0)
+            arrive(f"a{i}")
+            deadline = time.monotonic() + 30
+            while not everyone_in.is_set():  # the event loop must stay free for the other coroutines
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {inside} got in")
+                await asyncio.sleep(0.01)
             return [1.0] * len(completions)
 
         return f
 
-    specs = [RewardConfig(name=f"s{i}", fn=make_sync(i)) for i in range(4)] + [
-        RewardConfig(name=f"a{i}", fn=make_async(i)) for i in range(4)
+    specs = [RewardConfig(name=f"s{i}", fn=make_sync(i), timeout_s=60) for i in range(4)] + [
+        RewardConfig(name=f"a{i}", fn=make_async(i), timeout_s=60) for i in range(4)
     ]
-    score_groups(make_groups(), specs)
-    starts = sorted(t for *_, t in started)
-    # every function started before the first one could have finished: they overlap
-    assert starts[-1] - starts[0] < 1.0
+    metrics = score_groups(make_groups(), specs)
+    assert sorted(inside) == sorted(spec.name for spec in specs)  # each got in, once
+    assert metrics["reward/valid_frac"] == 1.0  # and each returned its values: all were inside at once
 
 
 async def test_works_inside_a_running_event_loop():

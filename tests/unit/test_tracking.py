@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ import pytest
 
 from grpoflow.flows.config import ConfigError, load_config
 from grpoflow.flows.viewing.tracking import TRACKERS, check_trackers, tracking
-from grpoflow.flows.viewing.tracking.mlflow_tracker import _mlflow_key, local_mlflow_uri
+from grpoflow.flows.viewing.tracking.mlflow_tracker import MlflowTracker, _mlflow_key, local_mlflow_uri
 from grpoflow.flows.viewing.tracking.tracker_api import config_params, sample_table, step_metrics
 from grpoflow.flows.viewing.tracking.wandb_tracker import WandbTracker
 from grpoflow.storage.records import RewardCell
@@ -440,17 +441,27 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_failing_tracker_is_warned_about_once_and_the_others_go_on(tmp_path):
+def test_a_failing_tracker_is_warned_about_once_and_the_others_go_on(tmp_path, monkeypatch):
     _write_store(tmp_path)
     dead = f"http://127.0.0.1:{_closed_port()}"
     cfg = _cfg(tmp_path, "mlflow", "tensorboard", **{"tracking.mlflow_tracking_uri": dead})
     log = ListLogger()
-    t0 = time.monotonic()
+    # MLflow's first call is held until every step is closed: `closed` must return while a tracker is
+    # busy (the training loop never waits on one), and the call is made on the tracking thread.
+    release, held = threading.Event(), []
+    real_open = MlflowTracker.open
+
+    def held_open(self, state):
+        held.append((threading.current_thread().name, release.wait(60)))  # 60 s: a hang fails the test
+        return real_open(self, state)
+
+    monkeypatch.setattr(MlflowTracker, "open", held_open)
     t = tracking(cfg, RUN, logger=log)
     for step in range(STEPS):
         t.closed(step)
-    assert time.monotonic() - t0 < 1.0  # the failing calls happen on the tracking thread
+    release.set()
     t.finish(None)
+    assert held == [(f"tracking-{RUN}", True)]  # released by the test, not by the timeout
     (warning,) = log.warnings
     assert warning.startswith("tracking: mlflow failed and is dropped") and "MlflowException" in warning
     assert "mlflow" not in t.links() and set(_state(tmp_path)) == {"tensorboard"}
