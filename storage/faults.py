@@ -46,6 +46,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from grpoflow.storage.atomic import atomic_write_text
+
 ENV = "GRPOFLOW_FAULTS"
 RECORD_ENV = "GRPOFLOW_FAULTS_RECORD"
 POINTS = (
@@ -112,9 +114,6 @@ def _record_kill(point: str, hit: int) -> None:
     where = os.environ.get(RECORD_ENV)
     if not where:
         return
-    # storage.rollouts imports this module: the one home of atomic writes is imported at kill time
-    from grpoflow.storage.rollouts import atomic_write_text
-
     pid = os.getpid()
     record = {"point": point, "hit": hit, "pid": pid}
     atomic_write_text(Path(where) / f"kill-{pid}-{point}@{hit}.json", json.dumps(record))

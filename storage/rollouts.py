@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +19,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from grpoflow.storage.atomic import atomic_publish as _publish
+from grpoflow.storage.atomic import (  # noqa: F401  (importable from here, as before)
+    atomic_publish_dir,
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    fsync_tree,
+)
 from grpoflow.storage.faults import failpoint
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import (
@@ -47,73 +52,9 @@ from grpoflow.storage.tables import (
 TABLES = ("rollouts", "rewards", "steps")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """Every file under `path`, then every directory (deepest first, `path` last), on disk."""
-    dirs = [path]
-    for f in sorted(path.rglob("*")):
-        if f.is_dir():
-            dirs.append(f)
-        elif f.is_file():
-            with open(f, "rb+") as h:
-                os.fsync(h.fileno())
-    for d in reversed(dirs):
-        fsync_dir(d)
-
-
 def atomic_publish(path: Path, write: Callable[[Path], None], point: str | None = None) -> None:
-    """Publish the file `write(tmp)` writes as `path`, so that readers see the old file or the new one,
-    never a mix: written under a hidden temp name, fsynced, renamed, the directory fsynced. `point`
-    names the failpoint between writing and renaming."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if point:
-            failpoint(point)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
-def atomic_publish_dir(path: Path, write: Callable[[Path], None]) -> Path:
-    """Publish the directory `write(tmp)` fills as `path` (a model dir): readers see the old one or the
-    whole new one, never a part: filled under a hidden temp name, every file and the directory
-    fsynced, renamed into place (an existing one is moved aside first, then deleted)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    old = path.with_name(f".{path.name}.{uuid.uuid4().hex}.old")
-    try:
-        tmp.mkdir()
-        write(tmp)
-        fsync_tree(tmp)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
-    atomic_publish(path, lambda tmp: tmp.write_bytes(data))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+    """storage/atomic.py's publish, with the failpoint `point` between writing and renaming."""
+    _publish(path, write, (lambda: failpoint(point)) if point else None)
 
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:

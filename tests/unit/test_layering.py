@@ -98,7 +98,7 @@ def test_the_graph_is_read():
     graph = import_graph()
     # the known edges are seen, a function-level one included (check_trackers inside preflight)
     assert "grpoflow.tasks.group_signal" in graph["grpoflow.tasks.rollouts.sampling"]
-    assert "grpoflow.flows.viewing.tracking" in graph["grpoflow.flows.training.runs"]
+    assert "grpoflow.flows.viewing.tracking" in graph["grpoflow.flows.training.preflight"]
     assert "grpoflow.flows.config" in graph["grpoflow.flows.training.environments"]
 
 
