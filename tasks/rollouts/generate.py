@@ -19,7 +19,13 @@ from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.mcp_tools import mcp_tools
 from grpoflow.tasks.rollouts.multi_turn import multi_turn_rollout
 from grpoflow.tasks.rollouts.replicas import Servers
-from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, complete_served, sample_seed, strip_eos
+from grpoflow.tasks.rollouts.rollout_settings import (
+    RolloutSettings,
+    complete_served,
+    sample_seed,
+    strip_eos,
+    unrun_completion,
+)
 from grpoflow.tasks.rollouts.templates import plain_text_ids, prompt_messages, render
 from grpoflow.tasks.rollouts.tools import HermesToolParser, ToolCallParser
 from grpoflow.tasks.rollouts.verifiers_env import gather_episodes
@@ -153,7 +159,7 @@ async def _one_prompt_group(r: RolloutSettings, row: dict, index: int, msgs, gro
         text = render(r.tok, msgs, None, True)
         prompt_ids = r.tok.encode(text, add_special_tokens=False)
     if len(prompt_ids) >= r.max_len:
-        comps = [_too_long(i, r.version_fn()) for i in range(group_size)]
+        comps = [unrun_completion(i, r.version_fn(), "prompt_too_long", "length") for i in range(group_size)]
     else:
         comps = await bounded(_single_turn_group(r, index, prompt_ids, group_size))
     for c in comps:
@@ -201,18 +207,3 @@ async def _single_turn_group(
             )
         )
     return out
-
-
-def _too_long(sample: int, version: int) -> RolloutCompletion:
-    return RolloutCompletion(
-        sample_index=sample,
-        completion="",
-        completion_ids=[],
-        completion_mask=[],
-        logprobs=[],
-        truncated=True,
-        truncation_reason="prompt_too_long",
-        finish_reason="length",
-        policy_version=version,
-        policy_version_end=version,
-    )

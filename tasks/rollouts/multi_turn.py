@@ -17,7 +17,13 @@ from grpoflow.storage.records import RolloutCompletion, TaggedMessage
 from grpoflow.tasks.rewards.env_reward import EnvReward, call_get_reward, has_reward
 from grpoflow.tasks.rollouts.mcp_tools import mcp_tools
 from grpoflow.tasks.rollouts.openenv import EnvironmentUnavailableError
-from grpoflow.tasks.rollouts.rollout_settings import RolloutSettings, request_turn, sample_seed, strip_eos
+from grpoflow.tasks.rollouts.rollout_settings import (
+    RolloutSettings,
+    request_turn,
+    sample_seed,
+    strip_eos,
+    unrun_completion,
+)
 from grpoflow.tasks.rollouts.templates import glue_ids, render, with_reset_note, with_system_text
 from grpoflow.tasks.rollouts.tools import ToolBox, environment_tools, tool_schema
 
@@ -91,18 +97,7 @@ def _unavailable(
     """The rollout of a session that could not start: nothing generated, its environment reward failed."""
     text = render(r.tok, history, None, True)
     version = r.version_fn()
-    c = RolloutCompletion(
-        sample_index=sample,
-        completion="",
-        completion_ids=[],
-        completion_mask=[],
-        logprobs=[],
-        truncated=True,
-        truncation_reason="environment_unavailable",
-        finish_reason="abort",
-        policy_version=version,
-        policy_version_end=version,
-    )
+    c = unrun_completion(sample, version, "environment_unavailable", "abort")
     c.prompt, c.prompt_ids = text, r.tok.encode(text, add_special_tokens=False)
     c.prompt_input = row["prompt"]
     c.environment_reward = EnvReward(None, "failed", f"the environment's session failed: {why}"[:500])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpoflow.storage.ids import row_id_of
-from grpoflow.storage.records import TurnRecord
+from grpoflow.storage.records import RolloutCompletion, TurnRecord
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference_api import Choice, InferenceHTTPError
@@ -201,3 +201,22 @@ async def request_turn(
     ids_out, lps = list(ch.token_ids), list(ch.logprobs)
     turns.append(TurnRecord(len(ids), len(ids_out), time.perf_counter() - t0, ch.finish_reason, ids_out, lps))
     return ch, version
+
+
+def unrun_completion(
+    sample: int, version: int, truncation_reason: str, finish_reason: str
+) -> RolloutCompletion:
+    """A sample that never reached the model (a prompt too long, an environment that could not start):
+    nothing generated, recorded as truncated for `truncation_reason`."""
+    return RolloutCompletion(
+        sample_index=sample,
+        completion="",
+        completion_ids=[],
+        completion_mask=[],
+        logprobs=[],
+        truncated=True,
+        truncation_reason=truncation_reason,
+        finish_reason=finish_reason,
+        policy_version=version,
+        policy_version_end=version,
+    )
