@@ -18,11 +18,10 @@ from grpoflow.tasks.push.push import (
     MergedLoraPush,
     WeightPushError,
     load_version,
-    no_such_method,
     push_version,
 )
 from grpoflow.tasks.rollouts.inference import VLLMClient
-from grpoflow.tasks.rollouts.inference_api import InferenceError
+from grpoflow.tasks.rollouts.inference_api import InferenceError, no_such_method
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
 from tests.integration.test_lora_push import merged_greedy, peft_model, served_greedy
 from tests.support import REPO
