@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import sys
@@ -56,7 +58,8 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")
-    return save_smollm2_tokenizer(out)
+    with _extracting(out):
+        return save_smollm2_tokenizer(out)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +71,17 @@ def gemma3_tokenizer_dir(request, tmp_path_factory):
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("gemma3-tokenizer") if cache is not None else tmp_path_factory.mktemp("gemma3")
-    return save_gemma3_tokenizer(out / "tokenizer")
+    with _extracting(out):
+        return save_gemma3_tokenizer(out / "tokenizer")
+
+
+@contextlib.contextmanager
+def _extracting(folder: Path):
+    """Hold `folder`'s lock while a tokenizer is extracted into it or found there: `make test` runs two
+    pytest processes side by side (tests/shards.py), and one must not read what the other half wrote."""
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
