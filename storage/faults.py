@@ -7,10 +7,12 @@ Its value is a comma-separated list of `<point>[@<hit>]:<action>`:
 
     GRPOFLOW_FAULTS="parquet_write@5:kill"     SIGKILL this process at the 5th Parquet write
     GRPOFLOW_FAULTS="train:sleep=0.5"          every train step sleeps 0.5 s (a slow learner)
+    GRPOFLOW_FAULTS="train@3:wait=/tmp/go"     the 3rd train step waits until the file /tmp/go exists
 
 `hit` counts the calls of that point in this process (1-based); without it the action fires on every
-call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the worst crash there is) and
-`sleep=<seconds>`.
+call. Actions: `kill` (SIGKILL: no cleanup, no finally blocks, no flush: the worst crash there is),
+`sleep=<seconds>`, and `wait=<path>` (hold there until that file exists: a test holds a run at a step
+until it has done what must come first, instead of betting on how long a step takes).
 
 With GRPOFLOW_FAULTS_RECORD=<dir> also set, a kill first records where it fired: one JSON file
 `kill-<pid>-<point>@<hit>.json` ({"point", "hit", "pid"}) published atomically into that dir (the kill
@@ -67,10 +69,10 @@ POINTS = (
 
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()
-_parsed: tuple[str, list[tuple[str, int | None, str, float]]] | None = None
+_parsed: tuple[str, list[tuple[str, int | None, str, float | str]]] | None = None
 
 
-def parse(spec: str) -> list[tuple[str, int | None, str, float]]:
+def parse(spec: str) -> list[tuple[str, int | None, str, float | str]]:
     """`point[@hit]:action` items -> (point, hit, action, arg); a clear error names the bad item."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -85,8 +87,10 @@ def parse(spec: str) -> list[tuple[str, int | None, str, float]]:
             out.append((point, int(hit) if hit else None, "kill", 0.0))
         elif name == "sleep" and arg:
             out.append((point, int(hit) if hit else None, "sleep", float(arg)))
+        elif name == "wait" and arg:
+            out.append((point, int(hit) if hit else None, "wait", arg))
         else:
-            raise ValueError(f"{ENV}: action must be 'kill' or 'sleep=<seconds>' in {item!r}")
+            raise ValueError(f"{ENV}: action must be 'kill', 'sleep=<seconds>' or 'wait=<path>' in {item!r}")
     return out
 
 
@@ -106,7 +110,11 @@ def failpoint(point: str) -> None:
         if action == "kill":
             _record_kill(point, n)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(arg)
+        elif action == "wait":
+            while not os.path.exists(arg):
+                time.sleep(0.05)
+        else:
+            time.sleep(arg)
 
 
 def _record_kill(point: str, hit: int) -> None:

@@ -8,7 +8,6 @@ import os
 import random
 import re
 import signal
-import time
 
 import pytest
 import torch
@@ -177,7 +176,7 @@ def _wait_dead(pids: list[int]) -> None:
     ("fault", "rank", "says"),
     [
         ("learner_rank:kill", 1, "(?i)died"),  # the last rank dies at the step's start
-        ("learner_rank:sleep=120", 0, "(?i)timed out"),  # it stalls: rank 0's collective times out
+        ("learner_rank:sleep=3600", 0, "(?i)timed out"),  # it stalls: rank 0's collective times out
     ],
 )
 def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
@@ -190,13 +189,12 @@ def test_a_dead_or_stalled_rank_fails_the_step_within_the_collective_timeout(
     monkeypatch.setenv("GRPOFLOW_FAULTS", fault)
     d = sharded(model_dir, collective_timeout_s=5.0)
     pids = ray.get([r.pid.remote() for r in d.ranks])
-    t0 = time.monotonic()
+    # The stalled rank sleeps longer than the test's own limit (pytest-timeout): the step's end at all is
+    # the collective timeout, and `says` names it.
     with pytest.raises(
         LearnerRankError, match=rf"rank {rank} \(on [0-9.]+\) failed while running a train step"
     ) as e:
         d.train_step(batch(1))
-    took = time.monotonic() - t0
-    assert took < 5.0 + 25.0, took  # the timeout, plus the error's way back; never the 120 s sleep
     assert re.search(says, str(e.value) + repr(e.value.__cause__)), (str(e.value), repr(e.value.__cause__))
     # Every rank is gone (none left waiting in a collective), and the learner refuses further work.
     _wait_dead(pids)

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -132,16 +131,15 @@ def test_ray_rewards_match_threads_and_a_hung_worker_is_killed(cluster, tmp_path
     on_thread.mkdir(), on_ray.mkdir()
 
     async def both():
-        t0 = time.perf_counter()
         threaded, ray_groups = make_groups(2, 3), make_groups(2, 3)
         await asyncio.gather(
             score_groups_async(threaded, _specs("thread", on_thread)),
             score_groups_async(ray_groups, _specs("ray", on_ray)),
         )
-        return threaded, ray_groups, time.perf_counter() - t0
+        return threaded, ray_groups
 
-    threaded, ray_groups, took = asyncio.run(both())
-    assert took < 5.0 + 10.0  # cut off at the 5 s timeout (plus a generous margin on a busy machine)
+    # `hang` never returns: that scoring ends at all is the cut-off (its cells say `timeout` below).
+    threaded, ray_groups = asyncio.run(both())
     assert _table(ray_groups) == _table(threaded)
     cells = {x.name: x for x in ray_groups[0].completions[1].reward_cells}
     assert cells["length"].status == "valid" and cells["length"].value == 2.0

@@ -131,12 +131,15 @@ def test_trackers_hold_the_steps_table_through_a_kill_and_a_dead_mlflow_server(
         assert killed.returncode == -signal.SIGKILL, err[-3000:]
         assert 2 in RolloutStore(tmp_path).steps_written("steps", RUN)
 
-        # 2. Resumed, each step slowed; once step 3 is written (its checkpoint closes it and MLflow gets
-        #    it), the MLflow server dies: steps 4-5 cannot reach it.
-        resumed = train("--resume", RUN, faults="train:sleep=2")
+        # 2. Resumed, held before step 4's update (the resumed process's 3rd train step: steps 2, 3, 4)
+        #    until the test says go; once step 3 is written (its checkpoint closes it and MLflow gets
+        #    it), the MLflow server dies, then the run goes on: steps 4-5 cannot reach it.
+        go = tmp_path / "go"
+        resumed = train("--resume", RUN, faults=f"train@3:wait={go}")
         wait_for(lambda: 3 in RolloutStore(tmp_path).steps_written("steps", RUN) or resumed.poll() is not None,
                  600, "step 3 of the resumed run", 0.2)  # fmt: skip
         _kill(mlflow)
+        go.touch()
         _, err = resumed.communicate(timeout=600)
         assert resumed.returncode == 0, err[-3000:]
         said = [line for line in err.splitlines() if "mlflow" in line.lower() and "tracker" in line.lower()]

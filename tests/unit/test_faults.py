@@ -39,8 +39,37 @@ def test_spec_parsing_and_clear_errors():
         faults.parse("parket_write:kill")
     with pytest.raises(ValueError, match="hit count must be a positive integer in 'score@x:kill'"):
         faults.parse("score@x:kill")
-    with pytest.raises(ValueError, match="action must be 'kill' or 'sleep=<seconds>' in 'score:explode'"):
+    assert faults.parse("train@3:wait=/tmp/go") == [("train", 3, "wait", "/tmp/go")]
+    with pytest.raises(
+        ValueError, match="action must be 'kill', 'sleep=<seconds>' or 'wait=<path>' in 'score:explode'"
+    ):
         faults.parse("score:explode")
+    with pytest.raises(ValueError, match="in 'score:wait='"):
+        faults.parse("score:wait=")
+
+
+def test_wait_holds_its_hit_until_the_file_exists(tmp_path, monkeypatch):
+    """`wait=<path>` holds only its own hit, and only until the file is there."""
+    import threading
+
+    go = tmp_path / "go"
+    monkeypatch.setattr(faults, "_hits", faults.Counter())
+    monkeypatch.setenv(faults.ENV, f"score@2:wait={go}")
+    faults.failpoint("score")  # hit 1 passes
+    passed = []
+
+    def calls():
+        for _ in range(2):  # hits 2 and 3
+            faults.failpoint("score")
+            passed.append(1)
+
+    t = threading.Thread(target=calls, daemon=True)
+    t.start()
+    t.join(0.5)  # without its wait, hit 2 would have passed in microseconds
+    assert t.is_alive() and passed == []
+    go.touch()
+    t.join(10)
+    assert not t.is_alive() and passed == [1, 1]
 
 
 def test_failpoints_are_inert_without_the_variable():
