@@ -197,7 +197,10 @@ def test_a_hung_episode_fails_its_cells_at_the_deadline_and_the_others_score(smo
     # The deadline covers a whole episode, its harness subprocess's start included: a cold batch of four
     # good episodes took 15 s here on a quiet machine (3 s failed good episodes, also alone). The hung
     # ones wait on nothing but the deadline, so a wide one costs this test its length and nothing else.
-    block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"hang_on": [0]}}, "timeout": {"episode": 30}}
+    block = {
+        "taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"hang_on": [0]}},
+        "timeout": {"episode": 30},
+    }
 
     async def script(text, k, seed):
         return "3"  # task 1's sum (1 + 2)
