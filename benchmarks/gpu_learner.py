@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 TESTS = ["tests/unit/test_learn.py", "tests/unit/test_lora_learner.py", "tests/unit/test_grpo.py",
-         "tests/unit/test_precision.py"]  # fmt: skip
+         "tests/unit/test_precision.py", "tests/unit/test_lm_head_chunk.py"]  # fmt: skip
 
 
 def load_learner_bench():
@@ -139,19 +139,23 @@ def variants(shapes: list[str], largest_micro_batches: list[int]) -> list[dict]:
         if shape == shapes[-1]:
             out += [{"shape": shape, "lora": None, "gradient_checkpointing": False, "micro_batch_size": n}
                     for n in largest_micro_batches]  # fmt: skip
+            if largest_micro_batches:  # learner.lm_head_chunk: the logits never whole, at the largest
+                out.append(out[-1] | {"lm_head_chunk": 4096})
     return out
 
 
 def parse_variant(spec: str) -> dict:
-    """SHAPE:MODE:GC:MB[:SHARE][:compile], e.g. 1.5b:full:on:32, 1.5b:lora16:off:8:on (share_prompt
-    on; left out: the learner's default, off on a GPU) or 1.5b:full:off:8:compile (`learner.compile`:
-    each decoder layer torch.compiled)."""
+    """SHAPE:MODE:GC:MB[:SHARE][:compile][:chunkN], e.g. 1.5b:full:on:32, 1.5b:lora16:off:8:on
+    (share_prompt on; left out: the learner's default, off on a GPU), 1.5b:full:off:8:compile
+    (`learner.compile`: each decoder layer torch.compiled) or 1.5b:full:off:32:chunk4096
+    (`learner.lm_head_chunk` 4096: the LM head over 4096 positions at a time)."""
     shape, mode, gc, mb, *rest = spec.split(":")
     share = [r for r in rest if r in ("on", "off")]
+    chunk = [int(r.removeprefix("chunk")) for r in rest if r.startswith("chunk")]
     return {"shape": shape, "lora": int(mode.removeprefix("lora")) if mode != "full" else None,
             "gradient_checkpointing": gc == "on", "micro_batch_size": int(mb),
             "share_prompt": {"on": True, "off": False}[share[0]] if share else None,
-            "compile": "compile" in rest}  # fmt: skip
+            "compile": "compile" in rest, "lm_head_chunk": chunk[0] if chunk else None}  # fmt: skip
 
 
 def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int) -> dict:
@@ -160,7 +164,8 @@ def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int)
     args = types.SimpleNamespace(device=device, repeats=repeats, lora=v["lora"])
     spec = {"share_prompt": v.get("share_prompt"), "skip_zero_advantage": True, "micro_batch_size": v["micro_batch_size"],
             "num_iterations": 1, "mini_batches": 1, "dtype": "auto",
-            "gradient_checkpointing": v["gradient_checkpointing"], "compile": v.get("compile", False)}  # fmt: skip
+            "gradient_checkpointing": v["gradient_checkpointing"], "compile": v.get("compile", False),
+            "lm_head_chunk": v.get("lm_head_chunk")}  # fmt: skip
     return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
 
 
@@ -315,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             shape = v["shape"]
             mode = (f"lora{v['lora']}" if v["lora"] else "full") + ("+compile" if v.get("compile") else "")
+            mode += f"+chunk{v['lm_head_chunk']}" if v.get("lm_head_chunk") else ""
             vocab = bench.MODEL_SHAPES[shape][1]
             samples = bench.random_samples(vocab, prompts, group, (prompt, prompt), (completion, completion))
             try:

@@ -137,6 +137,7 @@ LEARNER_VALUES = {
     "max_grad_norm": 1.0,
     "torch_threads": None,  # torch's default
     "lora": None,  # full fine-tuning; --lora R trains a rank-R adapter instead
+    "lm_head_chunk": None,  # the whole micro-batch's logits at once
 }
 ALGORITHM_VALUES = {
     "loss_type": "dapo",
@@ -162,6 +163,7 @@ def make_configs(
     lora_rank: int | None = None,
     prefer_pydantic: bool = True,
     compile_layers: bool = False,
+    lm_head_chunk: int | None = None,
 ):
     """(learner config, algorithm config, "pydantic" | "namespace"): tasks.config's classes when they
     import (pydantic present) and `prefer_pydantic`, else SimpleNamespaces with the same values."""
@@ -172,6 +174,7 @@ def make_configs(
         "gradient_checkpointing": gradient_checkpointing,
         "device": device,
         "compile": compile_layers,  # learner.compile: the warm-up step compiles
+        "lm_head_chunk": lm_head_chunk,
     }
     if torch_threads is not None:
         learner["torch_threads"] = torch_threads
@@ -432,6 +435,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         torch_threads=v.get("threads"),
         lora_rank=args.lora,
         compile_layers=v.get("compile", False),
+        lm_head_chunk=v.get("lm_head_chunk"),
     )
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # as the Learner resolves "auto"
     memory_kind = reset_peak_memory(torch.device(auto if args.device == "auto" else args.device))

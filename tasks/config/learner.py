@@ -60,6 +60,14 @@ class LearnerConfig(Section):
         "is then off). On one H200, 1.5B full fine-tuning: 1.47 s a step eager, 1.08-1.10 s compiled (30% "
         "-> 41% MFU). Off by default: compiling takes a while and rarely pays on a CPU.",
     )
+    lm_head_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="Run the LM head on this many positions at a time and recompute each chunk's float32 "
+        "logits in the backward, so the [tokens, vocab] logits (a step's largest tensor at a 150k "
+        "vocabulary) never exist whole; the same logprobs and gradients. Llama, Mistral, Qwen2/3 and "
+        "Gemma 3 models, one learner rank. None: the whole micro-batch's logits at once.",
+    )
     device: Device = Field("auto", description="Learner device.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: leave torch's default)."

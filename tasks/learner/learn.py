@@ -27,7 +27,7 @@ from grpoflow.tasks.learner import checkpoint_io
 from grpoflow.tasks.learner.fsdp import aliases, process_group, shard, write_gathered_weights
 from grpoflow.tasks.learner.grpo import compute_loss
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
-from grpoflow.tasks.learner.logprobs import MicroBatch, padded_logprobs, shared_prompt_logprobs
+from grpoflow.tasks.learner.logprobs import MicroBatch, head_chunk_of, padded_logprobs, shared_prompt_logprobs
 from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
 from grpoflow.tasks.push.weights import save_weights
 
@@ -108,6 +108,7 @@ class Learner:
         # Gradient checkpointing recomputes blocks the cache would span; compiled layers would be
         # traced again for each layer's cache state.
         self.share_prompt = share and not learner.gradient_checkpointing and not learner.compile
+        self.head_chunk = head_chunk_of(self.model, learner.lm_head_chunk, self.world_size)
 
     def _load_models(self, device: str, dtype: str, ref_path: str | Path, adapter: str | Path | None) -> None:
         """The policy (with `learner.lora`: the base model plus a trainable adapter, new or the one
@@ -246,8 +247,9 @@ class Learner:
 
     def _micro_batch(self, model, mb: list[TrainSample]) -> MicroBatch:
         forward = shared_prompt_logprobs if self.share_prompt else padded_logprobs
+        kw = {"temperature": self.temperature, "pad_id": self.pad_id, "device": self.device}
         with self.autocast():
-            return forward(model, mb, temperature=self.temperature, pad_id=self.pad_id, device=self.device)
+            return forward(model, mb, head_chunk=self.head_chunk, **kw)
 
     def autocast(self) -> torch.autocast:
         """The forward's precision: the compute dtype over float32 master weights (off for float32)."""

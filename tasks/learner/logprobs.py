@@ -3,6 +3,12 @@
 A micro-batch's forward gives [B, T] completion logprobs aligned with its masks. Two ways, the same
 result: every sequence padded and run whole (`padded_logprobs`), or each distinct prompt run once and
 its KV cache row reused by its completions (`shared_prompt_logprobs`; the learner's `share_prompt`).
+
+With `head_chunk` (the learner's `lm_head_chunk`), the LM head runs on `head_chunk` positions at a time
+over the decoder's hidden states, and each chunk's float32 logits are recomputed in the backward
+(activation checkpointing) instead of kept: the [tokens, vocab] logits, a step's largest tensor at a
+150k vocabulary, never exist whole. The logprobs and gradients are the whole head's (the same matmuls
+by rows); models whose logits are more than head(hidden states) are run whole (`split_head`).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import inspect
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from grpoflow.tasks.learner.learner_api import TrainSample
@@ -31,18 +38,26 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return logprobs_from(model, input_ids, attention_mask, temperature, first=0)
 
 
-def logprobs_from(model, input_ids, attention_mask, temperature: float, first: int) -> torch.Tensor:
+def logprobs_from(
+    model, input_ids, attention_mask, temperature: float, first: int, head_chunk: int | None = None
+) -> torch.Tensor:
     """log p(x_{t+1} | x_<=t) for positions t = first .. L-2, shape [B, L-1-first].
 
     The LM head runs only on positions >= `first` (transformers' `logits_to_keep`): prompt positions
     need no logits, and on a 49k vocabulary the head and its [B, L, V] float32 logits are a large
-    share of a CPU train step."""
+    share of a CPU train step. `head_chunk`: that many positions at a time (module docstring)."""
     L = input_ids.shape[1]
-    kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
+    targets = input_ids[:, first + 1 :]
     # No KV cache: nothing reuses it, yet transformers builds one by default, and under torch.compile
     # its per-layer state makes dynamo recompile each decoder layer until it gives up on them.
+    if head_chunk and (split := split_head(model)):
+        hidden = split.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return chunked_logprobs(
+            split, hidden.last_hidden_state[:, first:-1], targets, temperature, head_chunk
+        )
+    kwargs = {"logits_to_keep": L - first} if first > 0 and _takes_logits_to_keep(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-    return picked_logprobs(logits[:, -(L - first) : -1], input_ids[:, first + 1 :], temperature)
+    return picked_logprobs(logits[:, -(L - first) : -1], targets, temperature)
 
 
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -53,6 +68,64 @@ def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     # gather - logsumexp avoids materialising a full [B, T, V] log_softmax copy.
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+# Causal LMs whose logits are lm_head(the decoder's last hidden state), then the config's
+# `final_logit_softcapping` if set, and nothing else (transformers' *ForCausalLM.forward).
+HEAD_SPLIT_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+
+
+class SplitHead(NamedTuple):
+    decoder: torch.nn.Module  # input ids -> last hidden state (and the KV cache)
+    head: torch.nn.Module  # hidden state -> logits
+    softcap: float | None  # logits = softcap * tanh(logits / softcap)
+
+
+def split_head(model) -> SplitHead | None:
+    """`model`'s decoder and LM head, for a model of HEAD_SPLIT_MODELS (peft's wrapper too: its adapters
+    sit inside the modules); None for any other, which then runs whole."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "model_type", None) not in HEAD_SPLIT_MODELS:
+        return None
+    cap = getattr(base.config, "final_logit_softcapping", None)
+    return SplitHead(base.get_decoder(), base.get_output_embeddings(), cap)
+
+
+def head_chunk_of(model, chunk: int | None, world_size: int) -> int | None:
+    """`learner.lm_head_chunk` for this model, or a clear error naming the field."""
+    if chunk is None:
+        return None
+    if split_head(model) is None:
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(
+            f"learner.lm_head_chunk: a {kind} model's logits are not its LM head's alone "
+            f"(chunked for {', '.join(sorted(HEAD_SPLIT_MODELS))}); leave it unset"
+        )
+    if world_size > 1:  # FSDP2 unshards the root module's own weights in the root's forward alone
+        raise ValueError("learner.lm_head_chunk: with learner.world_size 1 only; leave it unset")
+    return chunk
+
+
+def chunked_logprobs(
+    split: SplitHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+) -> torch.Tensor:
+    """`picked_logprobs` of the LM head over `hidden` [B, T, H] at `targets` [B, T], `chunk` positions at
+    a time, each chunk's logits recomputed in the backward rather than kept."""
+    flat, want = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = split.head(h)
+        if split.softcap is not None:
+            logits = torch.tanh(logits / split.softcap) * split.softcap
+        return picked_logprobs(logits, t, temperature)
+
+    parts = [
+        checkpoint(piece, flat[i : i + chunk], want[i : i + chunk], use_reentrant=False)
+        if torch.is_grad_enabled()
+        else piece(flat[i : i + chunk], want[i : i + chunk])
+        for i in range(0, flat.shape[0], chunk)
+    ]
+    return torch.cat(parts).view(targets.shape)
 
 
 def _takes_logits_to_keep(model) -> bool:
@@ -70,7 +143,13 @@ def _completion_tensors(mb: list[TrainSample], T: int) -> tuple[torch.Tensor, to
 
 
 def padded_logprobs(
-    model, mb: list[TrainSample], *, temperature: float, pad_id: int, device: torch.device
+    model,
+    mb: list[TrainSample],
+    *,
+    temperature: float,
+    pad_id: int,
+    device: torch.device,
+    head_chunk: int | None = None,
 ) -> MicroBatch:
     """Each sequence right-padded and run whole; the logprobs gathered from the grid that starts at
     the first position predicting a completion token (no logits for the prompts before it)."""
@@ -88,12 +167,18 @@ def padded_logprobs(
         # completion token j sits at input position P+j and is predicted from position P+j-1
         index[i, :t] = torch.arange(s.prompt_len - 1 - first, s.prompt_len - 1 - first + t)
     mask, behav, adv = _completion_tensors(mb, T)
-    lp = logprobs_from(model, ids.to(device), attn.to(device), temperature, first)
+    lp = logprobs_from(model, ids.to(device), attn.to(device), temperature, first, head_chunk)
     return MicroBatch(lp.gather(1, index.to(device)), mask.to(device), behav.to(device), adv.to(device))
 
 
 def shared_prompt_logprobs(
-    model, mb: list[TrainSample], *, temperature: float, pad_id: int, device: torch.device
+    model,
+    mb: list[TrainSample],
+    *,
+    temperature: float,
+    pad_id: int,
+    device: torch.device,
+    head_chunk: int | None = None,
 ) -> MicroBatch:
     """Like `padded_logprobs`, with each distinct prompt of the micro-batch run once: the prompts
     (batch k) are left-padded to one length, with position ids counting from each prompt's first
@@ -126,9 +211,16 @@ def shared_prompt_logprobs(
         tail_attn = torch.cat([head_attn[index], torch.ones((B, T), dtype=torch.long, device=dev)], 1)
         positions = lengths[index, None] + torch.arange(T, device=dev)
         tail_kw = {"attention_mask": tail_attn, "position_ids": positions}
+    mask, behav, adv = mask.to(dev), behav.to(dev), adv.to(dev)
+    if head_chunk and (split := split_head(model)):
+        head = split.decoder(input_ids=head_ids.to(dev), use_cache=True, **head_kw)
+        head.past_key_values.batch_select_indices(index)  # prompt row -> one row per completion
+        tail = split.decoder(input_ids=comp, past_key_values=head.past_key_values, use_cache=True, **tail_kw)
+        hidden = torch.cat([head.last_hidden_state[index, -1:], tail.last_hidden_state[:, :-1]], dim=1)
+        return MicroBatch(chunked_logprobs(split, hidden, comp, temperature, head_chunk), mask, behav, adv)
     head = model(input_ids=head_ids.to(dev), use_cache=True, logits_to_keep=1, **head_kw)
     cache = head.past_key_values
     cache.batch_select_indices(index)  # prompt row -> one row per completion
     tail = model(input_ids=comp, past_key_values=cache, use_cache=True, **tail_kw).logits
     logits = torch.cat([head.logits[index, -1:], tail[:, :-1]], dim=1)
-    return MicroBatch(picked_logprobs(logits, comp, temperature), mask.to(dev), behav.to(dev), adv.to(dev))
+    return MicroBatch(picked_logprobs(logits, comp, temperature), mask, behav, adv)

@@ -48,7 +48,7 @@ def test_dry_run_reports_tests_steps_push_and_profile(tmp_path):
     assert (out / "tests.log").read_text().strip()
 
 
-def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt_and_compile():
+def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt_compile_and_head_chunk():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_learner", SCRIPT)
@@ -56,7 +56,7 @@ def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt
     spec.loader.exec_module(mod)
     assert mod.parse_variant("1.5b:lora16:on:32") == {
         "shape": "1.5b", "lora": 16, "gradient_checkpointing": True, "micro_batch_size": 32, "share_prompt": None,
-        "compile": False,
+        "compile": False, "lm_head_chunk": None,
     }  # fmt: skip
     assert mod.parse_variant("0.5b:full:off:8:on")["share_prompt"] is True
     assert mod.parse_variant("0.5b:full:off:8:off")["lora"] is None
@@ -64,3 +64,6 @@ def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt
         "compile": True
     }
     assert mod.parse_variant("1.5b:full:off:8:off:compile")["share_prompt"] is False
+    assert mod.parse_variant("1.5b:full:off:32:compile:chunk4096") == mod.parse_variant("1.5b:full:off:32") | {
+        "compile": True, "lm_head_chunk": 4096
+    }  # fmt: skip
