@@ -57,6 +57,32 @@ def chaos_store(vllm_server, tiny_model_dir, prefect_api, tmp_path_factory):
     return root, summary
 
 
+# The session's servers (3-5 GB each) are stopped after the last test that uses them, in the order the
+# session runs its tests, not at the session's end: `make test` runs two sessions side by side
+# (tests/shards.py), and one holding the tiny, LoRA and Gemma 3 servers to its end left the machine
+# under 2 GB of free memory.
+RELEASED = ("vllm_server", "lora_server", "gemma3_server")
+LAST_USER = pytest.StashKey[dict]()
+
+
+def pytest_collection_finish(session):
+    session.config.stash[LAST_USER] = {
+        name: item.nodeid for item in session.items for name in RELEASED if name in item.fixturenames
+    }
+
+
+def _last_user(request, name: str) -> bool:
+    return request.config.stash.get(LAST_USER, {}).get(name) == request.node.nodeid
+
+
+@pytest.fixture(autouse=True)
+def _servers_stop_after_their_last_test(request):
+    yield
+    for name in RELEASED[1:]:  # vllm_server: after its base weights are back (below)
+        if _last_user(request, name):
+            request.getfixturevalue(name).stop()
+
+
 @pytest.fixture(autouse=True)
 def _base_weights_after_each_test(request, tmp_path_factory):
     """Tests share one server, and training runs push new weights into it: after every test that used
@@ -66,6 +92,9 @@ def _base_weights_after_each_test(request, tmp_path_factory):
         return
     server = request.getfixturevalue("vllm_server")
     yield
+    if _last_user(request, "vllm_server"):
+        server.stop()
+        return
     from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
     from grpoflow.tasks.push.push import load_version, weight_push
 
