@@ -42,6 +42,23 @@ def learner_device(request) -> str:
     return request.config.getoption("--learner-device")
 
 
+# `make test` runs two pytest sessions side by side (tests/shards.py). A module marked `memory_heavy`
+# (several vLLM servers, hosts, a SmolLM2 learner: 10-16 GB) holds this lock for its whole run, so no
+# two such modules overlap: a LoRA flow beside the Ray hosts drill once filled this machine's 24 GB and
+# Ray's memory monitor killed the reward workers.
+HEAVY_LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "grpoflow-tests-memory-heavy.lock"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_memory_heavy_module_at_a_time(request):
+    if request.node.get_closest_marker("memory_heavy") is None:
+        yield
+        return
+    with open(HEAVY_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model (seed 0) and its tokenizer, built once: tests read it, none writes it."""

@@ -28,7 +28,7 @@ from grpoflow.tasks.rollouts.inference import VLLMClient
 from tests.hosts import Host
 from tests.support import REPO, Samples, hosts_fixture, logprob_gap, served_samples, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.memory_heavy]
 KEY, PORT, STEPS = "hosts-push-key", 8765, 3
 # Seeded sampling prompts of the tiny byte-level model.
 PROBES = [[3 + (7 * i + 13 * k) % 90 for k in range(6 + 5 * i)] for i in range(3)]

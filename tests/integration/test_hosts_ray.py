@@ -33,7 +33,7 @@ from tests.hosts import Host, ray_node
 from tests.integration.test_distributed import WEIGHT_ATOL
 from tests.support import REPO, hosts_fixture, logprob_gap, served_samples, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.memory_heavy]
 KEY, SERVE_PORT, RAY_PORT, PREFECT_PORT, STEPS = "hosts-ray-key", 8766, 6379, 4200, 2
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 PROBES = [[3 + (5 * i + 11 * k) % 90 for k in range(5 + 4 * i)] for i in range(3)]

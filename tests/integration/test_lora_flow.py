@@ -18,7 +18,7 @@ from grpoflow.storage.sql import query
 from tests.drill import STEP_POINTS, clean_store, random_kill_drill, store_check
 from tests.support import REPO, assistant_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.memory_heavy]
 
 
 @pytest.mark.slow

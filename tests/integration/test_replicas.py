@@ -19,7 +19,7 @@ from grpoflow.storage.sql import query
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
 from tests.support import REPO, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.memory_heavy]
 
 KILL_AFTER_STEP, STEPS = 2, 14
 killed, rejoined = threading.Event(), threading.Event()

@@ -20,7 +20,7 @@ from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from tests.support import REPO, until_running, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.memory_heavy]
 
 
 def healthy_while_running(url: str, proc: subprocess.Popen):

@@ -12,7 +12,7 @@ from grpoflow.storage.sql import query
 from tests.drill import STEP_POINTS, clean_store, random_kill_drill, store_check
 from tests.support import tiny_cfg, unpause
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.memory_heavy]
 
 SHARDED = {
     "learner.world_size": 2,

@@ -17,7 +17,7 @@ import pytest
 from grpoflow.flows.config import load_config
 from grpoflow.storage.sql import query
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.memory_heavy]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS, G = 2, 4, 4
