@@ -42,7 +42,7 @@ def learner_device(request) -> str:
     return request.config.getoption("--learner-device")
 
 
-# `make test` runs two pytest sessions side by side (tests/shards.py). A module marked `memory_heavy`
+# `make test-parallel` runs two pytest sessions side by side (tests/shards.py). A module marked `memory_heavy`
 # (several vLLM servers, hosts, a SmolLM2 learner: 10-16 GB) holds this lock for its whole run, so no
 # two such modules overlap: a LoRA flow beside the Ray hosts drill once filled this machine's 24 GB and
 # Ray's memory monitor killed the reward workers.
@@ -94,8 +94,9 @@ def gemma3_tokenizer_dir(request, tmp_path_factory):
 
 @contextlib.contextmanager
 def _extracting(folder: Path):
-    """Hold `folder`'s lock while a tokenizer is extracted into it or found there: `make test` runs two
-    pytest processes side by side (tests/shards.py), and one must not read what the other half wrote."""
+    """Hold `folder`'s lock while a tokenizer is extracted into it or found there: `make test-parallel`
+    runs two pytest processes side by side (tests/shards.py), and one must not read what the other half
+    wrote."""
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
