@@ -71,7 +71,10 @@ $(OPENENV_VENV)/.installed: requirements/openenv.txt
 install:  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test environment servers)
 	@$(MAKE) --no-print-directory -j3 $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed
 
-demo: $(BIN)/.core $(VLLM_VENV)/.installed  ## install what it runs, train the tiny demo through vLLM + Prefect, print the reward curve
+# Its two environments side by side, as `install` builds its three: on a fresh clone, one after the other
+# took 4.7 of the demo's 6.9 minutes.
+demo:  ## install what it runs, train the tiny demo through vLLM + Prefect, print the reward curve
+	@$(MAKE) --no-print-directory -j2 $(BIN)/.core $(VLLM_VENV)/.installed
 	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
 
