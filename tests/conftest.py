@@ -54,8 +54,7 @@ def _one_memory_heavy_module_at_a_time(request):
     if request.node.get_closest_marker("memory_heavy") is None:
         yield
         return
-    with open(HEAVY_LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(HEAVY_LOCK):
         yield
 
 
@@ -75,7 +74,7 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")
-    with _extracting(out):
+    with _locked(out / ".lock"):  # `make test-parallel`: the other session may be extracting it
         return save_smollm2_tokenizer(out)
 
 
@@ -88,16 +87,16 @@ def gemma3_tokenizer_dir(request, tmp_path_factory):
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("gemma3-tokenizer") if cache is not None else tmp_path_factory.mktemp("gemma3")
-    with _extracting(out):
+    with _locked(out / ".lock"):
         return save_gemma3_tokenizer(out / "tokenizer")
 
 
 @contextlib.contextmanager
-def _extracting(folder: Path):
-    """Hold `folder`'s lock while a tokenizer is extracted into it or found there: `make test-parallel`
-    runs two pytest processes side by side (tests/shards.py), and one must not read what the other half
-    wrote."""
-    with open(folder / ".lock", "w") as lock:
+def _locked(path: Path):
+    """Hold an exclusive lock on the file `path` (made if missing) across processes: `make test-parallel`
+    runs two pytest sessions side by side (tests/shards.py), and a tokenizer one extracts must not be
+    read half-written by the other."""
+    with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
