@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from pathlib import Path
 from grpoflow.flows.processes.launch import ServerHandle, free_port, guarded_command, is_loopback
 from grpoflow.server.protocol import API_KEY_ENV, UPLOAD_DIR_ENV, WORKER_EXTENSION
 from grpoflow.storage.processes import stop_stale
+from grpoflow.tasks.config.allowlist import check_server_flags
 from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import forget_server
@@ -43,6 +45,19 @@ MIDDLEWARES = (
 # With an API key. vLLM's own check leaves the control endpoints open, so a middleware guards every path
 # but /health. Added last, it is the outermost: the lease, alias and upload endpoints are guarded too.
 AUTH_MIDDLEWARE = "grpoflow.server.auth.RequireApiKey"
+
+
+# vLLM flags this machine adds to every server it starts, after a run's `inference.extra_args` (a site
+# default such as `--enforce-eager`: no torch.compile, a start 30-100 s shorter on 2 cores and
+# generation up to 1.5x slower; the test suite sets it for all but its shared server). Checked as
+# `inference.extra_args` are.
+SITE_ARGS_ENV = "GRPOFLOW_VLLM_ARGS"
+
+
+def site_args() -> list[str]:
+    args = shlex.split(os.environ.get(SITE_ARGS_ENV, ""))
+    check_server_flags(args, SITE_ARGS_ENV)
+    return args
 
 
 def vllm_python() -> str:
@@ -87,7 +102,7 @@ def server_command(
     if lora_rank is not None:
         # One batch mixes the current version's adapter with stale versions still generating.
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
-    cmd += list(extra_args)
+    cmd += [*extra_args, *site_args()]
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     # The key goes by environment, never argv (which `ps` shows to every user).
     for middleware in (*MIDDLEWARES, *([AUTH_MIDDLEWARE] if api_key else [])):

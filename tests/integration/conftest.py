@@ -7,13 +7,17 @@ import pytest
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
-    """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start."""
-    from grpoflow.flows.processes.serve import start_server
+    """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start. Compiled, as
+    a server starts by default (the session's other servers run eager: tests/conftest.py), so the
+    in-place reloads of most tests go into a torch.compiled model."""
+    from grpoflow.flows.processes.serve import SITE_ARGS_ENV, start_server
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    handle = start_server(
-        tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv(SITE_ARGS_ENV, raising=False)
+        handle = start_server(
+            tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600
+        )
     handle.model_dir = tiny_model_dir
     try:
         yield handle

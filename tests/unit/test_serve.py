@@ -59,3 +59,17 @@ def test_a_server_keeps_uploaded_versions_in_a_folder_of_its_own(monkeypatch, tm
     upload_dir = serve.upload_dir_of("runs", "serve-8000")  # next to <root>/pids/serve-8000.json
     _, env, _ = server_command("m", python="py", port=9, upload_dir=upload_dir)
     assert env["GRPOFLOW_UPLOAD_DIR"] == str(tmp_path / "runs" / "uploads" / "serve-8000")
+
+
+def test_the_machines_own_vllm_flags_follow_the_runs_and_are_checked_as_they_are(monkeypatch):
+    from grpoflow.tasks.config.allowlist import NotAllowedError
+
+    monkeypatch.setenv(serve.SITE_ARGS_ENV, "--enforce-eager --max-num-seqs 8")
+    cmd, _, _ = server_command("m", python="py", port=9, extra_args=("--seed", "3"))
+    at = cmd.index("--seed")
+    assert cmd[at : at + 5] == ["--seed", "3", "--enforce-eager", "--max-num-seqs", "8"]
+    monkeypatch.setenv(serve.SITE_ARGS_ENV, "--host 0.0.0.0")  # would undo the loopback default
+    with pytest.raises(NotAllowedError, match="GRPOFLOW_VLLM_ARGS: --host is refused"):
+        server_command("m", python="py", port=9)
+    monkeypatch.delenv(serve.SITE_ARGS_ENV)
+    assert "--enforce-eager" not in server_command("m", python="py", port=9)[0]
