@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The named-point drill: one kill per failpoint (storage/faults.py) of a step, for
 # configs/tiny-letters.yaml with KILL_DRILL_SETS against an external server (its initial weight push
-# is push 1).
+# is push 1). Hits count from a launch's start, fresh or resumed: each kill lands within the launch's
+# first 4 steps. benchmarks/faults.py kills a fresh run at each; test_train_flow.py kills one run at each
+# in turn, resuming after each.
 KILL_DRILL = {
     "generation": "generate@28:kill",  # the 4th group of step 3, generated while step 2 trains
     "scoring": "score@3:kill",  # step 2's rewards computed, not yet applied
