@@ -31,7 +31,7 @@ from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.push.push import PushStats, WeightPush, push_version
-from grpoflow.tasks.rewards.broken_rewards import BrokenReward, broken_rewards
+from grpoflow.tasks.rewards.broken_rewards import BrokenReward, MaskedBatch, broken_rewards, masked_batch
 from grpoflow.tasks.rewards.reward_kwargs import TrainerState
 from grpoflow.tasks.rewards.vf_reward import episode_metrics
 from grpoflow.tasks.rollouts.replicas import ReplicaSet
@@ -50,6 +50,7 @@ class RolloutBatch:
     body_start: float = 0.0  # perf_counter at task-body start/end (Prefect overhead accounting)
     body_end: float = 0.0
     broken: list[BrokenReward] = field(default_factory=list)  # rewards failed on every completion
+    masked: MaskedBatch | None = None  # every completion masked for want of valid rewards
 
 
 @dataclass
@@ -113,10 +114,13 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     for b in broken:  # said at once; the flow decides to stop
         say = _run_logger().error if b.required else _run_logger().warning
         say("step %d: %s\n%s", step, b.line(), b.trace or "")
+    masked = masked_batch(groups, job.rewards) if job.split == "train" else None
+    if masked is not None and not any(b.required for b in broken):  # a broken one's line says why
+        _run_logger().error("step %d: %s; it trains nothing", step, masked.line())
     metrics.update(_generation_metrics(groups, gen_s))
     metrics.update(servers)
     metrics["score_seconds"] = score_s
-    return RolloutBatch(step, groups, metrics, t0, time.perf_counter(), broken)
+    return RolloutBatch(step, groups, metrics, t0, time.perf_counter(), broken, masked)
 
 
 async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, state: TrainerState):

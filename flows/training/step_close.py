@@ -26,7 +26,7 @@ from grpoflow.flows.viewing.report import write_report
 from grpoflow.flows.viewing.tracking import Tracking
 from grpoflow.storage.compact import BackgroundCompactor
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardError
+from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardError, MaskedBatch
 from grpoflow.tasks.step_record import StepRecord
 
 
@@ -63,14 +63,16 @@ class StepClose:
             if trackers is not None:  # and what the trackers missed of them
                 trackers.closed(run.start_step - 1)
 
-    def step(self, step: int, rec: StepRecord, broken: list[BrokenReward]) -> None:
+    def step(
+        self, step: int, rec: StepRecord, broken: list[BrokenReward], masked: MaskedBatch | None = None
+    ) -> None:
         """Close `step`; raises the broken-reward watch's error once its row and line are out."""
         # The steps row lands before the checkpoint: a kill in between resumes from the previous
         # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
         self.store.write_step(self.run_id, step, self.runner.end(rec))
         # After its rows (the failed cells are in the tables) and before its checkpoint (a resume
         # redoes the step), a reward broken for too long stops the run, once its line is shown.
-        stop = self.watch.step(step, broken)
+        stop = self.watch.step(step, broken, masked)
         if stop is None and due(step, self.cfg.run.checkpoint_every, self.steps):
             self._checkpoint(step, rec)
             for closed in self.on_closed:
@@ -117,31 +119,48 @@ def finished(trackers: Tracking | None):
 
 
 class RewardWatch:
-    """Counts, per required reward, the consecutive steps it failed on every completion (each one was
-    logged as its batch was scored), and stops the run at `run.max_failed_reward_steps`."""
+    """Counts, per required reward, the consecutive steps it failed on every completion, and the
+    consecutive steps whose every completion was masked (each one was logged as its batch was scored),
+    and stops the run at `run.max_failed_reward_steps` of either."""
 
     def __init__(self, cfg: GRPOConfig, run_id: str):
         self.cfg, self.run_id = cfg, run_id
         self.streak: dict[str, list[int]] = {}  # reward name -> the steps of its current streak
+        self.masked: list[int] = []  # the steps of the current streak of batches masked whole
 
-    def step(self, step: int, broken: list[BrokenReward]) -> BrokenRewardError | None:
-        """Count the step's broken rewards (its batch's); the error to stop the run with, once one's
-        streak is due."""
+    def step(
+        self, step: int, broken: list[BrokenReward], masked: MaskedBatch | None = None
+    ) -> BrokenRewardError | None:
+        """Count the step's broken rewards and whether its batch was masked whole; the error to stop the
+        run with, once a streak is due (a broken reward's, the more precise, first)."""
         limit = self.cfg.run.max_failed_reward_steps
         broken = [b for b in broken if b.required]
         names = {b.name for b in broken}
         self.streak = {k: v for k, v in self.streak.items() if k in names}
+        self.masked = [*self.masked, step] if masked is not None else []
         for b in broken:
             steps = self.streak.setdefault(b.name, [])
             steps.append(step)
             if limit and len(steps) >= limit:
-                where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-                return BrokenRewardError(
-                    " ".join(
-                        f"reward {b.name!r} failed on every completion of {where} "
-                        f"(run.max_failed_reward_steps={limit}): {b.reason}"
-                        f"{'; ' + b.hint if b.hint else ''}; nothing was trained on it. Fix it and "
-                        f"continue the run with --resume {self.run_id}".split()
-                    )  # one line, whatever the exception's message holds
+                return self._error(
+                    f"reward {b.name!r} failed on every completion of {_where(steps)} "
+                    f"(run.max_failed_reward_steps={limit}): {b.reason}{'; ' + b.hint if b.hint else ''}; "
+                    "nothing was trained on it."
                 )
+        if masked is not None and limit and len(self.masked) >= limit:
+            return self._error(
+                f"every completion of {_where(self.masked)} was masked, no valid value of every required "
+                f"reward (run.max_failed_reward_steps={limit}): {'; '.join(masked.causes)}; nothing was "
+                "trained."
+            )
         return None
+
+    def _error(self, what: str) -> BrokenRewardError:
+        # one line, whatever the exception's message holds
+        return BrokenRewardError(
+            " ".join(f"{what} Fix it and continue the run with --resume {self.run_id}".split())
+        )
+
+
+def _where(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"

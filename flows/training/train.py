@@ -159,6 +159,6 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 rec.eval = eval_metrics(units.evaluate(step, evals.rows, evals.job, batch.groups))
                 rec.times.eval = time.perf_counter() - t0
-            close.step(step, rec, batch.broken)  # row, reward watch, checkpoint, compaction, trackers
+            close.step(step, rec, batch.broken, batch.masked)  # row, reward watch, checkpoint, trackers
         # server URL -> how its versions travelled ('path' or 'network'), for the run's record
         return {**close.finish(), "transports": pusher.transport.chosen()}

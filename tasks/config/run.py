@@ -50,8 +50,10 @@ class RunConfig(Section):
         2,
         ge=0,
         description="Stop the run (non-zero exit, resumable) when a required reward fails (raises, times "
-        "out, returns the wrong number of values) on every completion of this many consecutive steps; "
-        "each such step is logged at once. 0: never stop.",
+        "out, returns the wrong number of values) on every completion of this many consecutive steps, or "
+        "when every completion of this many consecutive steps is masked (no valid value of every required "
+        "reward, whatever the cells say); each such step is logged at once. Steps whose groups all had "
+        "equal rewards are not masked. 0: never stop.",
     )
     report_to: list[Literal[TRACKER_NAMES]] = Field(
         default_factory=list,

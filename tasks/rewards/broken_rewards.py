@@ -1,7 +1,11 @@
 """A reward broken on a whole batch: it failed (raised, timed out, returned the wrong number of values)
 on every completion, which is a bug in the function or its config, not data to mask. `broken_rewards` names
 each one with its first traceback and, where the completions' form looks like the cause, what to set; the flow
-stops a run on a required one (`BrokenRewardError`, flows/training/step_close.py: RewardWatch)."""
+stops a run on a required one (`BrokenRewardError`, flows/training/step_close.py: RewardWatch).
+
+A batch masked whole (`masked_batch`): no completion has a valid value of every required reward, whatever the
+cells say (invalid, failed, timed out), so the step trains on nothing; the same watch stops a run that keeps
+doing so. A batch whose groups all had equal rewards is not one: its rewards are valid, its advantages 0."""
 
 from __future__ import annotations
 
@@ -37,6 +41,17 @@ class BrokenRewardError(RuntimeError):
     the run stops (resumable) rather than train on nothing."""
 
 
+@dataclass(frozen=True)
+class MaskedBatch:
+    """Every completion of a batch masked out of the loss: no valid value of every required reward."""
+
+    total: int  # completions
+    causes: tuple[str, ...]  # per required reward with cells that are not valid: counts and first reason
+
+    def line(self) -> str:
+        return f"every completion ({self.total}) was masked: {'; '.join(self.causes)}"
+
+
 _FORMAT_ERRORS = ("TypeError:", "KeyError:")
 
 
@@ -62,3 +77,21 @@ def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> lis
             BrokenReward(i, spec.name, spec.required, len(cells), len(cells), first.reason, first.trace, hint)
         )
     return out
+
+
+def masked_batch(groups: list[RolloutGroup], specs: list[RewardConfig]) -> MaskedBatch | None:
+    """`groups` (scored) when not one completion counts in the loss for want of valid rewards: each
+    required reward's cells that are not valid, by status, with the first one's reason."""
+    comps = [c for g in groups for c in g.completions]
+    if not comps or any(c.reward_valid for c in comps):
+        return None
+    causes = []
+    for spec in (s for s in specs if s.required):
+        bad = [x for c in comps for x in c.reward_cells if x.name == spec.name and x.status != "valid"]
+        if bad:
+            counts = {}
+            for x in bad:
+                counts[x.status] = counts.get(x.status, 0) + 1
+            how = ", ".join(f"{status} on {n}/{len(comps)}" for status, n in counts.items())
+            causes.append(f"reward {spec.name!r} {how}: {bad[0].reason}")
+    return MaskedBatch(len(comps), tuple(causes))

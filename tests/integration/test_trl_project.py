@@ -3,7 +3,7 @@ dataset (data.dataset through datasets.load_dataset), given as text, fails on ev
 says so at once, stops after run.max_failed_reward_steps with one `error:` line that says to set
 `completions: messages`, and `--resume` with that set finishes it with every table exactly once. A
 local sequence-classification reward model (`rewards[].model`) scores beside it, as calling it by hand
-does."""
+does. A reward with no value for any completion (invalid, nothing failed) stops a run the same way."""
 
 from __future__ import annotations
 
@@ -105,3 +105,46 @@ def test_a_broken_trl_reward_stops_the_run_loudly_and_resumes_once_fixed(
         texts.append(tok.apply_chat_template(msgs, tokenize=False))
         values.append(value)
     assert values == pytest.approx(by_hand(rm, texts), abs=1e-4)
+
+
+def test_a_run_whose_every_completion_is_masked_stops_loudly_and_resumes(
+    tmp_path, vllm_server, tiny_model_dir, prefect_api
+):
+    """Nothing failed, but no completion has a valid value of its required reward: the run trains
+    nothing, so after run.max_failed_reward_steps such steps it stops in one `error:` line naming the
+    reward and the reason, exit 1, and --resume with a reward that scores finishes it."""
+    from prefect.settings import PREFECT_API_URL
+
+    sets = [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
+            "run.steps=3", "run.checkpoint_every=1", "run.max_failed_reward_steps=2", "data.prompts_per_step=2",
+            "generation.group_size=4", "generation.max_tokens=8", "algorithm.max_staleness=0"]  # fmt: skip
+
+    def train(fn: str, *args: str) -> subprocess.CompletedProcess:
+        reward = f"rewards=[{{name: manners, fn: '{fn}'}}]"
+        return subprocess.run(
+            [sys.executable, "-m", "grpoflow.flows.cli.main", "train", *args, *[a for s in [*sets, reward] for a in ("--set", s)]],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
+        )  # fmt: skip
+
+    out = train("tests.unit.reward_fns:judged_elsewhere", "--run-id", "quiet")
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: every completion of steps 0-1 was masked, no valid value of every required reward "
+        "(run.max_failed_reward_steps=2): reward 'manners' invalid on 8/8: returned None; nothing was "
+        "trained. Fix it and continue the run with --resume quiet"
+    ], out.stderr[-3000:]
+    said = out.stderr[: out.stderr.index(errors[0])]  # each step said as its batch was scored
+    assert "step 0: every completion (8) was masked: reward 'manners' invalid on 8/8: returned None" in said
+    store = RolloutStore(tmp_path)
+    assert store.read_run_meta("quiet")["status"] == "failed"
+    assert store.steps_written("steps", "quiet") == [0, 1]  # step 1's row, not its checkpoint
+
+    fixed = train("tests.unit.reward_fns:length", "--resume", "quiet")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    _, rows = query(
+        tmp_path,
+        "SELECT step, status, count(*) FROM rewards WHERE run_id = 'quiet' GROUP BY ALL ORDER BY step",
+    )
+    assert rows == [(0, "invalid", 8), (1, "valid", 8), (2, "valid", 8)]  # step 1 redone with the fix

@@ -48,3 +48,9 @@ def letters_on_every_third_row(completions: list[str], id: list[int], **_) -> li
         c.lower().count("a") / max(1, len(c)) if i % 3 == 0 else 0.0
         for c, i in zip(completions, id, strict=True)
     ]
+
+
+def judged_elsewhere(completions, **_) -> list[float | None]:
+    """No value for any completion (None: invalid), as a reward whose scores are recorded under other
+    names returns: every completion masked, nothing failed."""
+    return [None] * len(completions)

@@ -277,3 +277,47 @@ def test_a_failed_batch_keeps_each_completions_own_logged_columns():
     cells = [c.reward_cells[0] for c in groups[0].completions]
     assert all(x.status == "failed" for x in cells)
     assert [x.extra for x in cells] == [{"i": 0}, {"i": 1}, {"i": 2}]
+
+
+def test_a_run_whose_every_completion_is_masked_stops_after_max_failed_reward_steps_in_one_line():
+    """Invalid cells on every completion (a reward with no value for any: the shape of a verifiers
+    reward recorded under other names) train nothing: not a broken reward (nothing failed), but the
+    same watch stops the run; a step with one valid completion, or with equal rewards, resets it."""
+    from grpoflow.flows.config import GRPOConfig
+    from grpoflow.flows.training.step_close import RewardWatch
+    from grpoflow.tasks.rewards.broken_rewards import BrokenRewardError, masked_batch
+
+    def none(completions, **_):
+        return [None] * len(completions)
+
+    def one(completions, **_):
+        return [1.0] + [None] * (len(completions) - 1)
+
+    def equal(completions, **_):
+        return [0.5] * len(completions)
+
+    specs = [RewardConfig(name="manners", fn=none), RewardConfig(name="length", fn=equal)]
+    watch = RewardWatch(GRPOConfig(rewards=specs, run={"max_failed_reward_steps": 2}), "quiet")
+
+    def batch(*fns):
+        groups, scored = (
+            make_groups(2, 2),
+            [RewardConfig(name=s.name, fn=f) for s, f in zip(specs, fns, strict=True)],
+        )
+        score_groups(groups, scored)
+        assert broken_rewards(groups, scored) == []  # nothing failed: not the broken-reward rule
+        return masked_batch(groups, scored)
+
+    masked = batch(none, equal)
+    assert masked.line() == "every completion (4) was masked: reward 'manners' invalid on 4/4: returned None"
+    assert watch.step(0, [], masked) is None  # logged, not yet stopped
+    assert batch(one, equal) is None  # one completion counts: the streak starts over
+    assert watch.step(1, [], None) is None
+    assert batch(equal, equal) is None  # equal rewards: valid, advantages 0, data
+    assert watch.step(2, [], batch(none, equal)) is None
+    stop = watch.step(3, [], batch(none, equal))
+    assert isinstance(stop, BrokenRewardError)
+    msg = str(stop)
+    assert "\n" not in msg and msg.startswith("every completion of steps 2-3 was masked")
+    assert "reward 'manners' invalid on 4/4" in msg and "length" not in msg
+    assert msg.endswith("--resume quiet")
