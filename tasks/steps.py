@@ -102,6 +102,7 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     servers = _server_metrics(groups, job.servers, t1 - t0)
     epoch = prompt_indices[0] / job.rows_per_epoch if job.rows_per_epoch and prompt_indices else 0.0
     state = TrainerState(global_step=step, epoch=epoch, max_steps=job.max_steps)
+    _keyed_rewards(step, groups, job)
     metrics = await score_groups_async(groups, job.rewards, state)
     gen_s, score_s = t1 - t0, metrics["score_seconds"]
     if job.sampling is not None and job.split == "train":
@@ -121,6 +122,21 @@ async def _rollout_async(step: int, rows, prompt_indices, job: RolloutJob) -> Ro
     metrics.update(servers)
     metrics["score_seconds"] = score_s
     return RolloutBatch(step, groups, metrics, t0, time.perf_counter(), broken, masked)
+
+
+def _keyed_rewards(step: int, groups: list[RolloutGroup], job: RolloutJob) -> None:
+    """verifiers rewards that returned keyed scores become one entry per key, for this batch and every
+    one after (tasks/rewards/vf_reward.py: `keyed_rewards`); the run's `rewards` list is changed in place."""
+    from grpoflow.tasks.rewards.vf_reward import keyed_rewards
+
+    if (found := keyed_rewards(job.rewards, groups)) is None:
+        return
+    job.rewards[:], became = found
+    for fn, keys in became.items():
+        _run_logger().info(
+            "step %d: verifiers reward %r returned keyed scores: %s", step, fn,
+            ", ".join(f"{k!r} (weight {r.weight:g})" for k in keys for r in job.rewards if r.name == k) or "none",
+        )  # fmt: skip
 
 
 async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, state: TrainerState):

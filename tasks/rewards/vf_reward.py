@@ -12,13 +12,23 @@ each rollout's cell is read from its episode's `VerifiersOutcome`, never called:
   every cell `failed`, with the first error: a partial episode's scores are not trained on.
 
 Never a 0 in place of a missing score (verifiers' legacy rubric scores a raising reward 0.0).
+
+A reward that returns keyed scores (`{"polite": ..., "brief": ...}`: verifiers records each key as a
+reward of its own, with the function's weight) cannot be known before it has run: verifiers declares
+the function only. `keyed_rewards` finds the keys in the first batch whose episodes recorded them, and
+the function's entry becomes one entry per key, named and weighted as verifiers records them, for that
+batch and every one after it (docs/environments.md).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpoflow.storage.records import RolloutGroup
+    from grpoflow.tasks.config.rewards import RewardConfig
 
 # The reward entry's `fn`: scoring reads the rollouts' outcomes instead of calling it.
 VERIFIERS_REWARD = "grpoflow.tasks.rewards.vf_reward:verifiers_reward"
@@ -35,6 +45,9 @@ class VerifiersOutcome:
     first error that spoils the whole episode (`error`) and the first of its scoring (`scoring_error`)."""
 
     scores: dict[str, float | None] = field(default_factory=dict)
+    weights: dict[str, float] = field(
+        default_factory=dict
+    )  # of the scores recorded, as verifiers weighs them
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     scoring_error: str | None = None
@@ -52,6 +65,8 @@ def outcome_of(episode: Any) -> VerifiersOutcome:
         for name, r in t.rewards.items():
             if r is not None or name not in out.scores:
                 out.scores[name] = None if r is None else float(r.score)
+            if r is not None:
+                out.weights[name] = float(r.weight)
         for name, v in t.metrics.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 out.metrics[name] = float(v)
@@ -72,6 +87,8 @@ def cell_of(outcome: VerifiersOutcome | None, name: str) -> tuple[float | None, 
     if outcome.error is not None:
         return None, "failed", f"the episode failed: {outcome.error}"
     if name not in outcome.scores:
+        if outcome.scoring_error is not None:  # a keyed reward that stopped before it recorded its keys
+            return None, "failed", f"verifiers' scoring failed: {outcome.scoring_error}"
         return None, "invalid", f"verifiers recorded no reward {name!r} for the episode"
     v = outcome.scores[name]
     if v is None:
@@ -98,3 +115,37 @@ def episode_metrics(outcomes: list[VerifiersOutcome]) -> dict[str, float]:
         if vals:
             out[f"vf/{k}"] = sum(vals) / len(vals)
     return out
+
+
+def keyed_rewards(
+    specs: list[RewardConfig], groups: list[RolloutGroup]
+) -> tuple[list[RewardConfig], dict[str, list[str]]] | None:
+    """`specs` with the verifiers rewards that returned keyed scores replaced by one entry per key
+    (the module doc), and which function became which keys; None when no batch has shown keys yet (or
+    they are all known). A function none of whose episodes recorded a score under its own name, while
+    they recorded names no entry has, is keyed: with several such functions, the first takes every new
+    key (verifiers does not record which function made which key), the others' entries go."""
+    vf = [s for s in specs if s.fn == VERIFIERS_REWARD]
+    outcomes = [c.verifiers for g in groups for c in g.completions if c.verifiers is not None]
+    names = {s.name for s in specs}
+    keys: dict[str, float] = {}  # in the order verifiers recorded them
+    for o in outcomes:
+        for k, w in o.weights.items():
+            if k not in names:
+                keys.setdefault(k, w)
+    # verifiers seeds every function's name before scoring and drops the seed of one that returned keys
+    scored = [o for o in outcomes if o.error is None and o.scores]
+    keyed = [
+        s
+        for s in vf
+        if any(s.name not in o.scores for o in scored) and all(o.scores.get(s.name) is None for o in scored)
+    ]
+    if not keys or not keyed:
+        return None
+    out: list[RewardConfig] = []
+    for s in specs:
+        if s is keyed[0]:
+            out += [s.model_copy(update={"name": k, "weight": w}) for k, w in keys.items()]
+        elif all(s is not k for k in keyed[1:]):
+            out.append(s)
+    return out, {keyed[0].name: list(keys), **{s.name: [] for s in keyed[1:]}}

@@ -49,10 +49,13 @@ def test_a_single_turn_environment_trains_on_the_real_server(
     tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
     """Rows from the taskset, the policy's tokens and logprobs, each verifiers reward a cell with its weight,
-    a None reward masked (never 0), verifiers' metric in `steps`."""
+    a None reward masked (never 0), verifiers' metric in `steps`. A plugged reward of keyed scores
+    (`manners` -> `polite`, `brief`) is one reward per key, as verifiers records them: named by the key,
+    with the function's weight, every cell valid."""
     from grpoflow.storage.sql import query
 
-    block = {"taskset": {"id": "vf_sum", "num_tasks": 4}}
+    manners = {"fn": "vf_sum.taskset:manners", "weight": 0.25}
+    block = {"taskset": {"id": "vf_sum", "num_tasks": 4, "task": {"rewards": {"manners": manners}}}}
     out = _train(tmp_path, "vfsum", block, model=tiny_model_dir, server=vllm_server.url, steps=2)
     assert out["steps_trained"] == 2
     _, rows = query(
@@ -73,6 +76,12 @@ def test_a_single_turn_environment_trains_on_the_real_server(
     )
     # `correct` everywhere; `odd_only` returns None on even tasks: invalid (masked), valid on odd ones
     by = {(name, weight, status, even): n for name, weight, status, even, n in cells}
+    keyed = {}
+    for (name, weight, status, _), n in by.items():
+        if name in ("polite", "brief", "manners"):
+            keyed[name, weight, status] = keyed.get((name, weight, status), 0) + n
+    assert keyed == {("polite", 0.25, "valid"): 8, ("brief", 0.25, "valid"): 8}  # no cell named `manners`
+    by = {k: n for k, n in by.items() if k[0] not in ("polite", "brief")}
     assert set(by) <= {("correct", 1.0, "valid", True), ("correct", 1.0, "valid", False),
                        ("odd_only", 0.5, "invalid", True), ("odd_only", 0.5, "valid", False)}  # fmt: skip
     assert by.get(("odd_only", 0.5, "invalid", True), 0) + by.get(("odd_only", 0.5, "valid", False), 0) == 8
@@ -87,6 +96,13 @@ def test_a_single_turn_environment_trains_on_the_real_server(
     assert masked == [(False,)]  # its completions are out of the baseline and the loss
     _, steps = query(tmp_path, 'SELECT "vf/reply_chars", "vf/failed_frac" FROM steps ORDER BY step')
     assert len(steps) == 2 and all(chars is not None and failed == 0.0 for chars, failed in steps)
+    # the keys' scores are in each valid completion's total, by their weight
+    _, totals = query(
+        tmp_path,
+        "SELECT o.reward, sum(r.weight * r.value) FROM rollouts o JOIN rewards r USING (run_id, split, step, "
+        "group_id, sample_index) WHERE o.reward_valid GROUP BY ALL",
+    )
+    assert totals and all(total == pytest.approx(expected) for total, expected in totals)
 
 
 def test_a_multi_turn_environment_trains_on_the_real_server_with_smollm2s_template(

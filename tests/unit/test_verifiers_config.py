@@ -97,3 +97,39 @@ def test_cells_are_never_a_silent_zero():
     assert episode_metrics([VerifiersOutcome(metrics={"m": 1.0}), VerifiersOutcome(metrics={"m": 3.0})]) == {
         "vf/failed_frac": 0.0, "vf/m": 2.0
     }  # fmt: skip
+
+
+def test_a_reward_of_keyed_scores_becomes_one_entry_per_key_once_an_episode_shows_them():
+    """verifiers declares `manners`, records `polite` and `brief` (the function's weight) and drops the
+    `manners` seed; an episode whose scoring stopped first still has the seed (None). `odd_only` failing
+    on every episode of the batch keeps its entry."""
+    from grpoflow.storage.records import RolloutCompletion, RolloutGroup
+    from grpoflow.tasks.config.rewards import RewardConfig
+    from grpoflow.tasks.rewards.vf_reward import keyed_rewards
+
+    def group(*outcomes):
+        comps = [RolloutCompletion(i, "", [1], [1], [0.0]) for i in range(len(outcomes))]
+        for c, o in zip(comps, outcomes, strict=True):
+            c.verifiers = o
+        return RolloutGroup("g", 0, "p", [0], comps)
+
+    specs = [RewardConfig(name=n, fn=VERIFIERS_REWARD, weight=w) for n, w in
+             (("correct", 1.0), ("manners", 0.25), ("odd_only", 0.5))] + [RewardConfig(name="mine", fn=len)]  # fmt: skip
+    keyed = VerifiersOutcome(scores={"correct": 1.0, "polite": 0.0, "brief": 0.5, "odd_only": None},
+                             weights={"correct": 1.0, "polite": 0.25, "brief": 0.25})  # fmt: skip
+    stopped = VerifiersOutcome(scores={"correct": 1.0, "manners": None, "odd_only": None},
+                               scoring_error="TaskError: task T scoring: ValueError: x")  # fmt: skip
+    assert keyed_rewards(specs, [group(stopped)]) is None  # no keys seen yet: nothing to know them by
+    new, became = keyed_rewards(specs, [group(stopped, keyed, VerifiersOutcome(error="HarnessError: x"))])
+    assert [(s.name, s.weight, s.fn) for s in new] == [
+        ("correct", 1.0, VERIFIERS_REWARD), ("polite", 0.25, VERIFIERS_REWARD), ("brief", 0.25, VERIFIERS_REWARD),
+        ("odd_only", 0.5, VERIFIERS_REWARD), ("mine", 1.0, len),
+    ]  # fmt: skip
+    assert became == {"manners": ["polite", "brief"]}
+    assert keyed_rewards(new, [group(keyed)]) is None  # known now: the next batches keep them
+    # the episode whose scoring stopped before the keys: failed with verifiers' error, not "no reward"
+    assert cell_of(stopped, "polite") == (
+        None,
+        "failed",
+        "verifiers' scoring failed: TaskError: task T scoring: ValueError: x",
+    )

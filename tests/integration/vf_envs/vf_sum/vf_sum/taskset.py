@@ -49,3 +49,11 @@ class SumTaskset(vf.Taskset[SumTask, SumConfig]):
             SumTask(SumData(idx=i, prompt=f"What is {i} + {i + 1}?", answer=2 * i + 1), self.config.task)
             for i in range(self.config.num_tasks)
         ]
+
+
+async def manners(trace: vf.Trace) -> dict[str, float]:
+    """Keyed scores, as verifiers' reward decorator documents them: verifiers records `polite` and `brief`
+    as rewards of their own, each with this function's weight, and no reward named `manners`. Plugged by
+    a config (`task.rewards.manners.fn`), so the taskset's own rewards stay as they are without it."""
+    reply = trace.last_reply or ""
+    return {"polite": float("please" in reply.lower()), "brief": 1.0 / (1.0 + len(reply))}
