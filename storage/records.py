@@ -50,6 +50,10 @@ class TurnRecord:
     logprobs: list[float] = field(default_factory=list)  # [output_tokens]; not persisted per turn
 
 
+# The reason of a cell whose reward belongs to another environment class than the rollout's.
+NOT_ITS_ENVIRONMENT = "not this rollout's environment"
+
+
 @dataclass
 class RewardCell:
     """The outcome of one reward function on one completion.
@@ -69,6 +73,12 @@ class RewardCell:
     extra: dict[str, Any] | None = None  # what the function logged for this completion (log_extra)
     node: str = ""  # where it was scored: a Ray node's address, or the host's name (tasks/remote.py)
     trace: str | None = None  # the traceback of a failed call; not persisted (the reason is)
+
+    @property
+    def applies(self) -> bool:
+        """False for another environment class's get_reward() reward (TRL's dict form): no value here by
+        design, so it never masks the completion and counts in none of the reward's rates."""
+        return not (self.status == "invalid" and self.reason == NOT_ITS_ENVIRONMENT)
 
 
 @dataclass

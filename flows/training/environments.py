@@ -5,9 +5,10 @@ the rows of an environment that owns its data.
 - `check_run`: the whole preflight of a run's config: its import paths, then the checks below.
 - `check_environments`: each factory imports, makes an instance, and the instance snapshots in
   isolation (its own snapshot(), or a deep copy).
-- `environment_rewards`: with `tools.environment_reward`, an environment class that has `get_reward()`
-  adds a reward entry named after it (tasks/rewards/env_reward.py); without `rewards` in the config it
-  replaces the default one.
+- `environment_rewards`: with `tools.environment_reward`, each environment class that has `get_reward()`
+  adds a reward entry named after it, weight 1 (tasks/rewards/env_reward.py); in the dict form a
+  rollout of another class has no value in it (TRL 1.16's rule). Without `rewards` in the config they
+  replace the default one.
 - `check_environment_rows`: in the dict form every row names one of the environments.
 - `check_mcp`: `tools.mcp` servers allowed, reachable, and their tool names unique.
 - `check_verifiers` (`tools.verifiers`): the extra installed, the environment loads, nothing else
@@ -106,7 +107,9 @@ def check_environments(cfg: GRPOConfig) -> None:
 
 
 def environment_rewards(cfg: GRPOConfig) -> None:
-    """Add the reward entry of the environments' get_reward() (the module doc); idempotent."""
+    """Add the reward entries of the environments' get_reward() (the module doc); idempotent. TRL's rule:
+    one per environment class that has get_reward(), named after the class, weight 1; in the dict form,
+    a rollout of another environment has no value in that column (tasks/rewards/score.py)."""
     factories = environment_factories(cfg) if cfg.tools.environment_reward else {}
     with_reward = {n: f for n, f in factories.items() if has_reward(f)}
     if any(r.fn == ENVIRONMENT_REWARD for r in cfg.rewards):
@@ -123,27 +126,26 @@ def environment_rewards(cfg: GRPOConfig) -> None:
                 "train for (the demo's letter reward is no environment's)"
             )
         return
-    if len(with_reward) < len(factories):
-        has, lacks = sorted(map(str, with_reward)), sorted(str(n) for n in factories if n not in with_reward)
+    classes: dict[str, list] = {}  # reward name -> the environments (dict keys) whose class it is
+    for env, f in with_reward.items():
+        name = getattr(f, "reward_name", None) or getattr(f, "__name__", type(f).__name__)
+        classes.setdefault(name, []).append(env)
+    clash = sorted(set(classes) & {r.name for r in cfg.rewards})
+    if clash:
         raise ConfigError(
-            f"tools.environment: {has} have get_reward() but {lacks} do not, so their rollouts would have no "
-            "reward of it: give each one get_reward(), or set tools.environment_reward: false and score "
-            "with `rewards`"
+            f"rewards: {clash[0]!r} is the name of tools.environment's get_reward() reward; rename yours, or "
+            "set tools.environment_reward: false"
         )
-    classes = {
-        getattr(f, "reward_name", None) or getattr(f, "__name__", type(f).__name__)
-        for f in with_reward.values()
-    }
-    name = classes.pop() if len(classes) == 1 else "environment"
-    if any(r.name == name for r in cfg.rewards):
-        raise ConfigError(
-            f"rewards: {name!r} is the name of tools.environment's get_reward() reward; rename yours, or set "
-            "tools.environment_reward: false"
-        )
-    spec = RewardConfig(name=name, fn=ENVIRONMENT_REWARD)
+    if len(classes) == 1 and len(with_reward) == len(factories):  # every rollout's environment has it
+        specs = [RewardConfig(name=name, fn=ENVIRONMENT_REWARD) for name in classes]
+    else:
+        specs = [
+            RewardConfig(name=n, fn=ENVIRONMENT_REWARD, kwargs={"environments": envs})
+            for n, envs in classes.items()
+        ]
     # TRL's rule: the environment's reward and the reward functions both count; the default reward
     # (the demo's) only stands in when no reward is configured.
-    cfg.rewards = [*cfg.rewards, spec] if "rewards" in cfg.model_fields_set else [spec]
+    cfg.rewards = [*cfg.rewards, *specs] if "rewards" in cfg.model_fields_set else specs
 
 
 def check_environment_rows(cfg: GRPOConfig, rows: list[dict[str, Any]], where: str = "data") -> None:

@@ -63,7 +63,7 @@ def broken_rewards(groups: list[RolloutGroup], specs: list[RewardConfig]) -> lis
     conversational = any(is_conversational(g.prompt_input_of(c)) for g in groups for c in g.completions)
     out = []
     for i, spec in enumerate(specs):
-        cells = [x for c in comps for x in c.reward_cells if x.name == spec.name]
+        cells = [x for c in comps for x in c.reward_cells if x.name == spec.name and x.applies]
         if not cells or any(x.status not in ("failed", "timeout") for x in cells):
             continue
         first = cells[0]
@@ -87,7 +87,12 @@ def masked_batch(groups: list[RolloutGroup], specs: list[RewardConfig]) -> Maske
         return None
     causes = []
     for spec in (s for s in specs if s.required):
-        bad = [x for c in comps for x in c.reward_cells if x.name == spec.name and x.status != "valid"]
+        bad = [
+            x
+            for c in comps
+            for x in c.reward_cells
+            if x.name == spec.name and x.status != "valid" and x.applies
+        ]
         if bad:
             counts = {}
             for x in bad:

@@ -24,7 +24,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpoflow.storage.faults import failpoint
-from grpoflow.storage.records import RewardCell, RewardStatus, RolloutCompletion, RolloutGroup
+from grpoflow.storage.records import (
+    NOT_ITS_ENVIRONMENT,
+    RewardCell,
+    RewardStatus,
+    RolloutCompletion,
+    RolloutGroup,
+)
 from grpoflow.tasks.config.imports import import_object
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.remote import call_on_ray, this_node
@@ -140,10 +146,15 @@ RECORDED = {ENVIRONMENT_REWARD: _environment_cell, VERIFIERS_REWARD: _verifiers_
 
 
 def _recorded_cells(spec: RewardConfig, groups: list[RolloutGroup]) -> list[RewardCell]:
-    node, cell = this_node(), RECORDED[spec.fn]
+    node, cell, envs = this_node(), RECORDED[spec.fn], spec.kwargs.get("environments")
+    mine = lambda g: envs is None or g.row.get("environment") in envs  # noqa: E731 (its class's rollouts)
     return [
         RewardCell(spec.name, value, status, reason[:500], spec.weight, dt, node=node)
-        for value, status, reason, dt in (cell(c, spec) for g in groups for c in g.completions)
+        for value, status, reason, dt in (
+            cell(c, spec) if mine(g) else (None, "invalid", NOT_ITS_ENVIRONMENT, 0.0)
+            for g in groups
+            for c in g.completions
+        )
     ]
 
 
@@ -277,7 +288,8 @@ def _impute(rows: list[list[RewardCell]], specs: list[RewardConfig]) -> list[lis
     """
     out = [[RewardCell(**vars(x)) for x in cells] for cells in rows]
     scored = [
-        all(x.status == "valid" for x, s in zip(cells, specs, strict=True) if s.required) for cells in rows
+        all(x.status == "valid" for x, s in zip(cells, specs, strict=True) if s.required and x.applies)
+        for cells in rows
     ]
     for j, spec in enumerate(specs):
         if spec.required:
@@ -286,7 +298,7 @@ def _impute(rows: list[list[RewardCell]], specs: list[RewardConfig]) -> list[lis
             cells[j].value for cells, ok in zip(out, scored, strict=True) if ok and cells[j].status == "valid"
         ]
         for cells, ok in zip(out, scored, strict=True):
-            if seen and ok and cells[j].status != "valid":
+            if seen and ok and cells[j].status != "valid" and cells[j].applies:
                 cells[j].imputed, cells[j].imputed_value = True, sum(seen) / len(seen)
     return out
 
@@ -301,14 +313,14 @@ def _apply(groups: list[RolloutGroup], specs: list[RewardConfig], per_fn: list[l
             bad = [
                 f"{x.name}: {x.status}: {x.reason}"
                 for x, s in zip(cells, specs, strict=True)
-                if s.required and x.status != "valid"
+                if s.required and x.status != "valid" and x.applies
             ]
             c.reward_valid = not bad
             notes = [
                 f"{x.name} (optional): {x.status}: {x.reason}"
                 + (f" (imputed group mean {x.imputed_value:.4g})" if x.imputed else "")
                 for x, s in zip(cells, specs, strict=True)
-                if not s.required and x.status != "valid"
+                if not s.required and x.status != "valid" and x.applies
             ]
             c.invalid_reason = "; ".join(bad + notes) or None
             c.reward = (
@@ -330,6 +342,7 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
 def _metrics(groups, specs, per_fn, seconds: float) -> dict[str, float | None]:
     out: dict[str, float | None] = {"score_seconds": seconds}
     for spec, cells in zip(specs, per_fn, strict=True):
+        cells = [c for c in cells if c.applies]  # another environment's rollouts: not this reward's
         n = max(1, len(cells))
         mean, std = _stats([c.value for c in cells if c.status == "valid"])
         p = f"reward/{spec.name}"

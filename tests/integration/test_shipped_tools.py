@@ -57,7 +57,9 @@ def test_the_dict_form_shows_each_rows_rollouts_only_its_environments_tools(
     tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
     """TRL's `environment_factory={name: factory}`: each row's `environment` column picks the environment;
-    its rollouts' stored prompts name only its tools, and each scores with its own get_reward()."""
+    its rollouts' stored prompts name only its tools, and each class's get_reward() is a reward column of
+    its own (TRL 1.16: named after the class, weight 1), `invalid` "not this rollout's environment" for
+    the other class's rollouts, which it never masks."""
     import json
 
     from grpoflow.flows.training.train import grpo_train
@@ -80,5 +82,15 @@ def test_the_dict_form_shows_each_rows_rollouts_only_its_environments_tools(
     for row_id, prompt in got:
         mine, other = ('"increment"', '"echo"') if int(row_id) % 2 == 0 else ('"echo"', '"increment"')
         assert mine in prompt and other not in prompt, (row_id, prompt)
-    _, names = query(tmp_path, "SELECT DISTINCT reward_name FROM rewards")
-    assert names == [("environment",)]
+    _, cells = query(
+        tmp_path,
+        "SELECT w.reward_name, w.weight, o.row_id::INT % 2 = 0 AS counter, w.status, w.reason, count(*) "
+        "FROM rewards w JOIN rollouts o USING (run_id, step, group_id, sample_index) GROUP BY ALL ORDER BY ALL",
+    )
+    other = "not this rollout's environment"
+    assert [(n, w, mine, status, reason if status == "invalid" else "", k) for n, w, mine, status, reason, k in cells] == [
+        ("CounterEnv", 1.0, False, "invalid", other, 4), ("CounterEnv", 1.0, True, "valid", "", 4),
+        ("EchoEnv", 1.0, False, "valid", "", 4), ("EchoEnv", 1.0, True, "invalid", other, 4),
+    ]  # fmt: skip
+    _, [(valid,)] = query(tmp_path, "SELECT bool_and(reward_valid) FROM rollouts")
+    assert valid  # no rollout masked by the other class's column

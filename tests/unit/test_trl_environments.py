@@ -16,7 +16,7 @@ from grpoflow.flows.training.environments import check_run
 from grpoflow.tasks.config.rewards import RewardConfig
 from grpoflow.tasks.config.rollouts import GenerationConfig, ToolsConfig
 from grpoflow.tasks.rewards.env_reward import ENVIRONMENT_REWARD
-from grpoflow.tasks.rewards.score import score_groups
+from grpoflow.tasks.rewards.score import reward_metrics, score_groups
 from grpoflow.tasks.tiny_model import build_tokenizer
 from tests.unit.scripted import ScriptedBackend, one_server
 
@@ -153,12 +153,30 @@ def test_the_dict_form_gives_each_rollout_its_rows_environment_and_only_its_tool
     assert "A counter starts at 0" in counter.prompt  # reset()'s note; EchoEnv's reset returns None
     assert [tc.name for c in counter.completions for tc in c.tool_calls] == ["increment"] * 2
     assert [(tc.name, tc.failed) for c in echo.completions for tc in c.tool_calls] == [("echo", False)] * 2
-    # two classes with get_reward(): one reward, 'environment', each rollout scored by its own one
+    # two classes with get_reward(): one reward each, named after the class, weight 1 (TRL 1.16's rule);
+    # a rollout of the other class has no value in its column, never 0, and is not masked by it
     cfg = _cfg(tools={"environment": envs}, data={"generator": "grpoflow.examples.envs:letters_rows"})
     check_run(cfg)
-    assert [r.name for r in cfg.rewards] == ["environment"]
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("CounterEnv", 1.0), ("EchoEnv", 1.0)]
     score_groups([counter, echo], cfg.rewards)
-    assert [c.reward for g in (counter, echo) for c in g.completions] == [1.0, 1.0, 1.0, 1.0]
+    cells = [
+        [(x.name, x.value, x.status, x.reason) for x in c.reward_cells]
+        for g in (counter, echo)
+        for c in g.completions
+    ]
+    mine, other = (
+        ("CounterEnv", 1.0, "valid", ""),
+        ("EchoEnv", None, "invalid", "not this rollout's environment"),
+    )
+    assert cells[:2] == [[mine, other]] * 2
+    mine, other = (
+        ("CounterEnv", None, "invalid", "not this rollout's environment"),
+        ("EchoEnv", 1.0, "valid", ""),
+    )
+    assert cells[2:] == [[mine, other]] * 2
+    assert [(c.reward, c.reward_valid) for g in (counter, echo) for c in g.completions] == [(1.0, True)] * 4
+    metrics = reward_metrics([counter, echo], cfg.rewards)  # each reward's rates over its own rollouts
+    assert metrics["reward/CounterEnv/invalid_rate"] == 0.0 and metrics["reward/EchoEnv/mean"] == 1.0
 
 
 def test_rows_that_name_no_configured_environment_fail_before_the_first_step_naming_the_row():
@@ -174,11 +192,15 @@ def test_rows_that_name_no_configured_environment_fail_before_the_first_step_nam
         )
     with pytest.raises(ConfigError, match=r"data: row 0 has no 'environment' field"):
         check_environment_rows(cfg, [{"prompt": "a"}])
-    # the dict form needs get_reward() on all of its environments, or on none
+    # the dict form may mix environments with get_reward() and without (TRL's rule): the others' rollouts
+    # have no value in its column, and are scored by the reward functions alone
     mixed = _cfg(tools={"environment": {"counter": "grpoflow.examples.envs:CounterEnv", "list": "tests.unit.envs:ListEnv"}},
                  rewards=[LETTER])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"\['counter'\] have get_reward\(\) but \['list'\] do not"):
-        check_run(mixed)
+    check_run(mixed)
+    assert [(r.name, r.kwargs) for r in mixed.rewards] == [
+        ("letter", {}),
+        ("CounterEnv", {"environments": ["counter"]}),
+    ]
 
 
 def test_an_environment_that_owns_its_data_gives_the_prompts(tok, tmp_path):
