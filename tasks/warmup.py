@@ -3,7 +3,8 @@
 A model that never writes a tool call gets no signal from a tool-use reward: every completion of a
 group scores alike, so nothing trains. The warm-up shows it the call format on prompts rendered
 exactly as rollouts render them (the tools in the chat template or in the system turn, in the format
-the tool-call parser reads, with an environment's reset note), and learns only the assistant's tokens
+the tool-call parser reads, with an environment's reset note: an environment server's session is opened
+for each example, as a rollout's is), and learns only the assistant's tokens
 (through its end-of-turn token). `warm_up` writes the warmed model and `warmup.json` (steps, seconds,
 loss at the first and last step); flows cache it per model and settings.
 
@@ -41,6 +42,7 @@ from grpoflow.tasks.rollouts.tools import (
     resolve_callable,
     tool_schema,
 )
+from grpoflow.tasks.threads import run_blocking
 
 IGNORE = -100  # labels the loss skips
 
@@ -89,16 +91,22 @@ class PromptRenderer:
         history, env = prompt_messages(row, index), self._env(row)
         if env is not None:
             note = env.reset(**{k: v for k, v in row.items() if k != "reply"})
-            if inspect.isawaitable(note):  # an environment server's session: no prompt to learn on here
-                note.close()
-                raise ValueError(
-                    "warmup: an environment server (tools.environment: a URL) has no warm-up prompts"
-                )
+            if inspect.isawaitable(note):  # an environment server's session: its reset, and its tools
+                note = run_blocking(_session_note(env, note))
             history = with_reset_note(history, note)
         schemas = self.schemas(row)
         if self.in_system(schemas):
             history = with_system_text(history, self.parser.instructions(schemas))
         return history
+
+
+async def _session_note(env: Any, reset: Any) -> Any:
+    """An environment server's session opened for one example (tasks/rollouts/openenv.py): what its reset
+    says, as a rollout's prompt has it; the session closed again, its tools' schemas kept (`schemas`)."""
+    try:
+        return await reset
+    finally:
+        await env.aclose()
 
 
 def example_ids(tok, prompt: list[dict], reply: str | list[dict], schemas, index: int):

@@ -171,6 +171,44 @@ def test_an_environment_with_mcp_tools_gives_them_to_the_model(calc_env, smollm2
         assert [(t.name, t.failed, t.result) for t in c.tool_calls] == [("add", False, "5")]
 
 
+def calc_examples() -> list[dict]:
+    """Warm-up examples for the calc server (the `warmup.examples` of the test below)."""
+    return [{"prompt": [{"role": "user", "content": "Calculate."}], "seed": i,
+             "reply": tool_call("add", a=i, b=i + 1)} for i in range(3)]  # fmt: skip
+
+
+def test_a_warm_up_learns_the_servers_tool_format_on_the_prompts_its_rollouts_see(
+    calc_env, tmp_path, tiny_model_dir, smollm2_tokenizer_dir
+):
+    """A warm-up with an environment server (issue 60): each example opens a session as a rollout does,
+    so it learns on exactly the prompt a rollout of that row gets (reset's note, the server's MCP tools
+    in SmolLM2's system turn), and writes the warmed model."""
+    from transformers import AutoTokenizer
+
+    from grpoflow.tasks.config.algorithm import WarmupConfig
+    from grpoflow.tasks.rollouts.templates import render
+    from grpoflow.tasks.rollouts.tools import HermesToolParser
+    from grpoflow.tasks.warmup import PromptRenderer, warm_up
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tools = ToolsConfig(environment=calc_env, env_slots=1)
+    renderer = PromptRenderer(tok, tools, HermesToolParser())
+    row = calc_examples()[2]
+    messages, schemas = renderer.messages(row, 0), renderer.schemas(row)
+    assert [s["function"]["name"] for s in schemas] == ["add"]
+
+    async def answer(text, k, seed):
+        return "done"
+
+    (g,) = _generate(tok, calc_env, answer, [{k: v for k, v in row.items() if k != "reply"}], env_slots=1)
+    assert g.prompt == render(tok, messages, schemas, True)  # the very prompt its rollouts get
+    assert "Add the numbers of task 2." in g.prompt and '"add"' in g.prompt
+    warmup = WarmupConfig(examples="tests.integration.test_openenv:calc_examples", steps=2, batch_size=3)
+    stats = warm_up(tiny_model_dir, tmp_path / "warm", warmup, tools, log=lambda _: None)
+    assert stats["n_examples"] == 3 and stats["steps"] == 2 and stats["loss_last"] is not None
+    assert (tmp_path / "warm" / "model.safetensors").is_file()
+
+
 def test_a_short_run_on_the_real_server_scores_with_the_environments_reward(
     echo_env, tmp_path, vllm_server, tiny_model_dir, prefect_api
 ):
