@@ -347,9 +347,16 @@ def _completion(r, client: PolicyClient, episode: Any, sample: int, row: dict, v
 
 
 async def gather_episodes(r: RolloutSettings, env: Any, row: dict, index: int, bounded) -> list[Any]:
-    """The group: G episodes of the row's task, concurrently."""
-    return list(
+    """The group: G episodes of the row's task, concurrently. An episode that made no model turn shows
+    the prompt the group's other episodes were asked (the harness's conversation, templated), so a group
+    has one prompt form; with no model turn in the whole group, each shows the row's prompt."""
+    comps = list(
         await asyncio.gather(
             *(bounded(verifiers_rollout(r, env, row, index, i)) for i in range(r.gen.group_size))
         )
     )
+    asked = next((c for c in comps if c.truncation_reason != "no_model_turn"), None)
+    for c in comps:
+        if asked is not None and c.truncation_reason == "no_model_turn":
+            c.prompt, c.prompt_ids = asked.prompt, list(asked.prompt_ids)
+    return comps

@@ -232,6 +232,23 @@ def test_a_hung_episode_fails_its_cells_at_the_deadline_and_the_others_score(smo
     assert not left, f"processes left behind: {left}"
 
 
+def test_an_episode_with_no_model_turn_shows_its_groups_prompt(smollm2):
+    """One episode of each group fails before the model is asked: it shows the conversation its group's
+    other episode was asked, templated (harness system turn and all), not the row's bare prompt."""
+    from grpoflow.tasks.rollouts.verifiers_env import task_rows
+
+    block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"explode_first": True}}}
+
+    async def script(text, k, seed):
+        return "3"
+
+    for g in scripted_groups(smollm2, script, task_rows(block, 2), ToolsConfig(verifiers=block)):
+        silent, asked = sorted(g.completions, key=lambda c: c.truncation_reason != "no_model_turn")
+        assert silent.truncation_reason == "no_model_turn" and asked.truncation_reason != "no_model_turn"
+        assert asked.prompt.startswith("<|im_start|>") and "What is" in asked.prompt
+        assert (silent.prompt, silent.prompt_ids) == (asked.prompt, asked.prompt_ids)
+
+
 KILLED_CHILD = """
 import asyncio, sys
 from transformers import AutoTokenizer
