@@ -1,0 +1,99 @@
+"""Sparse weight deltas (server/delta.py): what an RL-sized step changes in bf16, applied on top of its
+base, and a checksum that follows a delta from the changed elements alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpoflow.server.delta import IDX, VAL, apply_delta, checksum, delta_bytes, make_delta
+
+pytestmark = pytest.mark.unit
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(64, 32, generator=g), "layer.q": torch.randn(32, 32, generator=g),
+            "norm": torch.ones(32)}  # fmt: skip
+
+
+def _step(master: dict[str, torch.Tensor], lr: float, seed: int = 1) -> None:
+    """One AdamW-sized update of the float32 masters: every element moves by about `lr`."""
+    g = torch.Generator().manual_seed(seed)
+    for t in master.values():
+        t.add_(torch.randn(t.shape, generator=g).sign() * lr)
+
+
+def _bf16(master):
+    return {n: t.to(torch.bfloat16) for n, t in master.items()}
+
+
+def _same(a: int, b: int) -> bool:
+    """Equal as checksums: modulo 2^64."""
+    return (a - b) % 2**64 == 0
+
+
+def test_torch_int64_arithmetic_wraps_as_the_checksum_needs():
+    big = torch.full((1000,), 2**62 + 7, dtype=torch.int64)
+    assert int(big.sum()) == (1000 * (2**62 + 7) + 2**63) % 2**64 - 2**63
+    assert int((big * 5).sum()) == (5000 * (2**62 + 7) + 2**63) % 2**64 - 2**63
+
+
+def test_a_bf16_delta_of_a_small_step_is_small_and_rebuilds_the_new_weights_bit_for_bit():
+    master = _model()
+    base = _bf16(master)
+    _step(master, lr=1e-5)
+    new = _bf16(master)
+    delta, change = make_delta(base, new)
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    assert delta_bytes(delta) < 0.2 * full  # most bf16 values did not move at lr 1e-5
+    assert not any(k.startswith("norm") for k in delta)  # 1 +- 1e-5 rounds back to 1.0 in bf16
+    served = {n: t.clone() for n, t in base.items()}
+    names, applied = apply_delta(served, delta)
+    assert all(torch.equal(served[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+    assert sorted(names) == ["embed", "layer.q"] and applied == change
+    assert _same(checksum(base) + change, checksum(new))
+
+
+def test_a_float32_delta_of_the_same_step_is_dense():
+    master = _model()
+    base = {n: t.clone() for n, t in master.items()}
+    _step(master, lr=1e-5)
+    delta, _ = make_delta(base, master)
+    assert set(delta) == set(master)  # every element moved: each tensor goes whole
+
+
+def test_the_checksum_sees_any_change_and_the_server_computes_it_from_what_it_holds():
+    base = _bf16(_model())
+    new = {n: t.clone() for n, t in base.items()}
+    new["layer.q"].view(-1)[17] = torch.tensor(0.5, dtype=torch.bfloat16)
+    delta, change = make_delta(base, new)
+    assert list(delta) == ["layer.q" + IDX, "layer.q" + VAL] and delta["layer.q" + IDX].tolist() == [17]
+    assert checksum(new) != checksum(base)
+    # a server whose base differs where the delta writes ends with other weights and another checksum
+    drifted = {n: t.clone() for n, t in base.items()}
+    drifted["layer.q"].view(-1)[17] = torch.tensor(-3.0, dtype=torch.bfloat16)
+    _, server_change = apply_delta(drifted, delta)
+    assert server_change != change
+    # ... and one that drifted elsewhere keeps its own checksum's offset: the totals disagree
+    other = {n: t.clone() for n, t in base.items()}
+    other["embed"].view(-1)[3] += 1
+    before = checksum(other)
+    _, c = apply_delta(other, delta)
+    assert _same(before + c, checksum(other)) and checksum(other) != checksum(new)
+    # swapping two elements changes it too (the weights depend on the index)
+    swapped = {n: t.clone() for n, t in base.items()}
+    q = swapped["layer.q"].view(-1)
+    q[0], q[1] = base["layer.q"].view(-1)[1], base["layer.q"].view(-1)[0]
+    assert checksum(swapped) != checksum(base)
+
+
+def test_new_or_reshaped_tensors_go_whole():
+    base = _bf16(_model())
+    new = dict(base, extra=torch.ones(3, dtype=torch.bfloat16), norm=torch.ones(16, dtype=torch.bfloat16))
+    delta, change = make_delta(base, new)
+    assert set(delta) == {"extra", "norm"}
+    served = {n: t.clone() for n, t in base.items()}
+    _, applied = apply_delta(served, delta)
+    assert applied == change and _same(checksum(base) + change, checksum(new))
+    assert torch.equal(served["norm"], new["norm"]) and "extra" in served
