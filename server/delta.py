@@ -4,8 +4,8 @@ pushes that cost what changed; not yet wired into the push: tasks/push/ sends wh
 
 A delta is a dict of tensors, per weight name N:
 - `N`: the whole tensor (dense), when most of its elements changed or the base has no such tensor;
-- `N@idx`, `N@val`: the flat indices (int64, ascending) of the elements whose bits changed, and their
-  new values.
+- `N@idx`, `N@val`: the flat indices (int32 where the tensor's size allows, ascending) of the elements
+  whose bits changed, and their new values; a tensor goes whole when that would cost fewer bytes.
 `make_delta` builds it from the base version's tensors and the new ones (both in the served dtype: a
 bf16 element that rounds to the same bits is unchanged, which is why a bf16 delta of an RL step is
 small and a float32 one is not); `apply_delta` applies it in place on top of the base and returns the
@@ -30,9 +30,6 @@ import hashlib
 import torch
 
 IDX, VAL = "@idx", "@val"
-# A tensor with more than this share of its elements changed is sent whole: an index (8 bytes) and a
-# value cost more than the value alone.
-DENSE_FRACTION = 0.5
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: an odd multiplier (Fibonacci hashing)
 _CHUNK = 1 << 22  # elements per step of a checksum (bounds its int64 temporaries to 32 MB)
@@ -40,10 +37,13 @@ _CHUNK = 1 << 22  # elements per step of a checksum (bounds its int64 temporarie
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The elements' bit patterns as int64 (a float's bits, an integer's value), flat."""
+    return _raw(t).to(torch.int64)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns in their own width (a float's bits as the same-size integer), flat."""
     flat = t.detach().reshape(-1)
-    if flat.dtype.is_floating_point:
-        flat = flat.view(_BITS[flat.element_size()])
-    return flat.to(torch.int64)
+    return flat.view(_BITS[flat.element_size()]) if flat.dtype.is_floating_point else flat
 
 
 def _seed(name: str) -> int:
@@ -62,11 +62,11 @@ def _wrap(x: int) -> int:
 
 def tensor_checksum(name: str, t: torch.Tensor) -> int:
     """One tensor's share of `checksum` (a signed 64-bit integer)."""
-    bits, total = _bits(t), 0
-    for lo in range(0, bits.numel(), _CHUNK):
-        part = bits[lo : lo + _CHUNK]
-        idx = torch.arange(lo, lo + part.numel(), dtype=torch.int64)
-        total += int((part * _weights(name, idx)).sum())
+    raw, seed, total = _raw(t), _seed(name), 0
+    for lo in range(0, raw.numel(), _CHUNK):  # int64 temporaries of one chunk at a time
+        part = raw[lo : lo + _CHUNK].to(torch.int64)
+        w = torch.arange(lo, lo + part.numel(), dtype=torch.int64).add_(seed).mul_(_MIX).bitwise_or_(1)
+        total += int(part.mul_(w).sum())
     return _wrap(total)
 
 
@@ -76,7 +76,7 @@ def checksum(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def make_delta(
-    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], dense_fraction: float = DENSE_FRACTION
+    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The delta that turns `base` into `new` (same names; each tensor's elements compared bit for bit),
     and the change it makes to the checksum. An unchanged tensor is left out."""
@@ -88,15 +88,17 @@ def make_delta(
             out[name] = t.detach().clone()
             change += tensor_checksum(name, t) - (tensor_checksum(name, old) if old is not None else 0)
             continue
-        now, was = _bits(t), _bits(old)
+        now, was = _raw(t), _raw(old)  # compared in their own width: no int64 copy of the model
         idx = torch.nonzero(now != was).reshape(-1)
         if idx.numel() == 0:
             continue
-        change += int(((now[idx] - was[idx]) * _weights(name, idx)).sum())
-        if idx.numel() > dense_fraction * now.numel():
-            out[name] = t.detach().clone()
+        change += int(((now[idx].to(torch.int64) - was[idx].to(torch.int64)) * _weights(name, idx)).sum())
+        small = now.numel() < 2**31
+        if idx.numel() * ((4 if small else 8) + t.element_size()) >= now.numel() * t.element_size():
+            out[name] = t.detach().clone()  # cheaper whole
         else:
-            out[name + IDX], out[name + VAL] = idx, t.detach().reshape(-1)[idx].clone()
+            vals = t.detach().reshape(-1)[idx].clone()
+            out[name + IDX], out[name + VAL] = idx.to(torch.int32) if small else idx, vals
     return out, _wrap(change)
 
 
@@ -111,9 +113,10 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -
             name = key[: -len(IDX)]
             target, values = base[name], delta[name + VAL]
             flat = target.view(-1)
-            was, now = _bits(flat[t]), _bits(values)
-            change += int(((now - was) * _weights(name, t)).sum())
-            flat[t] = values.to(target.dtype)
+            idx = t.to(torch.int64)
+            was, now = _bits(flat[idx]), _bits(values)
+            change += int(((now - was) * _weights(name, idx)).sum())
+            flat[idx] = values.to(target.dtype)
         else:
             name = key
             old = base.get(name)

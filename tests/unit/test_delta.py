@@ -97,3 +97,21 @@ def test_new_or_reshaped_tensors_go_whole():
     _, applied = apply_delta(served, delta)
     assert applied == change and _same(checksum(base) + change, checksum(new))
     assert torch.equal(served["norm"], new["norm"]) and "extra" in served
+
+
+def test_the_full_checksum_is_the_sum_the_incremental_one_updates():
+    """`tensor_checksum` (chunked, in place) and the per-element weights a delta's change is computed
+    with are one function: a chunk boundary or a signed bit pattern must not tell them apart."""
+    import grpoflow.server.delta as d
+
+    t = torch.randn(3000).to(torch.bfloat16)
+    bits = t.view(torch.int16).to(torch.int64)
+    by_element = int((bits * d._weights("layer.q", torch.arange(3000))).sum())
+    old = d._CHUNK
+    try:
+        d._CHUNK = 1024  # three chunks, the last one short
+        assert _same(d.tensor_checksum("layer.q", t), by_element)
+    finally:
+        d._CHUNK = old
+    assert _same(d.tensor_checksum("layer.q", t), by_element)
+    assert not _same(d.tensor_checksum("layer.k", t), by_element)  # the name is in the weights
