@@ -28,6 +28,7 @@ from grpoflow.tasks.learner.fsdp import aliases, process_group, shard, write_gat
 from grpoflow.tasks.learner.grpo import compute_loss
 from grpoflow.tasks.learner.learner_api import ADAPTER_DIR, MODEL_DIR, TrainSample
 from grpoflow.tasks.learner.logprobs import MicroBatch, head_chunk_of, padded_logprobs, shared_prompt_logprobs
+from grpoflow.tasks.learner.speed import compile_layers, one_cast_per_update
 from grpoflow.tasks.learner.step_metrics import StepRun, empty_step_metrics, fold, step_metrics
 from grpoflow.tasks.push.weights import save_weights
 
@@ -282,38 +283,42 @@ class Learner:
     def _accumulate(self, part: Update, j: int, old: dict | None, refs: dict) -> dict[str, float]:
         """Forward + backward of one update's micro-batches (gradients add up); its loss metrics."""
         pieces = []
-        for k, (mb, counts) in enumerate(self._local(part)):
-            logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
-            old_lp = None
-            if old is not None:  # several updates: pi_old is kept; the first forward of all provides it
-                old_lp = old.setdefault((j, k), logprobs.detach())
-            ref = None
-            if self.algorithm.beta > 0:
-                if (j, k) not in refs:
-                    refs[(j, k)] = self._reference_logprobs(mb)
-                ref = refs[(j, k)]
-            loss, m = compute_loss(
-                logprobs,
-                behav,
-                adv,
-                mask,
-                self.algorithm,
-                old_logprobs=old_lp,
-                ref_logprobs=ref,
-                max_completion_length=self.max_completion_length,
-                total_sequences=part.sequences,
-                total_tokens=part.tokens,
-            )
-            # A sharded learner's gradients are averaged over ranks (FSDP's reduce-scatter): x N sums them.
-            (loss * self.world_size if counts else loss * 0.0).backward()
-            if counts:
-                pieces.append((len(mb) / part.work_samples, 1.0, m))
+        with one_cast_per_update(self.device, self.dtype, self.world_size):
+            for k, (mb, counts) in enumerate(self._local(part)):
+                pieces += self._accumulate_one(part, j, k, mb, counts, old, refs)
         if not part.micro:
             # All advantages 0: the loss and gradient are 0, and Adam still steps on its moments.
             for p in self.trainable:
                 p.grad = torch.zeros_like(p)
             return {"loss": 0.0}
         return fold(pieces, ("loss",))
+
+    def _accumulate_one(self, part: Update, j: int, k: int, mb, counts: bool, old, refs) -> list:
+        """Forward + backward of micro-batch k of update j; its (weight, scale, metrics) when it counts."""
+        logprobs, mask, behav, adv = self._micro_batch(self.model, mb)
+        old_lp = None
+        if old is not None:  # several updates: pi_old is kept; the first forward of all provides it
+            old_lp = old.setdefault((j, k), logprobs.detach())
+        ref = None
+        if self.algorithm.beta > 0:
+            if (j, k) not in refs:
+                refs[(j, k)] = self._reference_logprobs(mb)
+            ref = refs[(j, k)]
+        loss, m = compute_loss(
+            logprobs,
+            behav,
+            adv,
+            mask,
+            self.algorithm,
+            old_logprobs=old_lp,
+            ref_logprobs=ref,
+            max_completion_length=self.max_completion_length,
+            total_sequences=part.sequences,
+            total_tokens=part.tokens,
+        )
+        # A sharded learner's gradients are averaged over ranks (FSDP's reduce-scatter): x N sums them.
+        (loss * self.world_size if counts else loss * 0.0).backward()
+        return [(len(mb) / part.work_samples, 1.0, m)] if counts else []
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: list[TrainSample]) -> torch.Tensor:
@@ -381,20 +386,3 @@ class Learner:
             world_size=self.world_size,
             lr=self.config.lr,
         )
-
-
-def compile_layers(model) -> int:
-    """torch.compile each decoder layer of `model` in place (`learner.compile`); how many. The layers,
-    not the whole model: each layer is the same code, compiled once and run N times, and what lies
-    around them (the LM head's log-softmax, the loss) stays as it is. Fusing each layer's RMSNorm, RoPE
-    and SwiGLU elementwise work with its casts is where a GPU step's non-matmul time went
-    (BENCHMARKS.md, "The learner on an H100")."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers:
-        raise ValueError(
-            f"learner.compile: {type(model).__name__} has no module named *DecoderLayer to compile; "
-            "set learner.compile false"
-        )
-    for layer in layers:
-        layer.compile()
-    return len(layers)

@@ -82,3 +82,48 @@ def test_pushed_weights_are_the_compute_dtype_checkpoints_the_master_weights(tin
     saved = load_file(str(tmp_path / "ckpt" / "model" / "model.safetensors"))
     assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], p.detach().cpu())
                for n, p in master.items() if n in saved)  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_bf16_step_casts_the_master_weights_once_per_update_for_the_same_gradients(
+    tiny_model_dir, lora, monkeypatch
+):
+    """Three micro-batches of one sample, KL on (the reference's forwards run inside the update too): the
+    bf16 copies of the trainable float32 weights are made once per update, not once per micro-batch, and
+    the gradients are the same bits as with a copy per micro-batch (tasks/learner/speed.py)."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import grpoflow.tasks.learner.learn as learn_module
+
+    class Casts(TorchDispatchMode):
+        def __init__(self, watched):
+            super().__init__()
+            self.watched, self.n = watched, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                self.n += args[0].data_ptr() in self.watched
+            return func(*args, **kwargs)
+
+    def step(one_cast: bool):
+        if not one_cast:
+            monkeypatch.setattr(learn_module, "one_cast_per_update", lambda *a: contextlib.nullcontext())
+        extra = {"lora": {"rank": 4, "alpha": 8}} if lora else {}
+        learner = make_learner(tiny_model_dir, lr=1e-3, total_steps=10, seed=0, dtype="bfloat16",
+                               micro_batch_size=1, beta=0.04, **extra)  # fmt: skip
+        learner.optimizer.step = lambda: None
+        casts = Casts({p.data_ptr() for p in learner.trainable})
+        with casts:
+            learner.train_step(samples())
+        monkeypatch.undo()
+        return casts.n, [p.grad.clone() for p in learner.trainable]
+
+    once, grads = step(True)
+    each, grads_each = step(False)
+    weights = len(make_learner(tiny_model_dir, lr=1e-3, total_steps=10, dtype="bfloat16",
+                               **({"lora": {"rank": 4, "alpha": 8}} if lora else {})).trainable)  # fmt: skip
+    assert 0 < once <= weights and each == 3 * once  # three micro-batches
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_each, strict=True))
