@@ -141,21 +141,26 @@ def variants(shapes: list[str], largest_micro_batches: list[int]) -> list[dict]:
                     for n in largest_micro_batches]  # fmt: skip
             if largest_micro_batches:  # learner.lm_head_chunk: the logits never whole, at the largest
                 out.append(out[-1] | {"lm_head_chunk": 4096})
+                # the bf16 copy of the master weights made per micro-batch, as before one_cast_per_update
+                out.append({"shape": shape, "lora": None, "gradient_checkpointing": False, "micro_batch_size": 8,
+                            "cast_each": True})  # fmt: skip
     return out
 
 
 def parse_variant(spec: str) -> dict:
-    """SHAPE:MODE:GC:MB[:SHARE][:compile][:chunkN], e.g. 1.5b:full:on:32, 1.5b:lora16:off:8:on
+    """SHAPE:MODE:GC:MB[:SHARE][:compile][:chunkN][:casteach], e.g. 1.5b:full:on:32, 1.5b:lora16:off:8:on
     (share_prompt on; left out: the learner's default, off on a GPU), 1.5b:full:off:8:compile
-    (`learner.compile`: each decoder layer torch.compiled) or 1.5b:full:off:32:chunk4096
-    (`learner.lm_head_chunk` 4096: the LM head over 4096 positions at a time)."""
+    (`learner.compile`: each decoder layer torch.compiled), 1.5b:full:off:32:chunk4096
+    (`learner.lm_head_chunk` 4096: the LM head over 4096 positions at a time) or 1.5b:full:off:8:casteach
+    (the bf16 copy of the master weights made per micro-batch: tasks/learner/speed.py off)."""
     shape, mode, gc, mb, *rest = spec.split(":")
     share = [r for r in rest if r in ("on", "off")]
     chunk = [int(r.removeprefix("chunk")) for r in rest if r.startswith("chunk")]
     return {"shape": shape, "lora": int(mode.removeprefix("lora")) if mode != "full" else None,
             "gradient_checkpointing": gc == "on", "micro_batch_size": int(mb),
             "share_prompt": {"on": True, "off": False}[share[0]] if share else None,
-            "compile": "compile" in rest, "lm_head_chunk": chunk[0] if chunk else None}  # fmt: skip
+            "compile": "compile" in rest, "lm_head_chunk": chunk[0] if chunk else None,
+            "cast_each": "casteach" in rest}  # fmt: skip
 
 
 def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int) -> dict:
@@ -166,7 +171,18 @@ def step_row(bench, model_dir: str, samples, v: dict, device: str, repeats: int)
             "num_iterations": 1, "mini_batches": 1, "dtype": "auto",
             "gradient_checkpointing": v["gradient_checkpointing"], "compile": v.get("compile", False),
             "lm_head_chunk": v.get("lm_head_chunk")}  # fmt: skip
-    return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
+    if not v.get("cast_each"):
+        return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
+    import contextlib
+
+    import grpoflow.tasks.learner.learn as learn
+
+    one = learn.one_cast_per_update
+    learn.one_cast_per_update = lambda *a: contextlib.nullcontext()
+    try:
+        return bench.run_variant(model_dir, f"random:{v['shape']}", samples, spec, args)
+    finally:
+        learn.one_cast_per_update = one
 
 
 def default_learner(bench, model_dir: str, device: str):
@@ -321,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = v["shape"]
             mode = (f"lora{v['lora']}" if v["lora"] else "full") + ("+compile" if v.get("compile") else "")
             mode += f"+chunk{v['lm_head_chunk']}" if v.get("lm_head_chunk") else ""
+            mode += "+casteach" if v.get("cast_each") else ""
             vocab = bench.MODEL_SHAPES[shape][1]
             samples = bench.random_samples(vocab, prompts, group, (prompt, prompt), (completion, completion))
             try:

@@ -56,7 +56,7 @@ def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt
     spec.loader.exec_module(mod)
     assert mod.parse_variant("1.5b:lora16:on:32") == {
         "shape": "1.5b", "lora": 16, "gradient_checkpointing": True, "micro_batch_size": 32, "share_prompt": None,
-        "compile": False, "lm_head_chunk": None,
+        "compile": False, "lm_head_chunk": None, "cast_each": False,
     }  # fmt: skip
     assert mod.parse_variant("0.5b:full:off:8:on")["share_prompt"] is True
     assert mod.parse_variant("0.5b:full:off:8:off")["lora"] is None
@@ -67,3 +67,6 @@ def test_a_variant_spec_names_shape_mode_checkpointing_micro_batch_shared_prompt
     assert mod.parse_variant("1.5b:full:off:32:compile:chunk4096") == mod.parse_variant("1.5b:full:off:32") | {
         "compile": True, "lm_head_chunk": 4096
     }  # fmt: skip
+    assert mod.parse_variant("1.5b:full:off:8:casteach") == mod.parse_variant("1.5b:full:off:8") | {
+        "cast_each": True
+    }
