@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-learner-out"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, a few tokens")
-    ap.add_argument("--shapes", nargs="+", help="default 135m 0.5b 1.5b (dry run: tiny)")
+    ap.add_argument("--shapes", nargs="+", help="default 135m 0.5b 1.5b; also 3b 7b (dry run: tiny)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per variant (+1 warm-up)")
     ap.add_argument("--micro-batch", type=int, nargs="*", default=[16, 32],
                     help="further micro-batch sizes for the largest shape's full fine-tuning")  # fmt: skip

@@ -21,6 +21,8 @@ Ray, network or model files), so it runs on a bare GPU machine. Sizes (`MODEL_SH
   0.5b  Qwen2.5-0.5B's shape (Qwen2: hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864,
         vocab 151936, tied embeddings; 494M parameters, 358M of them outside the embedding).
   1.5b  Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12/2 heads, 8960, vocab 151936, tied).
+  3b    Qwen2.5-3B's shape (hidden 2048, 36 layers, 16/2 heads, 11008, vocab 151936, tied).
+  7b    Qwen2.5-7B's shape (hidden 3584, 28 layers, 28/4 heads, 18944, vocab 152064, untied head).
 The 0.5B-class sizes keep Qwen2.5's 151,936-token vocabulary rather than SmolLM2's 49,152 because
 Qwen2.5-0.5B/1.5B are the usual GRPO models of that size, and at 0.5B the vocabulary is what makes the
 LM head and its float32 [tokens, V] logits a large share of the step's FLOPs and memory (the head is
@@ -109,7 +111,10 @@ MODEL_SHAPES: dict[str, tuple[str, int, int, int, int, int, int]] = {
     "135m": ("llama", 49152, 576, 30, 9, 3, 1536),  # SmolLM2-135M
     "0.5b": ("qwen2", 151936, 896, 24, 14, 2, 4864),  # Qwen2.5-0.5B
     "1.5b": ("qwen2", 151936, 1536, 28, 12, 2, 8960),  # Qwen2.5-1.5B
+    "3b": ("qwen2", 151936, 2048, 36, 16, 2, 11008),  # Qwen2.5-3B
+    "7b": ("qwen2", 152064, 3584, 28, 28, 4, 18944),  # Qwen2.5-7B (its LM head untied)
 }
+UNTIED = {"7b"}  # shapes whose LM head is a matrix of its own, as their model's is
 
 # --lora's target modules: tasks.config.LORA_TARGETS (the attention and MLP projections), restated here
 # because the random-model path runs without pydantic (a bare GPU worker).
@@ -271,7 +276,7 @@ def save_random_model(size: str, directory: Path, seed: int = 0, device: str = "
         intermediate_size=intermediate,
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=size not in UNTIED,
         pad_token_id=0,
     )
     torch.manual_seed(seed)
