@@ -132,11 +132,10 @@ def _keyed_rewards(step: int, groups: list[RolloutGroup], job: RolloutJob) -> No
     if (found := keyed_rewards(job.rewards, groups)) is None:
         return
     job.rewards[:], became = found
+    weights = {r.name: r.weight for r in job.rewards}
     for fn, keys in became.items():
-        _run_logger().info(
-            "step %d: verifiers reward %r returned keyed scores: %s", step, fn,
-            ", ".join(f"{k!r} (weight {r.weight:g})" for k in keys for r in job.rewards if r.name == k) or "none",
-        )  # fmt: skip
+        said = ", ".join(f"{k!r} (weight {weights[k]:g})" for k in keys) or "none"
+        _run_logger().info("step %d: verifiers reward %r returned keyed scores: %s", step, fn, said)
 
 
 async def _more_rounds(step: int, groups: list[RolloutGroup], job: RolloutJob, state: TrainerState):

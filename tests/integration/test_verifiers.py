@@ -235,9 +235,11 @@ def test_a_hung_episode_fails_its_cells_at_the_deadline_and_the_others_score(smo
 def test_an_episode_with_no_model_turn_shows_its_groups_prompt(smollm2):
     """One episode of each group fails before the model is asked: it shows the conversation its group's
     other episode was asked, templated (harness system turn and all), not the row's bare prompt."""
+    import uuid
+
     from grpoflow.tasks.rollouts.verifiers_env import task_rows
 
-    block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"explode_first": True}}}
+    block = {"taskset": {"id": "vf_sum", "num_tasks": 2, "task": {"explode_first": uuid.uuid4().hex}}}
 
     async def script(text, k, seed):
         return "3"

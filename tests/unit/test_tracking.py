@@ -369,6 +369,35 @@ def test_a_kill_while_another_tracker_starts_resumes_the_same_mlflow_run(tmp_pat
     assert "setup" not in _state(tmp_path)["mlflow"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the "kill"
+def test_a_resume_that_completes_an_interrupted_mlflow_setup_logs_the_same_params(tmp_path, monkeypatch):
+    """Killed after MLflow took the first launch's params (`--run-id`: run.run_id set) but before its
+    setup was recorded whole; the --resume (run.run_id unset) logs them again: the same values, or
+    MLflow refuses the batch and the tracker is dropped for the run (seen in CI)."""
+    _write_store(tmp_path)
+
+    class DiesTagging(MlflowTracker):
+        def set_tags(self, tags):
+            raise SystemExit  # as a kill between the params and the record that setup is done
+
+    monkeypatch.setitem(TRACKERS, "mlflow", DiesTagging)
+    first = tracking(
+        _cfg(tmp_path, "mlflow", **{"run.run_id": RUN}), RUN, flow_run_id="flow-a", logger=ListLogger()
+    )
+    first._thread.join(30)
+    assert _state(tmp_path)["mlflow"]["setup"] is False
+    monkeypatch.setitem(TRACKERS, "mlflow", MlflowTracker)
+    log = ListLogger()
+    resumed = _cfg(tmp_path, "mlflow")
+    assert resumed.run.run_id is None
+    second = tracking(resumed, RUN, flow_run_id="flow-b", logger=log)
+    second.closed(STEPS - 1)
+    second.finish(None)
+    assert log.warnings == []
+    run = _mlflow(tmp_path).get_run(_state(tmp_path)["mlflow"]["run_id"])
+    assert run.data.params["run.run_id"] == RUN and "setup" not in _state(tmp_path)["mlflow"]
+
+
 def test_tensorboard_relog_after_a_kill_shows_only_the_new_values(tmp_path):
     """A killed process logged steps 3..4 but its state still says 2 (killed before recording its last
     flush); the resumed run redid 3..4 with other values: readers see those, once each."""

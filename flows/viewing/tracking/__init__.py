@@ -180,7 +180,14 @@ class Tracking:
                 self._save()
                 self._done[name] = t.logged_through()
                 if t.new or not prior.get("setup", True):
-                    params = params if params is not None else config_params(self.cfg)
+                    # The run's own id, not the launch's `run.run_id` (None on a --resume): a resume that
+                    # completes an interrupted setup logs the very values the first launch did (MLflow
+                    # refuses a param that changes).
+                    params = (
+                        params
+                        if params is not None
+                        else config_params(self.cfg) | {"run.run_id": self.run_id}
+                    )
                     t.log_params(params)
                 t.set_tags(tags)
                 self._links[name] = t.link()

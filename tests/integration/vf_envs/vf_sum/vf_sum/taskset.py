@@ -16,20 +16,22 @@ class SumTaskConfig(vf.TaskConfig):
     """Every episode's setup raises: an environment that fails on every episode."""
     hang_on: list[int] = Field(default_factory=list)
     """The tasks (idx) whose episodes hang in setup: a hung environment."""
-    explode_first: bool = False
-    """The first episode of each task to start raises in its setup: a group with one episode that made
-    no model turn beside others that did."""
+    explode_first: str = ""
+    """A key: the first episode of each task to start under it raises in its setup (a group with one
+    episode that made no model turn beside others that did). A key of its own per test: the count lives
+    in the process, which other tests' episodes share."""
 
 
-_STARTED: Counter = Counter()  # episodes started, per task (explode_first)
+_STARTED: Counter = Counter()  # episodes started, per (explode_first key, task)
 
 
 class SumTask(vf.Task[SumData, vf.State, SumTaskConfig]):
     async def setup(self, trace: vf.Trace, runtime) -> None:
         if self.config.explode:
             raise RuntimeError("vf_sum: explode is set")
-        _STARTED[self.data.idx] += 1
-        if self.config.explode_first and _STARTED[self.data.idx] == 1:
+        key = (self.config.explode_first, self.data.idx)
+        _STARTED[key] += 1
+        if self.config.explode_first and _STARTED[key] == 1:
             raise RuntimeError("vf_sum: the first episode of the task explodes")
         if self.data.idx in self.config.hang_on:
             await asyncio.sleep(3600)
