@@ -229,7 +229,7 @@ def test_mlflow_holds_the_steps_table(logged):
     created = {r["step"]: r["created_at"] for r in RolloutStore(logged.root).read_steps(RUN)}
     for m in client.get_metric_history(run_id, "reward/mean"):  # the row's own time, in ms
         assert m.timestamp == round(created[m.step].timestamp() * 1000)
-    params = config_params(logged.cfg)
+    params = config_params(logged.cfg) | {"run.run_id": RUN}  # the run's own id, whatever launched it
     assert run.data.params["learner.lr"] == params["learner.lr"] == str(logged.cfg.learner.lr)
     assert run.data.params == params
     assert {k: v for k, v in run.data.tags.items() if k.startswith("grpoflow.")} == {
@@ -365,7 +365,8 @@ def test_a_kill_while_another_tracker_starts_resumes_the_same_mlflow_run(tmp_pat
     (exp,) = [e for e in client.search_experiments() if e.name == "grpoflow"]
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.run_id == made == _state(tmp_path)["mlflow"]["run_id"]
-    assert run.data.params == config_params(cfg) and run.data.tags["grpoflow.flow_run_id"] == "flow-b"
+    assert run.data.params == config_params(cfg) | {"run.run_id": RUN}
+    assert run.data.tags["grpoflow.flow_run_id"] == "flow-b"
     assert "setup" not in _state(tmp_path)["mlflow"]
 
 
