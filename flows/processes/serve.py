@@ -48,8 +48,8 @@ AUTH_MIDDLEWARE = "grpoflow.server.auth.RequireApiKey"
 
 
 # vLLM flags this machine adds to every server it starts, after a run's `inference.extra_args` (a site
-# default such as `--enforce-eager`: no torch.compile, a start 30-100 s shorter on 2 cores and
-# generation up to 1.5x slower; the test suite sets it for all but its shared server). Checked as
+# default such as `--enforce-eager`: no torch.compile, a start 35-145 s shorter on 2 cores and
+# generation 12-13% slower, docs/speed.md; the test suite sets it for all but its shared server). Checked as
 # `inference.extra_args` are.
 SITE_ARGS_ENV = "GRPOFLOW_VLLM_ARGS"
 
