@@ -70,6 +70,16 @@ def tensor_checksum(name: str, t: torch.Tensor) -> int:
     return _wrap(total)
 
 
+def _whole_change(name: str, new: torch.Tensor, old: torch.Tensor | None) -> int:
+    """What replacing tensor `name` (`old`, None: absent) with `new` changes in the checksum."""
+    return tensor_checksum(name, new) - (tensor_checksum(name, old) if old is not None else 0)
+
+
+def _elements_change(name: str, idx: torch.Tensor, was: torch.Tensor, now: torch.Tensor) -> int:
+    """What the elements at flat indices `idx` changing from `was` to `now` change in the checksum."""
+    return int(((_bits(now) - _bits(was)) * _weights(name, idx)).sum())
+
+
 def checksum(tensors: dict[str, torch.Tensor]) -> int:
     """The checksum of a set of named tensors (the module doc), as a signed 64-bit integer."""
     return _wrap(sum(tensor_checksum(n, t) for n, t in tensors.items()))
@@ -86,13 +96,13 @@ def make_delta(
         old = base.get(name)
         if old is None or old.shape != t.shape or old.dtype != t.dtype:
             out[name] = t.detach().clone()
-            change += tensor_checksum(name, t) - (tensor_checksum(name, old) if old is not None else 0)
+            change += _whole_change(name, t, old)
             continue
         now, was = _raw(t), _raw(old)  # compared in their own width: no int64 copy of the model
         idx = torch.nonzero(now != was).reshape(-1)
         if idx.numel() == 0:
             continue
-        change += int(((now[idx].to(torch.int64) - was[idx].to(torch.int64)) * _weights(name, idx)).sum())
+        change += _elements_change(name, idx, was[idx], now[idx])
         small = now.numel() < 2**31
         if idx.numel() * ((4 if small else 8) + t.element_size()) >= now.numel() * t.element_size():
             out[name] = t.detach().clone()  # cheaper whole
@@ -114,13 +124,12 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -
             target, values = base[name], delta[name + VAL]
             flat = target.view(-1)
             idx = t.to(torch.int64)
-            was, now = _bits(flat[idx]), _bits(values)
-            change += int(((now - was) * _weights(name, idx)).sum())
+            change += _elements_change(name, idx, flat[idx], values)
             flat[idx] = values.to(target.dtype)
         else:
             name = key
             old = base.get(name)
-            change += tensor_checksum(name, t) - (tensor_checksum(name, old) if old is not None else 0)
+            change += _whole_change(name, t, old)
             if old is not None and old.shape == t.shape and old.dtype == t.dtype:
                 old.copy_(t)
             else:

@@ -9,6 +9,7 @@ doing so. A batch whose groups all had equal rewards is not one: its rewards are
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from grpoflow.storage.records import RolloutGroup
@@ -94,9 +95,7 @@ def masked_batch(groups: list[RolloutGroup], specs: list[RewardConfig]) -> Maske
             if x.name == spec.name and x.status != "valid" and x.applies
         ]
         if bad:
-            counts = {}
-            for x in bad:
-                counts[x.status] = counts.get(x.status, 0) + 1
+            counts = Counter(x.status for x in bad)
             how = ", ".join(f"{status} on {n}/{len(comps)}" for status, n in counts.items())
             causes.append(f"reward {spec.name!r} {how}: {bad[0].reason}")
     return MaskedBatch(len(comps), tuple(causes))

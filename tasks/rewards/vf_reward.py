@@ -45,9 +45,8 @@ class VerifiersOutcome:
     first error that spoils the whole episode (`error`) and the first of its scoring (`scoring_error`)."""
 
     scores: dict[str, float | None] = field(default_factory=dict)
-    weights: dict[str, float] = field(
-        default_factory=dict
-    )  # of the scores recorded, as verifiers weighs them
+    # the weights of the scores recorded, as verifiers weighs them
+    weights: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     scoring_error: str | None = None
@@ -126,6 +125,8 @@ def keyed_rewards(
     they recorded names no entry has, is keyed: with several such functions, the first takes every new
     key (verifiers does not record which function made which key), the others' entries go."""
     vf = [s for s in specs if s.fn == VERIFIERS_REWARD]
+    if not vf:  # every batch of every run asks: one without verifiers rewards stops here
+        return None
     outcomes = [c.verifiers for g in groups for c in g.completions if c.verifiers is not None]
     names = {s.name for s in specs}
     keys: dict[str, float] = {}  # in the order verifiers recorded them
