@@ -1,8 +1,9 @@
 """A vLLM CPU server's start-up, compiled (vLLM's default) against eager (`--enforce-eager`, what
-`GRPOFLOW_VLLM_ARGS=--enforce-eager` adds to every server a machine starts), and what each costs
-generation afterwards.
+`GRPOFLOW_VLLM_ARGS=--enforce-eager` adds to every server a machine starts), with its one worker inside
+the engine-core process (`uni`, what grpoflow starts on a CPU) or in a process of its own (`mp`, vLLM's
+CPU default), and what each costs generation afterwards.
 
-For each model and mode, one after the other on the same machine: a server started as a run starts its
+For each model, mode and executor, one after the other on the same machine: a server started as a run starts its
 embedded one (`start_server`), the seconds from the start to /health answering, then generation
 tokens/s at concurrency 8 (8 requests of one 32-token prompt, 128 new tokens each, EOS ignored), the
 median of `--repeats` rounds after one warm-up round; the server stopped before the next starts.
@@ -32,6 +33,7 @@ from grpoflow.flows.processes.serve import SITE_ARGS_ENV, start_server
 from grpoflow.tasks.rollouts.inference import VLLMClient
 
 MODES = {"compiled": (), "eager": ("--enforce-eager",)}
+EXECUTORS = {"uni": (), "mp": ("--distributed-executor-backend", "mp")}  # uni: flows/processes/serve.py
 PROMPT = [3 + (7 * k) % 90 for k in range(32)]
 
 
@@ -43,11 +45,11 @@ async def _round(url: str, concurrency: int, max_tokens: int) -> tuple[int, floa
         return sum(len(ch.token_ids) for out in outs for ch in out), time.perf_counter() - t0
 
 
-def measure(name: str, model: Path, mode: str, repeats: int, log_dir: Path) -> dict:
+def measure(name: str, model: Path, mode: str, executor: str, repeats: int, log_dir: Path) -> dict:
     os.environ.pop(SITE_ARGS_ENV, None)  # the mode alone decides
     t0 = time.perf_counter()
-    server = start_server(model, max_model_len=1024, kv_cache_gb=1, log_path=log_dir / f"{name}-{mode}.log",
-                          startup_timeout_s=900, extra_args=MODES[mode])  # fmt: skip
+    server = start_server(model, max_model_len=1024, kv_cache_gb=1, log_path=log_dir / f"{name}-{mode}-{executor}.log",
+                          startup_timeout_s=900, extra_args=(*MODES[mode], *EXECUTORS[executor]))  # fmt: skip
     up = time.perf_counter() - t0
     try:
         asyncio.run(_round(server.url, 8, 128))  # warm-up
@@ -57,7 +59,7 @@ def measure(name: str, model: Path, mode: str, repeats: int, log_dir: Path) -> d
             rates.append(tokens / seconds)
     finally:
         server.stop()
-    return {"model": name, "mode": mode, "startup_s": round(up, 1),
+    return {"model": name, "mode": mode, "executor": executor, "startup_s": round(up, 1),
             "gen_tok_s_c8_median": round(statistics.median(rates), 1)}  # fmt: skip
 
 
@@ -74,7 +76,9 @@ def main() -> None:
             models.append(("SmolLM2-135M", Path(args.smollm2).resolve()))
         for name, model in models:
             for mode in MODES:
-                print(json.dumps(measure(name, Path(model), mode, args.repeats, Path(tmp))), flush=True)
+                for executor in EXECUTORS:
+                    row = measure(name, Path(model), mode, executor, args.repeats, Path(tmp))
+                    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

