@@ -135,15 +135,27 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
 def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
     """Run one read-only query; returns (column names, rows). A query DuckDB refuses or fails raises
     QueryError with its message (an interrupt stays an interrupt)."""
+
+    def rows(rel: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
+        cols = [d[0] for d in rel.description] if rel.description else []
+        return cols, rel.fetchall()  # DuckDB may raise while fetching, too
+
+    return _read(root, sql, params, rows)
+
+
+def query_arrow(root: str | Path, sql: str) -> pa.Table:
+    """`query`, its result as an Arrow table: nested columns (messages, tool_calls) keep their types."""
+    return _read(root, sql, None, lambda rel: rel.to_arrow_table())
+
+
+def _read(root: str | Path, sql: str, params: dict[str, Any] | None, fetch: Any) -> Any:
     with reading(Path(root).resolve()):
         con = connect(root)
         try:
             check_read_only(con, sql)
             used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
             try:
-                rel = con.execute(sql, used) if used else con.execute(sql)
-                cols = [d[0] for d in rel.description] if rel.description else []
-                return cols, rel.fetchall()  # DuckDB may raise while fetching, too
+                return fetch(con.execute(sql, used) if used else con.execute(sql))
             except duckdb.InterruptException:
                 raise
             except duckdb.Error as e:

@@ -1,5 +1,5 @@
 """The `grpoflow` commands that read the store or the config (sql, ui, runs, compare, compact, export,
-config, make-tiny-model): each command's function and its parser."""
+dataset, config, make-tiny-model): each command's function and its parser."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ def cmd_export(args) -> int:
     done = export_checkpoint(store_root(args), args.run, args.out, args.step, args.merge)
     what = {"model": "model", "adapter": "LoRA adapter (PEFT)", "merged": "merged model"}[done.kind]
     print(f"{args.run} step {done.step}: {what} -> {done.out}")
+    return 0
+
+
+def cmd_dataset(args) -> int:
+    from grpoflow.flows.lineage.dataset import export_dataset
+
+    card = export_dataset(store_root(args), _sql_text(args.sql), args.format, args.out)
+    runs = ", ".join(card["runs"]) if card["runs"] is not None else "runs not selected"
+    print(f"{card['rows']} rows ({runs}) as {card['format']} -> {args.out}")
     return 0
 
 
@@ -162,8 +171,8 @@ def cmd_config_docs(args) -> int:
 
 
 def add_store_commands(sub) -> None:
-    """The commands that read the store or the config: sql, ui, runs, compare, compact, export, config,
-    make-tiny-model."""
+    """The commands that read the store or the config: sql, ui, runs, compare, compact, export, dataset,
+    config, make-tiny-model."""
     for add in (
         _sql_parser,
         _ui_parser,
@@ -171,6 +180,7 @@ def add_store_commands(sub) -> None:
         _compare_parser,
         _compact_parser,
         _export_parser,
+        _dataset_parser,
         _config_parser,
         _make_tiny_model_parser,
     ):
@@ -241,6 +251,25 @@ def _export_parser(sub) -> None:
     e.add_argument("--out", required=True, help="output directory (new, or empty)")
     e.add_argument("--root", help=ROOT_HELP)
     e.set_defaults(fn=cmd_export)
+
+
+def _dataset_parser(sub) -> None:
+    from grpoflow.flows.lineage.dataset import FORMATS as DATASET_FORMATS
+
+    d = sub.add_parser(
+        "dataset", help="what a SQL query selects, as a dataset (TRL's SFT or prompt format, ...)"
+    )
+    d.add_argument("out", help="output directory (new, or empty): the data and a README.md card")
+    d.add_argument("--sql", required=True, help="a read-only query, or @file.sql to read it from a file")
+    d.add_argument(
+        "--format",
+        required=True,
+        choices=list(DATASET_FORMATS),
+        help="trl-sft: prompt-completion "
+        "rows; trl-prompt: prompt-only rows; jsonl/parquet: the rows as selected",
+    )
+    d.add_argument("--root", help=ROOT_HELP)
+    d.set_defaults(fn=cmd_dataset)
 
 
 def _config_parser(sub) -> None:
