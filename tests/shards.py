@@ -43,7 +43,7 @@ SHARD_B = (
     "test_server_env.py",
     "test_server_faults.py",
     "test_sharded_learner.py",
-    "test_smollm2_tools.py",
+    "test_smollm2.py",
 )
 
 

@@ -85,6 +85,29 @@ def chaos_store(vllm_server, tiny_model_dir, prefect_api, tmp_path_factory):
     return root, summary
 
 
+@pytest.fixture(scope="session")
+def counter_env_warmup(tiny_model_dir, tmp_path_factory):
+    """configs/tiny-counter-env.yaml's warm-up of the tiny model at seed 0 (150 SFT steps, about a
+    minute), run once through `prepare_model` as a run runs it; `into(root)` copies it into a store's
+    `models/`, where a run of that config, model and seed finds it (`warmed_model`: its key names the
+    model, settings and seed, not the store). test_shipped_tools and test_reproducibility each ran it."""
+    import shutil
+    from pathlib import Path
+
+    from grpoflow.flows.config import load_config
+    from grpoflow.flows.training.runs import prepare_model
+
+    root = tmp_path_factory.mktemp("counter-warmup")
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny-counter-env.yaml"
+    warmed = prepare_model(load_config(config, [f"storage.root={root}", f"model.path={tiny_model_dir}"]))
+    assert warmed.name.startswith("warmup-"), warmed
+
+    def into(store: Path) -> None:
+        shutil.copytree(warmed, Path(store) / "models" / warmed.name)
+
+    return into
+
+
 # The session's servers (3-5 GB each) are stopped after the last test that uses them, in the order the
 # session runs its tests, not at the session's end: `make test-parallel` runs two sessions side by side
 # (tests/shards.py), and one holding the tiny, LoRA and Gemma 3 servers to its end left the machine

@@ -83,8 +83,11 @@ def test_deploy_all_then_run_deployments_through_the_api(
 
     with temporary_settings(updates={PREFECT_API_URL: api}):
         sql_run = run_deployment("rollout-sql/rollout-sql", parameters={"root": str(store)}, timeout=600)
-        eval_run = run_deployment("grpo-evaluate/grpo-evaluate", parameters={"config": config, "prompts": 2},
-                                  timeout=600)  # fmt: skip
+        # On the shared server (its base weights, loaded again): an evaluation on a server of its own,
+        # started inside a worker's flow run, is test_hosts_ray's retrain gate; a training's embedded
+        # server in a worker is cancel_from_the_ui's (below).
+        eval_run = run_deployment("grpo-evaluate/grpo-evaluate", timeout=600,
+                                  parameters={"config": config, "prompts": 2, "server_url": vllm_server.url})  # fmt: skip
         with get_client(sync_client=True) as client:
             assert sql_run.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
             assert eval_run.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _sets(root: Path, model: Path, url: str, *more: str) -> list[str]:
-    return [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", "run.seed=7", *more]
+def _sets(root: Path, model: Path, url: str, *more: str, seed: int = 7) -> list[str]:
+    return [f"storage.root={root}", f"model.path={model}", f"inference.url={url}", f"run.seed={seed}", *more]
 
 
 def _same(root: Path, a: str, b: str) -> dict:
@@ -47,7 +47,7 @@ def test_an_on_policy_run_trained_twice_is_the_same_bits(tmp_path, vllm_server, 
 
 
 def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_bit(
-    tmp_path, vllm_server, tiny_model_dir, prefect_api
+    tmp_path, vllm_server, tiny_model_dir, prefect_api, counter_env_warmup
 ):
     """max_staleness 2: each push waits for the two batches generated ahead, and the checkpoint after
     step 3 keeps batches 4 and 5. Run b is SIGKILLed as step 4 starts training (its 5th train step),
@@ -60,7 +60,9 @@ def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_
 
     config = CONFIGS / "tiny-counter-env.yaml"
     sets = _sets(tmp_path, tiny_model_dir, vllm_server.url, "run.steps=6", "run.checkpoint_every=2",
-                 "algorithm.max_staleness=2", "run.reproducible=true", "learner.torch_threads=1")  # fmt: skip
+                 "algorithm.max_staleness=2", "run.reproducible=true", "learner.torch_threads=1",
+                 seed=0)  # fmt: skip
+    counter_env_warmup(tmp_path)  # the config's warm-up at seed 0, run once a session
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
     cmd = [sys.executable, "-m", "grpoflow.flows.cli.main", "train"]

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_counter_env_config_stores_tool_calls_after_its_warm_up(
-    tmp_path, vllm_server, tiny_model_dir, prefect_api
+    tmp_path, vllm_server, tiny_model_dir, prefect_api, counter_env_warmup
 ):
     from grpoflow.flows.training.data import load_rows
     from grpoflow.flows.training.runs import prepare_model
@@ -31,6 +31,7 @@ def test_counter_env_config_stores_tool_calls_after_its_warm_up(
         [f"storage.root={tmp_path}", f"model.path={tiny_model_dir}", f"inference.url={vllm_server.url}",
          "run.steps=2", "run.run_id=counter"],
     )  # fmt: skip
+    counter_env_warmup(tmp_path)  # the config's warm-up, run once a session (tests/integration/conftest.py)
     assert grpo_train(config=cfg)["steps_trained"] == 2
     _, [(calls, ok, max_count)] = query(
         tmp_path,

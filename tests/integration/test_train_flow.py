@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from grpoflow.storage.rollouts import RolloutStore
-from grpoflow.storage.sql import query
-from tests.drill import KILL_DRILL, KILL_DRILL_SETS
+from grpoflow.storage.sql import query, run_status
+from tests.drill import KILL_DRILL, KILL_DRILL_SETS, clean_store, store_check
 from tests.support import tiny_cfg, unpause
 
 pytestmark = pytest.mark.integration
@@ -238,6 +238,9 @@ def test_sigkill_at_each_point_in_turn_then_resume_has_every_step_once(
                 killed.stdout[-3000:] + killed.stderr[-3000:],
             )
             stored.append(len(step_files(tmp_path, "steps", run_id)))
+            # the status tells the truth after every kill: never `running` with a dead owner
+            meta = json.loads((tmp_path / "runs" / f"{run_id}.json").read_text())
+            assert run_status(meta) == "interrupted", (point, meta)
             # what a reader sees right after the crash is whole steps only
             _, rows = query(tmp_path, "SELECT step, count(*) FROM rollouts GROUP BY step")
             assert all(n == per_step * 8 for _, n in rows), point
@@ -248,6 +251,7 @@ def test_sigkill_at_each_point_in_turn_then_resume_has_every_step_once(
     finally:  # a kill at weight_push leaves the shared server paused; later tests need it serving
         unpause(vllm_server.url)
     assert stored == sorted(stored)  # every launch kept what the ones before it stored
+    assert store_check(tmp_path, run_id, steps, per_step * 8) == clean_store(steps)
     for table in ("rollouts", "rewards", "steps"):
         assert step_files(tmp_path, table, run_id) == list(range(steps)), table
         leftovers = list((tmp_path / table / f"run_id={run_id}").glob(".*"))
