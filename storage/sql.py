@@ -1,8 +1,9 @@
 """DuckDB over the store: read-only views, canned queries, result formatting.
 
 Views: `rollouts`, `rewards`, `steps` (unioned by name: metric columns differ between runs, columns
-were added between versions), `tool_calls` (one row per tool call) and `promotions` (one row per
-promotion decision of a lineage, storage/promotions.py). Each view reads an explicit list of the
+were added between versions), `tool_calls` (one row per tool call), `promotions` (one row per
+promotion decision of a lineage, storage/promotions.py) and `rescores` (the cells of later rescores of
+a run's completions, storage/rescores.py). Each view reads an explicit list of the
 published files that storage/layout.py says are visible (a step file, or a compacted range that
 replaces step files; never both for one step, never the hidden temp names of atomic writes), listed
 and read under the store's read lock so that no compaction deletes a listed file meanwhile. A table
@@ -23,9 +24,10 @@ import pyarrow as pa
 from grpoflow.storage.ids import validate_run_id
 from grpoflow.storage.layout import reading, visible_parts
 from grpoflow.storage.promotions import PROMOTIONS_SCHEMA
+from grpoflow.storage.rescores import RESCORES_SCHEMA
 from grpoflow.storage.tables import SCHEMAS
 
-VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA}
+VIEWS: dict[str, pa.Schema] = {**SCHEMAS, "promotions": PROMOTIONS_SCHEMA, "rescores": RESCORES_SCHEMA}
 
 # Read statements only: everything else (CREATE, COPY, INSERT, ATTACH, INSTALL/LOAD, SET, PRAGMA,
 # CALL, EXPORT, ...) is refused before it runs.
@@ -204,6 +206,24 @@ CANNED: dict[str, str] = {
                avg(CASE WHEN truncated THEN 1.0 ELSE 0.0 END) AS truncated_rate
         FROM rollouts WHERE split = 'train' AND {_RUN}
         GROUP BY run_id, step ORDER BY run_id, step""",
+    # Completions a rescore (grpoflow rescore) judged otherwise than the run did: its total (the weighted
+    # sum of its valid cells; valid when all its cells are) against the run's own reward.
+    "rescore_disagreements": f"""
+        WITH new AS (
+            SELECT run_id, step, group_id, sample_index, rescore, version,
+                   bool_and(status = 'valid') AS new_valid,
+                   sum(weight * value) FILTER (WHERE status = 'valid') AS new_total,
+                   string_agg(reward_name || ': ' || status || coalesce(' (' || nullif(reason, '') || ')', ''), '; ')
+                       FILTER (WHERE status <> 'valid') AS new_reason
+            FROM rescores WHERE {_RUN}
+            GROUP BY run_id, step, group_id, sample_index, rescore, version)
+        SELECT n.run_id, n.rescore, n.version, n.step, n.group_id, n.sample_index,
+               r.reward, r.reward_valid, CASE WHEN n.new_valid THEN n.new_total END AS new_reward,
+               n.new_valid, n.new_reason, r.completion
+        FROM new n JOIN rollouts r USING (run_id, step, group_id, sample_index)
+        WHERE r.reward_valid IS DISTINCT FROM n.new_valid
+           OR (n.new_valid AND r.reward_valid AND abs(r.reward - n.new_total) > 1e-9)
+        ORDER BY n.run_id, n.version, n.step, n.group_id, n.sample_index""",
     # A lineage's promotion history (--run names the lineage): what was served after each decision.
     "promotions": """
         SELECT lineage, decision_id, created_at, decision, reason, metric,

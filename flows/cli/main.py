@@ -1,5 +1,5 @@
 """`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, compact, export,
-dataset, report, config, make-tiny-model.
+dataset, rescore, report, config, make-tiny-model.
 
 The entry point (pyproject's console script, `python -m grpoflow.flows.cli.main`): the parser and `main`,
 which runs a command and turns bad input and Ctrl-C into one line. The commands live in flow_commands.py

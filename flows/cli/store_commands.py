@@ -1,5 +1,5 @@
 """The `grpoflow` commands that read the store or the config (sql, ui, runs, compare, compact, export,
-dataset, config, make-tiny-model): each command's function and its parser."""
+dataset, rescore, config, make-tiny-model): each command's function and its parser."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def cmd_dataset(args) -> int:
     card = export_dataset(store_root(args), _sql_text(args.sql), args.format, args.out)
     runs = ", ".join(card["runs"]) if card["runs"] is not None else "runs not selected"
     print(f"{card['rows']} rows ({runs}) as {card['format']} -> {args.out}")
+    return 0
+
+
+def cmd_rescore(args) -> int:
+    from grpoflow.flows.lineage.rescore import rescore_run, reward_specs
+
+    done = rescore_run(store_root(args), args.run, reward_specs(args.reward), args.name)
+    counts = "; ".join(
+        f"{n}: " + ", ".join(f"{k} {v}" for k, v in sorted(by.items())) for n, by in done["statuses"].items()
+    )
+    print(
+        f"{done['run']}: rescore {done['rescore']!r} version {done['version']}, {done['cells']} cells ({counts})"
+    )
+    print(f"what it judged otherwise: grpoflow sql --canned rescore_disagreements --run {done['run']}")
     return 0
 
 
@@ -172,7 +186,7 @@ def cmd_config_docs(args) -> int:
 
 def add_store_commands(sub) -> None:
     """The commands that read the store or the config: sql, ui, runs, compare, compact, export, dataset,
-    config, make-tiny-model."""
+    rescore, config, make-tiny-model."""
     for add in (
         _sql_parser,
         _ui_parser,
@@ -181,6 +195,7 @@ def add_store_commands(sub) -> None:
         _compact_parser,
         _export_parser,
         _dataset_parser,
+        _rescore_parser,
         _config_parser,
         _make_tiny_model_parser,
     ):
@@ -270,6 +285,25 @@ def _dataset_parser(sub) -> None:
     )
     d.add_argument("--root", help=ROOT_HELP)
     d.set_defaults(fn=cmd_dataset)
+
+
+def _rescore_parser(sub) -> None:
+    r = sub.add_parser(
+        "rescore", help="score a run's stored completions with other rewards (its own cells stay)"
+    )
+    r.add_argument("run", help="run id")
+    r.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME=module:fn",
+        help="a reward function, as NAME=module:function (repeat for more)",
+    )
+    r.add_argument(
+        "--name", default="rescore", help="the rescore's name in the rescores table (default: rescore)"
+    )
+    r.add_argument("--root", help=ROOT_HELP)
+    r.set_defaults(fn=cmd_rescore)
 
 
 def _config_parser(sub) -> None:

@@ -54,3 +54,15 @@ def judged_elsewhere(completions, **_) -> list[float | None]:
     """No value for any completion (None: invalid), as a reward whose scores are recorded under other
     names returns: every completion masked, nothing failed."""
     return [None] * len(completions)
+
+
+def answer_in(completions: list[str], answer: list[str], **_) -> list[float]:
+    """1 when the row's `answer` column is in the completion (a column only the dataset has), else 0."""
+    return [float(a in c) for c, a in zip(completions, answer, strict=True)]
+
+
+def fails_on_zzz(completions: list[str], **_) -> list[float]:
+    """Raises on a batch that holds a completion with "zzz" (its batch's cells fail); else their lengths."""
+    if any("zzz" in c for c in completions):
+        raise ValueError("cannot score zzz")
+    return [float(len(c)) for c in completions]
