@@ -7,6 +7,7 @@ field.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -221,9 +222,12 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
-    """Parse a YAML file plus `key.sub=value` overrides (values parsed as YAML) into a GRPOConfig."""
-    raw: dict[str, Any] = {}
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
+) -> GRPOConfig:
+    """Parse a YAML file plus `key.sub=value` overrides (values parsed as YAML) into a GRPOConfig;
+    without a file the overrides apply to `base` (a config tree, e.g. a run's recorded one)."""
+    raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
             check_path(path, "config_file")  # a worker-started run reads only inside its allowed roots

@@ -242,7 +242,8 @@ def run_canned(root: str | Path, name: str, run: str | None = None) -> tuple[lis
 
 
 def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
-    """Runs in the store with their progress and status (from runs/<run>.json)."""
+    """Runs in the store with their progress and status (from runs/<run>.json), and the run a replay
+    trained on (`replay_of`, flows/lineage/replay.py)."""
     from grpoflow.storage.rollouts import RolloutStore
 
     store = RolloutStore(root)
@@ -264,8 +265,9 @@ def list_runs(root: str | Path) -> tuple[list[str], list[tuple]]:
     for run_id in store.runs():
         meta = store.read_run_meta(run_id) or {}
         _, steps, last_step, completions = by_run.get(run_id, (run_id, 0, None, 0))
-        out.append((run_id, run_status(meta), steps, last_step, completions, last_reward.get(run_id)))
-    return ["run_id", "status", "steps", "last_step", "completions", "last_reward"], out
+        row = (run_id, run_status(meta), steps, last_step, completions, last_reward.get(run_id))
+        out.append((*row, meta.get("replay_of")))
+    return ["run_id", "status", "steps", "last_step", "completions", "last_reward", "replay_of"], out
 
 
 def run_status(meta: dict) -> str:

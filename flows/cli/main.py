@@ -1,9 +1,10 @@
 """`grpoflow` command line: train, retrain, promote, rollback, serve, evaluate, sql, runs, compact, export,
-dataset, rescore, report, config, make-tiny-model.
+dataset, rescore, replay, report, config, make-tiny-model.
 
 The entry point (pyproject's console script, `python -m grpoflow.flows.cli.main`): the parser and `main`,
 which runs a command and turns bad input and Ctrl-C into one line. The commands live in flow_commands.py
-(those that run a Prefect flow) and store_commands.py (those that read the store or the config)."""
+(those that run a Prefect flow), store_commands.py (those that read the store or the config) and
+data_commands.py (stored rollouts as data: dataset, rescore, replay)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from grpoflow.flows.cli.data_commands import add_data_commands
 from grpoflow.flows.cli.flow_commands import add_flow_commands
 from grpoflow.flows.cli.shared import quiet_prefect_task_logs
 from grpoflow.flows.cli.store_commands import add_store_commands
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
     add_flow_commands(sub)
     add_store_commands(sub)
+    add_data_commands(sub)
     return p
 
 

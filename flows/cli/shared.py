@@ -56,3 +56,15 @@ def cli_config(args, *more: str):
         overrides.append(f"storage.root={store_root(args)}")
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     return load_config(config_path, overrides + list(more))
+
+
+def sql_text(arg: str) -> str:
+    """The query itself, or the text of the file `@file.sql` names."""
+    from grpoflow.flows.config import ConfigError
+
+    if not arg.startswith("@"):
+        return arg
+    try:
+        return Path(arg[1:]).read_text()
+    except OSError as e:
+        raise ConfigError(f"{arg}: cannot read the query file: {e.strerror}") from None

@@ -1,5 +1,5 @@
 """The `grpoflow` commands that read the store or the config (sql, ui, runs, compare, compact, export,
-dataset, rescore, config, make-tiny-model): each command's function and its parser."""
+config, make-tiny-model): each command's function and its parser."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from grpoflow.flows.cli.shared import DEFAULT_CONFIG, FORMATS, ROOT_HELP, store_root
+from grpoflow.flows.cli.shared import DEFAULT_CONFIG, FORMATS, ROOT_HELP, sql_text, store_root
 
 
 def cmd_sql(args) -> int:
@@ -20,23 +20,11 @@ def cmd_sql(args) -> int:
             raise ConfigError(f"unknown canned query {args.canned!r}; choose from {sorted(CANNED)}")
         cols, rows = query(store_root(args), CANNED[args.canned], {"run": args.run})
     elif args.query:
-        cols, rows = query(store_root(args), _sql_text(args.query))
+        cols, rows = query(store_root(args), sql_text(args.query))
     else:
         raise ConfigError("give a query, @file.sql, or --canned NAME")
     print(format_result(cols, rows, args.format))
     return 0
-
-
-def _sql_text(arg: str) -> str:
-    """The query itself, or the text of the file `@file.sql` names."""
-    from grpoflow.flows.config import ConfigError
-
-    if not arg.startswith("@"):
-        return arg
-    try:
-        return Path(arg[1:]).read_text()
-    except OSError as e:
-        raise ConfigError(f"{arg}: cannot read the query file: {e.strerror}") from None
 
 
 def cmd_runs(args) -> int:
@@ -53,29 +41,6 @@ def cmd_export(args) -> int:
     done = export_checkpoint(store_root(args), args.run, args.out, args.step, args.merge)
     what = {"model": "model", "adapter": "LoRA adapter (PEFT)", "merged": "merged model"}[done.kind]
     print(f"{args.run} step {done.step}: {what} -> {done.out}")
-    return 0
-
-
-def cmd_dataset(args) -> int:
-    from grpoflow.flows.lineage.dataset import export_dataset
-
-    card = export_dataset(store_root(args), _sql_text(args.sql), args.format, args.out)
-    runs = ", ".join(card["runs"]) if card["runs"] is not None else "runs not selected"
-    print(f"{card['rows']} rows ({runs}) as {card['format']} -> {args.out}")
-    return 0
-
-
-def cmd_rescore(args) -> int:
-    from grpoflow.flows.lineage.rescore import rescore_run, reward_specs
-
-    done = rescore_run(store_root(args), args.run, reward_specs(args.reward), args.name)
-    counts = "; ".join(
-        f"{n}: " + ", ".join(f"{k} {v}" for k, v in sorted(by.items())) for n, by in done["statuses"].items()
-    )
-    print(
-        f"{done['run']}: rescore {done['rescore']!r} version {done['version']}, {done['cells']} cells ({counts})"
-    )
-    print(f"what it judged otherwise: grpoflow sql --canned rescore_disagreements --run {done['run']}")
     return 0
 
 
@@ -185,8 +150,8 @@ def cmd_config_docs(args) -> int:
 
 
 def add_store_commands(sub) -> None:
-    """The commands that read the store or the config: sql, ui, runs, compare, compact, export, dataset,
-    rescore, config, make-tiny-model."""
+    """The commands that read the store or the config: sql, ui, runs, compare, compact, export, config,
+    make-tiny-model."""
     for add in (
         _sql_parser,
         _ui_parser,
@@ -194,8 +159,6 @@ def add_store_commands(sub) -> None:
         _compare_parser,
         _compact_parser,
         _export_parser,
-        _dataset_parser,
-        _rescore_parser,
         _config_parser,
         _make_tiny_model_parser,
     ):
@@ -266,44 +229,6 @@ def _export_parser(sub) -> None:
     e.add_argument("--out", required=True, help="output directory (new, or empty)")
     e.add_argument("--root", help=ROOT_HELP)
     e.set_defaults(fn=cmd_export)
-
-
-def _dataset_parser(sub) -> None:
-    from grpoflow.flows.lineage.dataset import FORMATS as DATASET_FORMATS
-
-    d = sub.add_parser(
-        "dataset", help="what a SQL query selects, as a dataset (TRL's SFT or prompt format, ...)"
-    )
-    d.add_argument("out", help="output directory (new, or empty): the data and a README.md card")
-    d.add_argument("--sql", required=True, help="a read-only query, or @file.sql to read it from a file")
-    d.add_argument(
-        "--format",
-        required=True,
-        choices=list(DATASET_FORMATS),
-        help="trl-sft: prompt-completion "
-        "rows; trl-prompt: prompt-only rows; jsonl/parquet: the rows as selected",
-    )
-    d.add_argument("--root", help=ROOT_HELP)
-    d.set_defaults(fn=cmd_dataset)
-
-
-def _rescore_parser(sub) -> None:
-    r = sub.add_parser(
-        "rescore", help="score a run's stored completions with other rewards (its own cells stay)"
-    )
-    r.add_argument("run", help="run id")
-    r.add_argument(
-        "--reward",
-        action="append",
-        default=[],
-        metavar="NAME=module:fn",
-        help="a reward function, as NAME=module:function (repeat for more)",
-    )
-    r.add_argument(
-        "--name", default="rescore", help="the rescore's name in the rescores table (default: rescore)"
-    )
-    r.add_argument("--root", help=ROOT_HELP)
-    r.set_defaults(fn=cmd_rescore)
 
 
 def _config_parser(sub) -> None:

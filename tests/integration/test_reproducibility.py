@@ -44,6 +44,38 @@ def test_an_on_policy_run_trained_twice_is_the_same_bits(tmp_path, vllm_server, 
         grpo_train(config=load_config(CONFIGS / "tiny-letters.yaml", [*sets, f"run.run_id={run}"]))
     summary = _same(tmp_path, "a", "b")
     assert summary["rollouts_total"] == 4 * 8 * 8
+    _replays_of_a(tmp_path)
+
+
+def _replays_of_a(root: Path) -> None:
+    """grpo-replay (flows/lineage/replay.py), the learner's half of run a on its stored groups: with a's own
+    config, a's weights bit for bit; with another loss and a `--where`, exactly the groups it picks."""
+    from grpoflow.flows.lineage.replay import grpo_replay
+    from grpoflow.storage.rollouts import RolloutStore
+    from grpoflow.storage.sql import query
+
+    grpo_replay(run="a", root=str(root))
+    again = report(root, "a", "a-replay")
+    assert again["weights_bitwise_equal"] and again["advantages_equal"], again
+    assert again["rollouts_identical"] == again["rollouts_total"] == 4 * 8 * 8, again
+    assert RolloutStore(root).read_run_meta("a-replay")["replay_of"] == "a"
+
+    where = "prompt_index % 2 = 0"  # every other prompt's group
+    grpo_replay(
+        run="a", sets=["algorithm.loss_type=dr_grpo"], where=where, replay_id="a-drgrpo", root=str(root)
+    )
+    picked = "SELECT step, list(DISTINCT row_id ORDER BY row_id) FROM rollouts WHERE run_id = $run {} GROUP BY step ORDER BY step"
+    _, want = query(
+        root,
+        picked.format(f"AND group_id IN (SELECT group_id FROM rollouts WHERE run_id = 'a' AND {where})"),
+        {"run": "a"},
+    )
+    _, got = query(root, picked.format(""), {"run": "a-drgrpo"})
+    assert got == want and [len(ids) for _, ids in got] == [4] * 4, (got, want)
+    _, loss = query(
+        root, "SELECT DISTINCT run_id, \"train/loss\" IS NOT NULL FROM steps WHERE run_id = 'a-drgrpo'"
+    )
+    assert loss == [("a-drgrpo", True)]
 
 
 def test_a_reproducible_run_ahead_with_tools_survives_a_kill_and_resume_bit_for_bit(
