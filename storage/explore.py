@@ -160,6 +160,7 @@ def runs_overview(con: duckdb.DuckDBPyConnection, metas: dict[str, dict]) -> lis
                 "updated_at": meta.get("updated_at"),
                 "lineage": lineage,
                 "promotions": decisions.get(lineage, []) if lineage else [],
+                "replay_of": meta.get("replay_of"),
                 "trend": trend.get(run_id, []),
             }
         )
@@ -216,7 +217,28 @@ def run_detail(con: duckdb.DuckDBPyConnection, run_id: str, meta: dict) -> dict:
         "has_eval": "eval" in (facts["splits"] or []),
         "reward_names": names,
         "promotions": _promotions(con).get(run_id, []),
+        "replay_of": meta.get("replay_of"),
+        "replay_where": meta.get("replay_where"),
+        "rescores": rescores(con, run_id),
     }
+
+
+def rescores(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict]:
+    """Each rescore of the run (grpoflow rescore) per reward: its cells by status and the mean of its
+    valid values, beside the mean of the run's own cells of a reward of that name (None without one)."""
+    return _dicts(
+        con,
+        """
+        WITH own AS (SELECT reward_name, avg(value) FILTER (WHERE status = 'valid') AS own_mean
+                     FROM rewards WHERE run_id = $run GROUP BY reward_name)
+        SELECT s.rescore, s.version, s.reward_name, min(s.created_at) AS created_at, count(*) AS cells,
+               count(*) FILTER (WHERE s.status = 'valid') AS valid,
+               count(*) FILTER (WHERE s.status <> 'valid') AS not_valid,
+               avg(s.value) FILTER (WHERE s.status = 'valid') AS mean, any_value(o.own_mean) AS own_mean
+        FROM rescores s LEFT JOIN own o USING (reward_name) WHERE s.run_id = $run
+        GROUP BY s.rescore, s.version, s.reward_name ORDER BY s.version, s.reward_name""",
+        {"run": run_id},
+    )
 
 
 def _bucket(con: duckdb.DuckDBPyConnection, table: str, run_id: str, points: int = MAX_POINTS) -> int:

@@ -172,7 +172,8 @@ def _attach_cells(con: duckdb.DuckDBPyConnection, run_id: str, rows: list[dict],
 def rollout(
     con: duckdb.DuckDBPyConnection, run_id: str, split: str, step: int, group: str, sample: int
 ) -> dict:
-    """One completion with everything the store holds about it, and its reward cells."""
+    """One completion with everything the store holds about it, its reward cells, and the cells later
+    rescores gave it (`rescored_cells`)."""
     key = {"run": run_id, "split": split, "step": step, "group": group, "sample": sample}
     where = (
         "run_id = $run AND split = $split AND step = $step AND group_id = $group AND sample_index = $sample"
@@ -188,7 +189,14 @@ def rollout(
         FROM rewards WHERE {where} ORDER BY reward_name""",
         key,
     )
-    for c in r["cells"]:
+    r["rescored_cells"] = _dicts(
+        con,
+        f"""
+        SELECT rescore, version, reward_name, weight, value, status, reason, duration_s, imputed, imputed_value, extra
+        FROM rescores WHERE {where} ORDER BY version, reward_name""",
+        key,
+    )
+    for c in r["cells"] + r["rescored_cells"]:
         c["extra"] = json.loads(c["extra"]) if c["extra"] else None
     return r
 

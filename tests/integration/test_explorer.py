@@ -113,6 +113,15 @@ def _live_step(root: Path, step: int) -> None:
     store.write_run_meta("live", {"run_id": "live", "status": "running", "owner": identity()})
 
 
+def _rescore_and_replay(root: Path) -> None:
+    """The drill run rescored by a length reward (`lengths`), and replayed for two steps (`chaos-again`)."""
+    from grpoflow.flows.lineage.replay import grpo_replay
+    from grpoflow.flows.lineage.rescore import rescore_run, reward_specs
+
+    rescore_run(root, "chaos", reward_specs(["length=tests.unit.reward_fns:length"]), name="lengths")
+    grpo_replay(run="chaos", sets=["run.steps=2"], replay_id="chaos-again", root=str(root))
+
+
 @pytest.fixture
 def explorer(chaos_store, tmp_path):
     root = tmp_path / "store"
@@ -131,6 +140,7 @@ def explorer(chaos_store, tmp_path):
 def test_browse_a_fault_drill_run(explorer, tmp_path):
     root, url = explorer
     xss_group = _xss_run(root)
+    _rescore_and_replay(root)
     driver = _browser(tmp_path / "profile")
     try:
         p = Page(driver, url)
@@ -233,6 +243,25 @@ def test_browse_a_fault_drill_run(explorer, tmp_path):
         driver.find_element("id", "sql-text").send_keys("DELETE FROM rollouts")
         p.click("#sql-run", error=True)
         assert "read-only" in p.text("#sql-error")
+
+        # Rollouts as data: a replay beside its source run, a rescore beside the run's own rewards.
+        p.go("#/")
+        replay_row = driver.find_element("css selector", "#runs-table tr[data-run='chaos-again']")
+        assert "replay of chaos" in replay_row.text
+        p.click("a[href='#/run/chaos-again']")
+        assert p.text("#replay-of") == "chaos"
+        p.click("#replay-of")
+        assert "chaos" in p.text("#run-title")
+        shown = [(tr.get_attribute("data-rescore"), tr.get_attribute("data-reward"), tr.text.split()[3:6])
+                 for tr in p.all("#rescores-table tbody tr")]  # fmt: skip
+        _, [(n,)] = query(
+            root, "SELECT count(*) FROM rollouts WHERE run_id = 'chaos'"
+        )  # a cell each, all valid
+        assert shown == [("lengths", "length", [str(n), str(n), "0"])], shown
+        p.go(f"#/rollout/chaos/train/{step}/{group}/{sample}")
+        rescored = [tr.get_attribute("data-reward") for tr in p.all("#rescored-cells-table tbody tr")]
+        assert rescored == ["length"], rescored
+        p.shot("rescores")
 
         # Markup in a completion, its prompt and a reward reason is text: shown as written, never run.
         p.go(f"#/rollout/xss-run/train/0/{xss_group}/0")

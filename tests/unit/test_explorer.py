@@ -287,3 +287,29 @@ def test_token_texts_come_from_the_runs_tokenizer(tiny_model_dir):
     assert [t["text"] for t in tokens] == [tok.decode([i]) for i in ids]
     assert "".join(t["text"] for t in tokens if "\ufffd" not in t["text"]).endswith("llo <b>")
     assert tokens_of(dict(row), "/no/such/model")[0][0]["text"] is None
+
+
+async def test_a_replay_and_a_rescore_beside_their_run(client, tmp_path):
+    from grpoflow.storage.rescores import write_rescore
+
+    store = RolloutStore(tmp_path)
+    store.write_run_meta(
+        "again", {"run_id": "again", "status": "completed", "replay_of": RUN, "replay_where": "step = 0"}
+    )
+    cells = [{"run_id": RUN, "split": "train", "step": 1, "group_id": "train-0001-1", "sample_index": s,
+              "reward_name": "acc", "weight": 1.0, "value": v, "status": st, "reason": why, "duration_s": 0.1,
+              "imputed": False, "imputed_value": None, "extra": None, "node": ""}
+             for s, v, st, why in ((0, 0.5, "valid", ""), (1, None, "failed", "boom"))]  # fmt: skip
+    write_rescore(tmp_path, RUN, "fixed", cells)
+    runs = {r["run_id"]: r for r in (await _get(client, "/api/runs"))["runs"]}
+    assert (runs["again"]["replay_of"], runs[RUN]["replay_of"]) == (RUN, None)
+    assert (await _get(client, "/api/run?run=again"))["replay_of"] == RUN
+    [rescore] = (await _get(client, f"/api/run?run={RUN}"))["rescores"]
+    assert {k: rescore[k] for k in ("rescore", "version", "reward_name", "cells", "valid", "not_valid", "mean")} == {
+        "rescore": "fixed", "version": 1, "reward_name": "acc", "cells": 2, "valid": 1, "not_valid": 1, "mean": 0.5}  # fmt: skip
+    assert rescore["own_mean"] is not None  # the run's own acc, beside it
+    r = await _get(client, f"/api/rollout?run={RUN}&split=train&step=1&group=train-0001-1&sample=1")
+    assert [(c["rescore"], c["reward_name"], c["status"], c["reason"]) for c in r["rescored_cells"]] == [
+        ("fixed", "acc", "failed", "boom")
+    ]
+    assert [c["reward_name"] for c in r["cells"]] == ["acc", "fmt"]  # the run's own cells, as they were

@@ -445,7 +445,8 @@ function runsTable(runs) {
   const rows = runs.map((r) => {
     const last = lastPromotion(r.promotions);
     return el('tr', {'data-run': r.run_id},
-      el('td', {}, el('a', {href: href.run(r.run_id), class: 'mono'}, r.run_id)),
+      el('td', {}, el('a', {href: href.run(r.run_id), class: 'mono'}, r.run_id),
+        r.replay_of ? el('span', {class: 'muted replay-of'}, ` replay of ${r.replay_of}`) : null),
       el('td', {}, badge(r.status)),
       el('td', {class: 'num'}, fmt(r.steps)),
       el('td', {class: 'num'}, fmt(r.last_step)),
@@ -468,7 +469,8 @@ async function pageRun(ctx, run) {
   const load = () => Promise.all([ctx.api('run', {run}), ctx.api('curves', {run}), ctx.api('status_mix', {run, split})]);
   const first = await load();
   const render = ([info, curves, mix]) => $('#main').replaceChildren(
-    runHeader(info), curvesSection(curves), statusMixSection(run, info, mix, split), promotionsSection(info.promotions));
+    runHeader(info), curvesSection(curves), statusMixSection(run, info, mix, split), rescoresSection(run, info.rescores),
+    promotionsSection(info.promotions));
   render(first);
   keepFresh(ctx, first, load, render, ([info]) => info.status === 'running');
 }
@@ -482,7 +484,9 @@ function runHeader(info) {
     facts([['base model', info.base_model || '—'], ['steps', steps], ['created', info.created_at || '—'],
       ['updated', info.updated_at || '—'], ['reward functions', (info.reward_names || []).join(', ') || '—'],
       ['servers', (info.servers || []).join(', ') || '—'],
-      (info.flow_runs || []).length ? ['flow runs', info.flow_runs.join(', ')] : null]),
+      (info.flow_runs || []).length ? ['flow runs', info.flow_runs.join(', ')] : null,
+      info.replay_of ? ['replay of', el('a', {href: href.run(info.replay_of), id: 'replay-of', class: 'mono'}, info.replay_of)] : null,
+      info.replay_where ? ['replayed groups', el('span', {class: 'mono'}, info.replay_where)] : null]),
     el('div', {class: 'links'},
       el('a', {href: href.rollouts(run), class: 'button'}, 'Rollouts'),
       info.has_eval ? el('a', {href: href.rollouts(run, {split: 'eval'}), class: 'button'}, 'Eval rollouts') : null,
@@ -516,6 +520,17 @@ function statusMixSection(run, info, mix, split) {
       mix.bucket > 1 ? el('span', {class: 'muted'}, `bars sum ${mix.bucket} steps each`) : null),
     el('div', {id: 'status-mix', class: 'charts'},
       charts.length ? charts : el('p', {class: 'muted'}, `No reward cells in the ${split} split yet.`)));
+}
+
+// grpoflow rescore: each rescore's cells per reward beside the mean of the run's own reward of that name.
+function rescoresSection(run, rescores) {
+  if (!rescores || !rescores.length) return null;
+  return section('Rescores', table({id: 'rescores-table'}, ['Rescore', 'Version', 'Reward', 'Cells', 'Valid', 'Not valid',
+    'Mean', "Run's own mean"], rescores.map((r) => el('tr', {'data-rescore': r.rescore, 'data-version': r.version, 'data-reward': r.reward_name},
+      el('td', {class: 'mono'}, r.rescore), el('td', {class: 'num'}, fmt(r.version)), el('td', {class: 'mono'}, r.reward_name),
+      el('td', {class: 'num'}, fmt(r.cells)), el('td', {class: 'num'}, fmt(r.valid)), el('td', {class: 'num'}, fmt(r.not_valid)),
+      el('td', {class: 'num'}, fmt(r.mean)), el('td', {class: 'num'}, fmt(r.own_mean))))),
+    el('p', {}, el('a', {href: href.sql({canned: 'rescore_disagreements', run}), class: 'button'}, 'Where a rescore disagrees')));
 }
 
 function promotionsSection(promotions) {
@@ -658,6 +673,7 @@ async function pageRollout(ctx, run, split, step, group, sample) {
         section('Trajectory', messagesView(r.messages || [])),
         section('Tool calls', toolCallsTable(r.tool_calls || [])),
         section('Reward cells', rewardCellsTable(r.cells || [])),
+        (r.rescored_cells || []).length ? section('Rescored cells', rewardCellsTable(r.rescored_cells, 'rescored-cells-table')) : null,
         section('Completion', pre(asText(r.completion), {id: 'completion-text'})),
         section('Tokens', tokensView(r.tokens || [], r.tokenizer))),
       el('aside', {class: 'col-side'}, section('Facts', rolloutFacts(r)), turnsTable(r.turns || []))));
@@ -704,10 +720,10 @@ function toolCallsTable(calls) {
       : el('tr', {}, el('td', {colspan: 6, class: 'muted'}, 'No tool calls.')));
 }
 
-function rewardCellsTable(cells) {
-  return table({id: 'reward-cells-table'}, ['Reward', 'Weight', 'Value', 'Status', 'Reason', 'Imputed', 'Seconds', 'Extra'],
+function rewardCellsTable(cells, id = 'reward-cells-table') {
+  return table({id}, ['Reward', 'Weight', 'Value', 'Status', 'Reason', 'Imputed', 'Seconds', 'Extra'],
     cells.length ? cells.map((c) => el('tr', {'data-reward': c.reward_name, 'data-status': c.status},
-      el('td', {class: 'mono'}, c.reward_name), el('td', {class: 'num'}, fmt(c.weight)), el('td', {class: 'num'}, fmt(c.value)),
+      el('td', {class: 'mono'}, c.rescore ? `${c.reward_name} (${c.rescore} v${c.version})` : c.reward_name), el('td', {class: 'num'}, fmt(c.weight)), el('td', {class: 'num'}, fmt(c.value)),
       el('td', {}, badge(c.status)), el('td', {}, c.reason ? pre(asText(c.reason), {class: 'text small'}) : ''),
       el('td', {}, c.imputed ? `yes → ${fmt(c.imputed_value)}` : 'no'), el('td', {class: 'num'}, fmt(c.duration_s, 3)),
       el('td', {}, c.extra ? pre(JSON.stringify(c.extra, null, 1), {class: 'text small'}) : '')))
