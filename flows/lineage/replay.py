@@ -13,8 +13,8 @@ replay that differs there is refused with one line naming the field. The run's r
 `replay_of: RUN`. It checkpoints and resumes as a run does (`grpoflow train --resume` is not for it:
 `grpoflow replay RUN --resume NEW`), and pushes no weights: nothing is served.
 
-With RUN's own config (and RUN at `run.reproducible`, or on-policy), a replay's weights are RUN's bit
-for bit: the learner sees the same samples in the same order.
+With RUN's own config a replay's weights are RUN's bit for bit (on the machine and threads RUN used),
+also when RUN generated ahead: the learner sees the same samples in the same order.
 """
 
 from __future__ import annotations
