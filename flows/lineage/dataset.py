@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grpoflow.flows.config import ConfigError
+from grpoflow.flows.lineage.export import check_new_dir
 from grpoflow.storage.rollouts import atomic_publish_dir
 from grpoflow.storage.sql import query_arrow
 
@@ -46,8 +47,7 @@ def export_dataset(root: str | Path, sql: str, fmt: str, out: str | Path) -> dic
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"OUT: {out} exists and is not an empty directory; name a new one")
+    check_new_dir(out, "OUT")
     selected = query_arrow(root, sql)
     table = _shaped(selected, fmt)
     if table.num_rows == 0:

@@ -27,14 +27,20 @@ class Exported:
     kind: str  # "model", "adapter" or "merged"
 
 
+def check_new_dir(out: Path, what: str) -> None:
+    """Refuse, naming `what` (the argument), an output directory that exists and is not empty: an export
+    never writes into what is there."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{what}: {out} exists and is not an empty directory; name a new one")
+
+
 def export_checkpoint(
     root: str | Path, run_id: str, out: str | Path, step: int | None = None, merge: bool = False
 ) -> Exported:
     """Export run `run_id`'s checkpoint at `step` (default: the latest) to `out` (module doc)."""
     root, out = Path(root), Path(out)
     ckpt, step = _checkpoint(root, validate_run_id(run_id), step)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out: {out} exists and is not an empty directory; name a new one")
+    check_new_dir(out, "--out")
     adapter = ckpt / ADAPTER_DIR
     if not adapter.is_dir():
         atomic_publish_dir(out, lambda tmp: shutil.copytree(ckpt / MODEL_DIR, tmp, dirs_exist_ok=True))

@@ -78,23 +78,23 @@ class StoredBatches:
     restarts = 0
 
     def __init__(self, cfg: GRPOConfig, source_id: str, where: str | None):
-        self.root, self.source_id, self.where = cfg.storage.root, source_id, where
-        self.rewards = cfg.rewards
-        self.store = RolloutStore(Path(self.root))
+        self.source_id, self.rewards = source_id, cfg.rewards
+        self.store = RolloutStore(Path(cfg.storage.root))
+        self.keep: set[tuple[int, str]] | None = None  # (step, group id) of the groups `where` picks
+        if where is not None:  # one query for every step
+            _, rows = query(
+                cfg.storage.root,
+                f"SELECT DISTINCT step, group_id FROM rollouts WHERE run_id = $run AND split = 'train' AND ({where})",
+                {"run": source_id},
+            )
+            self.keep = set(rows)
 
     def next_batch(self, step: int) -> RolloutBatch:
         groups = self.store.read_groups(self.source_id, step, split="train")
         if not groups:
             raise ConfigError(f"run {self.source_id} stored no training groups for step {step}")
-        if self.where is not None:
-            _, rows = query(
-                self.root,
-                f"SELECT DISTINCT group_id FROM rollouts WHERE run_id = $run AND step = $step AND split = 'train' "
-                f"AND ({self.where})",
-                {"run": self.source_id, "step": step},
-            )
-            keep = {g for (g,) in rows}
-            groups = [g for g in groups if g.group_id in keep]
+        if self.keep is not None:
+            groups = [g for g in groups if (step, g.group_id) in self.keep]
         return RolloutBatch(step, groups, reward_metrics(groups, self.rewards))
 
     def to_keep(self) -> list[RolloutBatch]:

@@ -63,12 +63,12 @@ def rescore_run(
 
     store = RolloutStore(root)
     run_id = validate_run_id(run_id)
-    if store.read_run_meta(run_id) is None:
+    if (meta := store.read_run_meta(run_id)) is None:
         raise ConfigError(f"RUN: no run {run_id!r} in {root}")
     steps = store.steps_written("rollouts", run_id)
     if not steps:
         raise ConfigError(f"RUN: run {run_id!r} has no stored completions to rescore")
-    rows = _rows_by_id(store, run_id)
+    rows = _rows_by_id(run_id, meta)
     cells: list[dict[str, Any]] = []
     for step in steps:
         groups = store.read_groups(run_id, step)
@@ -97,13 +97,12 @@ def rescore_run(
     }
 
 
-def _rows_by_id(store: RolloutStore, run_id: str) -> dict[str, dict[str, Any]]:
-    """The run's dataset rows by `row_id`, from its recorded config; {} (prompts and completions only,
-    said on stderr) when that dataset cannot be read any more."""
+def _rows_by_id(run_id: str, meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The run's dataset rows by `row_id`, from its recorded config (`meta`, its run record); {} (prompts
+    and completions only, said on stderr) when that dataset cannot be read any more."""
     from grpoflow.flows.training.data import load_rows
     from grpoflow.storage.ids import row_id_of
 
-    meta = store.read_run_meta(run_id) or {}
     try:
         cfg = GRPOConfig.model_validate(meta.get("config") or {})
         return {row_id_of(r): r for r in load_rows(cfg)}
