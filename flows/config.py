@@ -213,7 +213,7 @@ def resolve_import(path: str, field: str) -> Any:
         raise ConfigError(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}") from e
 
 
-def _set_dotted(d: dict, key: str, value: Any) -> None:
+def set_dotted(d: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     for p in parts[:-1]:
         d = d.setdefault(p, {})
@@ -243,7 +243,7 @@ def load_config(
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+        set_dotted(raw, key.strip(), yaml.safe_load(value))
     if path is not None:
         _names_its_task(raw, path)
     try:

@@ -147,16 +147,19 @@ def query(root: str | Path, sql: str, params: dict[str, Any] | None = None) -> t
 
 def query_arrow(root: str | Path, sql: str) -> pa.Table:
     """`query`, its result as an Arrow table: nested columns (messages, tool_calls) keep their types."""
-    return _read(root, sql, None, lambda rel: rel.to_arrow_table())
+    # a relation (con.sql), not a cursor: DuckDB 2 copies the rows once more for a cursor's Arrow output
+    return _read(root, sql, None, lambda rel: rel.to_arrow_table(), relation=True)
 
 
-def _read(root: str | Path, sql: str, params: dict[str, Any] | None, fetch: Any) -> Any:
+def _read(root: str | Path, sql: str, params: dict[str, Any] | None, fetch: Any, relation: bool = False) -> Any:
     with reading(Path(root).resolve()):
         con = connect(root)
         try:
             check_read_only(con, sql)
             used = {k: v for k, v in (params or {}).items() if f"${k}" in sql}
             try:
+                if relation:
+                    return fetch(con.sql(sql))
                 return fetch(con.execute(sql, used) if used else con.execute(sql))
             except duckdb.InterruptException:
                 raise

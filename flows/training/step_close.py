@@ -30,6 +30,22 @@ from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardErro
 from grpoflow.tasks.step_record import StepRecord
 
 
+# Listeners of each step's row as it is written, attached by the code that started the run in this
+# process (grpoflow.trl's callbacks and progress bar); unlike the trackers they see steps a resume may
+# redo, and run on the loop's thread: they only read.
+_WRITTEN: dict[str, list[Callable[[int, dict[str, Any]], Any]]] = {}
+
+
+@contextlib.contextmanager
+def step_listeners(run_id: str, *listeners: Callable[[int, dict[str, Any]], Any]):
+    """Call each of `listeners` with (step, its `steps` row) as run `run_id` writes its rows here."""
+    _WRITTEN[run_id] = list(listeners)
+    try:
+        yield
+    finally:
+        _WRITTEN.pop(run_id, None)
+
+
 def due(step: int, every: int, steps: int) -> bool:
     """Whether something done every `every` steps (push, checkpoint) is due after `step`; always
     after the last step."""
@@ -69,7 +85,8 @@ class StepClose:
         """Close `step`; raises the broken-reward watch's error once its row and line are out."""
         # The steps row lands before the checkpoint: a kill in between resumes from the previous
         # checkpoint, which deletes this step's rows and redoes it, so no table ever lacks a row.
-        self.store.write_step(self.run_id, step, self.runner.end(rec))
+        row = self.runner.end(rec)
+        self.store.write_step(self.run_id, step, row)
         # After its rows (the failed cells are in the tables) and before its checkpoint (a resume
         # redoes the step), a reward broken for too long stops the run, once its line is shown.
         stop = self.watch.step(step, broken, masked)
@@ -78,6 +95,8 @@ class StepClose:
             for closed in self.on_closed:
                 closed(step)
         self.reporter.step(rec)
+        for listener in _WRITTEN.get(self.run_id, ()):
+            listener(step, row)
         if stop is not None:
             self.reporter.flush()
             raise stop

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from grpoflow.tasks.config.choices import Device
-from grpoflow.tasks.config.section import Section, check_import_path_syntax
+from grpoflow.tasks.config.section import Section, check_import_path_syntax, check_sendable
 
 
 class RewardConfig(Section):
@@ -69,4 +69,5 @@ class RewardConfig(Section):
             )
         if self.model is not None and self.executor != "thread":
             raise ValueError(f"reward {self.name!r}: a reward model runs in this process (executor 'thread')")
+        check_sendable(self.fn, f"reward {self.name!r}", self.executor)
         return self

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from grpoflow.tasks.config.section import Section, check_import_path_syntax
+from grpoflow.tasks.config.section import Section, check_import_path_syntax, check_sendable
 
 
 class GenerationConfig(Section):
@@ -23,6 +23,13 @@ class GenerationConfig(Section):
         description="Sampling temperature (the learner uses it too); 0 = greedy, for evaluation only.",
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens only (0: all).")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Drop tokens under min_p times the most likely token's probability."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="vLLM's repetition penalty (1: none; above 1 discourages repeats)."
+    )
     max_turns: int = Field(1, ge=1, description="Max model turns per rollout (tool calls in between).")
     max_rollout_tokens: int | None = Field(
         None, ge=1, description="Token budget over all turns of one rollout (None: max_tokens*max_turns)."
@@ -156,6 +163,12 @@ class ToolsConfig(Section):
                     raise ValueError(f"environment names must be non-empty strings, got {name!r}")
             return {k: _factory_syntax(f) for k, f in v.items()}
         return _factory_syntax(v)
+
+    @model_validator(mode="after")
+    def _tools_can_travel(self) -> ToolsConfig:
+        for i, t in enumerate(self.tools):
+            check_sendable(t, f"tools.tools[{i}]", self.executor)
+        return self
 
     def environments(self) -> dict[str | None, Any]:
         """The environment factories by the name a row's `environment` column gives (TRL's dict form);

@@ -10,6 +10,8 @@ validates across them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -24,3 +26,22 @@ def check_import_path_syntax(v: str) -> str:
     if ":" not in v or not all(v.split(":", 1)):
         raise ValueError(f"expected an import path 'module:attribute', got {v!r}")
     return v
+
+
+def check_sendable(obj: Any, field: str, executor: str) -> None:
+    """A callable given from Python that runs in another process (`executor` 'process' or 'ray') must be
+    importable there by its module and name: one defined in `__main__` (a script, a notebook cell), a
+    lambda or a closure is not."""
+    if isinstance(obj, str) or executor == "thread":
+        return
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__qualname__)
+    where = (
+        "is defined in __main__ (a script or a notebook)" if module == "__main__"
+        else "is a lambda or a closure" if "<lambda>" in name or "<locals>" in name
+        else None
+    )  # fmt: skip  # three cases, one per line
+    if where is not None:
+        raise ValueError(
+            f"{field}: {name} {where}, and executor {executor!r} runs it in another process, which cannot "
+            "import it: move it into a module of its own, or use executor 'thread' (this process)"
+        )
