@@ -151,7 +151,9 @@ def query_arrow(root: str | Path, sql: str) -> pa.Table:
     return _read(root, sql, None, lambda rel: rel.to_arrow_table(), relation=True)
 
 
-def _read(root: str | Path, sql: str, params: dict[str, Any] | None, fetch: Any, relation: bool = False) -> Any:
+def _read(
+    root: str | Path, sql: str, params: dict[str, Any] | None, fetch: Any, relation: bool = False
+) -> Any:
     with reading(Path(root).resolve()):
         con = connect(root)
         try:

@@ -29,7 +29,6 @@ from grpoflow.storage.rollouts import RolloutStore
 from grpoflow.tasks.rewards.broken_rewards import BrokenReward, BrokenRewardError, MaskedBatch
 from grpoflow.tasks.step_record import StepRecord
 
-
 # Listeners of each step's row as it is written, attached by the code that started the run in this
 # process (grpoflow.trl's callbacks and progress bar); unlike the trackers they see steps a resume may
 # redo, and run on the loop's thread: they only read.

@@ -14,7 +14,6 @@ if __name__ != "grpoflow.trl":
     raise ImportError(f"grpoflow's TRL facade imports as grpoflow.trl, not {__name__}")
 
 import grpoflow.flows  # noqa: F401  # its import settings (OpenMP's wait policy) before torch's
-
 from grpoflow.trl.args import GRPOConfig
 from grpoflow.trl.trainer import GRPOTrainer
 

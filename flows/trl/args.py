@@ -53,9 +53,14 @@ TRL_DEFAULTS: dict[str, Any] = {
     "remove_unused_columns": False,
 }  # fmt: skip  # a table, as GRPO_FIELDS
 
+
+def _names(words: str) -> frozenset[str]:
+    return frozenset(words.split())
+
+
 # Fields that change nothing grpoflow does (logging, hub, dataloader and distributed plumbing, what
 # TRL's own generation path or its trackers read): accepted with any value.
-NO_EFFECT = frozenset(
+NO_EFFECT = _names(
     "logging_dir logging_strategy logging_first_step logging_nan_inf_filter log_on_each_node log_level "
     "log_level_replica run_name project trackio_space_id trackio_bucket_id trackio_static_space_id "
     "include_num_input_tokens_seen skip_memory_metrics hub_token hub_private_repo hub_model_id hub_strategy "
@@ -71,7 +76,7 @@ NO_EFFECT = frozenset(
     "vllm_server_timeout vllm_group_port log_completions log_multimodal num_completions_to_print "
     "log_unique_prompts use_vllm disable_tqdm trust_remote_code full_determinism data_seed "
     "resume_from_checkpoint ignore_data_skip restore_callback_states_from_checkpoint "
-    "use_transformers_paged logging_dir".split()
+    "use_transformers_paged logging_dir"
 )
 
 # Why a field set away from TRL's default is refused, where more can be said than "no equivalent".
@@ -121,7 +126,9 @@ class GRPOConfig:
     config tree by dotted keys as `--set` takes them (`{"inference.url": "http://127.0.0.1:8000"}`),
     applied after the TRL fields."""
 
-    def __init__(self, output_dir: str | None = None, *, grpoflow: dict[str, Any] | None = None, **fields: Any):
+    def __init__(
+        self, output_dir: str | None = None, *, grpoflow: dict[str, Any] | None = None, **fields: Any
+    ):
         known = trl_fields()
         for name in fields:
             if name not in known and name not in NO_EFFECT and name != "warmup_ratio":
@@ -153,7 +160,9 @@ class GRPOConfig:
         per_batch = self.num_iterations * out["learner.mini_batches"]  # optimizer steps per generation batch
         out["run.steps"] = steps = self.train_steps(per_batch, out["data.prompts_per_step"], rows)
         # TRL counts save_steps and warmup_steps in optimizer steps (below 1: a ratio of the run)
-        out["run.checkpoint_every"] = max(1, math.ceil(_in_steps(self.save_steps, steps * per_batch) / per_batch))
+        out["run.checkpoint_every"] = max(
+            1, math.ceil(_in_steps(self.save_steps, steps * per_batch) / per_batch)
+        )
         ratio = getattr(self, "warmup_ratio", 0) or 0  # a field of transformers before 5 only
         warmup = _in_steps(self.warmup_steps, steps * per_batch) or ratio * steps * per_batch
         out["learner.warmup_steps"] = math.ceil(warmup)
@@ -183,7 +192,9 @@ class GRPOConfig:
         if strategy == "no":
             return None
         if strategy != "steps":
-            raise _fail("eval_strategy", strategy, "grpoflow evaluates every eval_steps steps ('steps' or 'no')")
+            raise _fail(
+                "eval_strategy", strategy, "grpoflow evaluates every eval_steps steps ('steps' or 'no')"
+            )
         every = self.eval_steps if self.eval_steps is not None else self.logging_steps
         return max(1, math.ceil(_in_steps(every, optimizer_steps)))
 
@@ -208,7 +219,9 @@ def _batch(a: GRPOConfig) -> dict[str, Any]:
                         "set it or steps_per_generation, a multiple of per_device_train_batch_size")  # fmt: skip
         steps_per_gen = a.generation_batch_size // a.per_device_train_batch_size
     if steps_per_gen % a.gradient_accumulation_steps:
-        raise _fail("steps_per_generation", steps_per_gen, "it must be a multiple of gradient_accumulation_steps")
+        raise _fail(
+            "steps_per_generation", steps_per_gen, "it must be a multiple of gradient_accumulation_steps"
+        )
     batch = a.per_device_train_batch_size * steps_per_gen  # completions per generation batch
     if batch % g:
         raise _fail(
@@ -290,7 +303,9 @@ def _correction(a: GRPOConfig) -> dict[str, Any]:
 
 def _optimizer(a: GRPOConfig) -> dict[str, Any]:
     if not str(a.optim).startswith("adamw_torch"):
-        raise _fail("optim", a.optim, "grpoflow's optimizer is torch's AdamW (adamw_torch, adamw_torch_fused)")
+        raise _fail(
+            "optim", a.optim, "grpoflow's optimizer is torch's AdamW (adamw_torch, adamw_torch_fused)"
+        )
     for name in ("adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_kwargs", "optim_args"):
         if a.changed(name):
             raise _fail(name, getattr(a, name), "grpoflow's AdamW keeps torch's betas and epsilon")
@@ -357,7 +372,7 @@ def _server(a: GRPOConfig) -> dict[str, Any]:
 
 
 # Every field the parts above read: these are never refused for being set, only for their value.
-MAPPED = frozenset(
+MAPPED = _names(
     "num_generations per_device_train_batch_size gradient_accumulation_steps generation_batch_size "
     "steps_per_generation shuffle_dataset max_completion_length temperature top_p top_k min_p "
     "repetition_penalty max_tool_calling_iterations loss_type importance_sampling_level beta epsilon "
@@ -368,5 +383,5 @@ MAPPED = frozenset(
     "use_cpu report_to save_strategy output_dir seed save_steps save_total_limit max_steps num_train_epochs "
     "vllm_mode vllm_server_base_url vllm_server_host vllm_server_port vllm_max_model_length "
     "vllm_gpu_memory_utilization vllm_tensor_parallel_size logging_steps eval_strategy eval_steps "
-    "reward_weights".split()
+    "reward_weights"
 )

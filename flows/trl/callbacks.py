@@ -54,7 +54,9 @@ def check_callbacks(callbacks: list[Any] | None) -> list[Any]:
         others = [
             name
             for name in dir(TrainerCallback)
-            if name.startswith("on_") and name not in EVENTS and getattr(type(cb), name) is not getattr(TrainerCallback, name)
+            if name.startswith("on_")
+            and name not in EVENTS
+            and getattr(type(cb), name) is not getattr(TrainerCallback, name)
         ]
         if others:
             raise ConfigError(
@@ -68,7 +70,9 @@ def check_callbacks(callbacks: list[Any] | None) -> list[Any]:
 class StepLog:
     """Turns grpoflow steps into TRL log entries for one run."""
 
-    def __init__(self, root: str | Path, run_id: str, per_batch: int, rows_per_epoch: int | None, prompts: int):
+    def __init__(
+        self, root: str | Path, run_id: str, per_batch: int, rows_per_epoch: int | None, prompts: int
+    ):
         self.root, self.run_id, self.per_batch = root, run_id, per_batch
         self.rows_per_epoch, self.prompts = rows_per_epoch, prompts
         self.tokens = 0.0  # TRL's num_tokens: tokens seen so far, prompts and completions

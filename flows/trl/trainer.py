@@ -10,7 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from grpoflow.flows.config import ConfigError, GRPOConfig as Tree, load_config, set_dotted
+from grpoflow.flows.config import ConfigError, load_config, set_dotted
+from grpoflow.flows.config import GRPOConfig as Tree
 from grpoflow.flows.training.runs import new_run_id
 from grpoflow.flows.training.step_close import step_listeners
 from grpoflow.storage.rollouts import RolloutStore
@@ -81,7 +82,9 @@ class GRPOTrainer:
                 train_rows = len(rows)
             set_dotted(raw, "data.path", str(path))
         elif self.environment is None:
-            raise ConfigError("train_dataset: none given (only an environment_factory's reset() can give the prompts)")
+            raise ConfigError(
+                "train_dataset: none given (only an environment_factory's reset() can give the prompts)"
+            )
         else:
             set_dotted(raw, "data.generator", None)
         train_rows = train_rows or self._stored_rows(run_id)
@@ -232,7 +235,9 @@ def _same_dir(tokenizer: Any, model_dir: str) -> bool:
 def _rewards(funcs: Any, processing: Any, args: GRPOConfig, environment: Any) -> list[dict[str, Any]]:
     funcs = funcs if isinstance(funcs, list | tuple) else ([] if funcs is None else [funcs])
     if not funcs and environment is None:
-        raise ConfigError("reward_funcs: none given (a function, a list of them, or a reward model's directory)")
+        raise ConfigError(
+            "reward_funcs: none given (a function, a list of them, or a reward model's directory)"
+        )
     processing = processing if isinstance(processing, list | tuple) else [processing] * len(funcs)
     weights = args.reward_weights
     if weights is not None and len(weights) != len(funcs):
@@ -252,7 +257,9 @@ def _rewards(funcs: Any, processing: Any, args: GRPOConfig, environment: Any) ->
                 raise ConfigError(f"reward_funcs[{i}]: a loaded model; pass its directory instead")
             out.append({"name": getattr(f, "__name__", type(f).__name__), "fn": f, **weight})
         else:
-            raise ConfigError(f"reward_funcs[{i}]: {type(f).__name__} is neither a function nor a model directory")
+            raise ConfigError(
+                f"reward_funcs[{i}]: {type(f).__name__} is neither a function nor a model directory"
+            )
     return out
 
 
@@ -273,7 +280,11 @@ def _lora(peft_config: Any) -> dict[str, Any] | None:
                 f"peft_config.{f.name}: {getattr(peft_config, f.name)!r} cannot be honoured: grpoflow's adapters "
                 "take r, lora_alpha, lora_dropout and target_modules"
             )
-    out: dict[str, Any] = {"rank": peft_config.r, "alpha": peft_config.lora_alpha, "dropout": peft_config.lora_dropout}
+    out: dict[str, Any] = {
+        "rank": peft_config.r,
+        "alpha": peft_config.lora_alpha,
+        "dropout": peft_config.lora_dropout,
+    }
     targets = peft_config.target_modules
     if targets is not None:
         out["target_modules"] = [targets] if isinstance(targets, str) else sorted(targets)
@@ -285,7 +296,9 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        out.update(_flat(v, key + ".") if isinstance(v, dict) and v and key != "tools.environment" else {key: v})
+        out.update(
+            _flat(v, key + ".") if isinstance(v, dict) and v and key != "tools.environment" else {key: v}
+        )
     return out
 
 

@@ -149,7 +149,11 @@ class RolloutSettings:
         g = self.gen
         # top_k, min_p and repetition_penalty go only when set: a request of a run that leaves them
         # is the same request as before they existed.
-        filters = {"top_k": (g.top_k, 0), "min_p": (g.min_p, 0.0), "repetition_penalty": (g.repetition_penalty, 1.0)}
+        filters = {
+            "top_k": (g.top_k, 0),
+            "min_p": (g.min_p, 0.0),
+            "repetition_penalty": (g.repetition_penalty, 1.0),
+        }
         return {
             "temperature": g.temperature,
             "top_p": g.top_p,

@@ -55,7 +55,10 @@ def test_a_trl_quickstart_trains_with_one_import_changed(tmp_path, tiny_model_di
     )
     trainer = GRPOTrainer(
         model=str(tiny_model_dir),
-        reward_funcs=[letter_count, lambda completions, word, **kw: [float(w in c) for c, w in zip(completions, word)]],
+        reward_funcs=[
+            letter_count,
+            lambda completions, word, **kw: [float(w in c) for c, w in zip(completions, word, strict=True)],
+        ],
         args=args,
         train_dataset=dataset,
         callbacks=[Record],
