@@ -19,10 +19,16 @@ EVENTS = ("on_log", "on_step_end", "on_train_end")
 
 # TRL's name <- the `steps` column
 RENAMES = {
-    "loss": "train/loss", "grad_norm": "train/grad_norm", "learning_rate": "train/lr", "reward": "reward/mean",
-    "reward_std": "reward/std", "kl": "train/kl", "clip_ratio/low_mean": "train/clip_frac_low",
-    "clip_ratio/high_mean": "train/clip_frac_high", "sampling/importance_sampling_ratio/mean": "train/is_weight_mean",
-}  # fmt: skip  # a table: TRL's name -> grpoflow's column
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "learning_rate": "train/lr",
+    "reward": "reward/mean",
+    "reward_std": "reward/std",
+    "kl": "train/kl",
+    "clip_ratio/low_mean": "train/clip_frac_low",
+    "clip_ratio/high_mean": "train/clip_frac_high",
+    "sampling/importance_sampling_ratio/mean": "train/is_weight_mean",
+}
 
 LENGTHS_SQL = """
 SELECT step,
@@ -36,10 +42,14 @@ FROM rollouts WHERE run_id = $run AND split = 'train' AND step BETWEEN $first AN
 GROUP BY step ORDER BY step
 """
 LENGTH_KEYS = (
-    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-    "completions/mean_terminated_length", "completions/min_terminated_length",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
     "completions/max_terminated_length",
-)  # fmt: skip  # TRL's names, in LENGTHS_SQL's order
+)
 
 
 def check_callbacks(callbacks: list[Any] | None) -> list[Any]:

@@ -5,6 +5,7 @@ the run trained on, and the flow's parameters name that file instead of carrying
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ def dataset_file(root: str | Path, run_id: str, split: str) -> Path:
 
 def rows_of(data: Any, field: str, limit: int | None = None) -> list[dict[str, Any]]:
     """The rows of `data`; an IterableDataset is read up to `limit` rows (what the run can use)."""
-    if isinstance(data, list | tuple):
+    datasets = sys.modules.get("datasets")  # imported by the caller if `data` is one of its datasets
+    if datasets is not None and isinstance(data, datasets.IterableDataset):  # possibly endless
+        rows = list(itertools.islice(iter(data), limit)) if limit is not None else list(data)
+    elif isinstance(data, list | tuple):
         rows = list(data)
     elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame
         rows = data.to_dict("records")
@@ -32,8 +36,6 @@ def rows_of(data: Any, field: str, limit: int | None = None) -> list[dict[str, A
         )
     elif hasattr(data, "to_list"):  # datasets.Dataset
         rows = data.to_list()
-    elif hasattr(data, "__iter__"):  # datasets.IterableDataset (possibly endless): what the run needs
-        rows = list(itertools.islice(iter(data), limit)) if limit is not None else list(data)
     else:
         raise ConfigError(
             f"{field}: {type(data).__name__} is not a dataset; pass a datasets.Dataset, an IterableDataset, "

@@ -22,8 +22,18 @@ from grpoflow.trl.data import dataset_file, keep_rows, rows_of
 
 # peft LoraConfig fields grpoflow's adapter has (r, alpha, dropout, targets) or that change nothing;
 # any other set away from peft's default is refused.
-LORA_READ = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "inference_mode",
-             "base_model_name_or_path", "revision", "peft_type", "auto_mapping"}  # fmt: skip  # a word list
+LORA_READ = {
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "task_type",
+    "inference_mode",
+    "base_model_name_or_path",
+    "revision",
+    "peft_type",
+    "auto_mapping",
+}
 
 
 class GRPOTrainer:
@@ -50,12 +60,22 @@ class GRPOTrainer:
         self.args = args if args is not None else GRPOConfig(output_dir=f"{Path(self.model_dir).name}-GRPO")
         if not isinstance(self.args, GRPOConfig):
             raise ConfigError("args: pass grpoflow.trl.GRPOConfig (TRL's own GRPOConfig is TRL's trainer's)")
-        _refuse(processing_class is not None and not _same_dir(processing_class, self.model_dir), "processing_class",
-                "grpoflow uses the tokenizer saved in the model directory; save yours there (tokenizer.save_pretrained)")  # fmt: skip
-        _refuse(any(o is not None for o in optimizers), "optimizers", "grpoflow's optimizer is AdamW, set by GRPOConfig's fields")  # fmt: skip
+        _refuse(
+            processing_class is not None and not _same_dir(processing_class, self.model_dir),
+            "processing_class",
+            "grpoflow uses the tokenizer saved in the model directory; save yours there (tokenizer.save_pretrained)",
+        )
+        _refuse(
+            any(o is not None for o in optimizers),
+            "optimizers",
+            "grpoflow's optimizer is AdamW, set by GRPOConfig's fields",
+        )
         _refuse(quantization_config is not None, "quantization_config", "grpoflow trains unquantized weights")
-        _refuse(rollout_func is not None, "rollout_func",
-                "grpoflow's rollout loop generates; give tools= or environment_factory= instead")  # fmt: skip
+        _refuse(
+            rollout_func is not None,
+            "rollout_func",
+            "grpoflow's rollout loop generates; give tools= or environment_factory= instead",
+        )
         self.rewards = _rewards(reward_funcs, reward_processing_classes, self.args, environment_factory)
         self.lora = _lora(peft_config)
         self.tools, self.environment = list(tools or []), environment_factory
@@ -270,12 +290,9 @@ def _lora(peft_config: Any) -> dict[str, Any] | None:
 
     if not dataclasses.is_dataclass(peft_config) or not hasattr(peft_config, "lora_alpha"):
         raise ConfigError(f"peft_config: {type(peft_config).__name__} is not peft's LoraConfig")
+    fresh = type(peft_config)()  # peft's defaults, as its __post_init__ leaves them
     for f in dataclasses.fields(peft_config):
-        if f.name in LORA_READ:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # fmt: skip
-        if getattr(peft_config, f.name) != default:
+        if f.name not in LORA_READ and getattr(peft_config, f.name) != getattr(fresh, f.name):
             raise ConfigError(
                 f"peft_config.{f.name}: {getattr(peft_config, f.name)!r} cannot be honoured: grpoflow's adapters "
                 "take r, lora_alpha, lora_dropout and target_modules"

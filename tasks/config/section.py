@@ -34,12 +34,15 @@ def check_sendable(obj: Any, field: str, executor: str) -> None:
     lambda or a closure is not."""
     if isinstance(obj, str) or executor == "thread":
         return
-    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__qualname__)
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__qualname__)
+    name = getattr(obj, "__name__", qualname)
     where = (
-        "is defined in __main__ (a script or a notebook)" if module == "__main__"
-        else "is a lambda or a closure" if "<lambda>" in name or "<locals>" in name
+        "is defined in __main__ (a script or a notebook)"
+        if module == "__main__"
+        else "is a lambda or a closure"
+        if "<lambda>" in qualname or "<locals>" in qualname
         else None
-    )  # fmt: skip  # three cases, one per line
+    )
     if where is not None:
         raise ValueError(
             f"{field}: {name} {where}, and executor {executor!r} runs it in another process, which cannot "
