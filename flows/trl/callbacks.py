@@ -148,16 +148,16 @@ class Callbacks:
         entry = self.log.entries([{**row, "step": step}])[0]
         self.state.global_step = entry["step"]
         self.state.epoch = entry.get("epoch")
+        if self.bar is not None:
+            self.bar.update(1)
+            if "reward" in entry:
+                self.bar.set_postfix(reward=f"{entry['reward']:.3f}", refresh=False)
         for cb in self.callbacks:
             cb.on_step_end(self.args, self.state, self.control)
         if self.state.global_step % self.every == 0:
             self.state.log_history.append(entry)
             for cb in self.callbacks:
                 cb.on_log(self.args, self.state, self.control, logs=entry)
-        if self.bar is not None:
-            self.bar.update(1)
-            if "reward" in entry:
-                self.bar.set_postfix(reward=f"{entry['reward']:.3f}", refresh=False)
 
     def end(self) -> None:
         for cb in self.callbacks:

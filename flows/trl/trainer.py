@@ -3,10 +3,7 @@ runs the `grpo-train` flow with it (the module doc of grpoflow.trl)."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from grpoflow.storage.sql import validate_run_id
 from grpoflow.trl.args import GRPOConfig
 from grpoflow.trl.callbacks import Callbacks, StepLog, check_callbacks
 from grpoflow.trl.data import dataset_file, keep_rows, rows_of
+from grpoflow.trl.session import checkpointed, no_running_loop, progress, quiet, start_explorer
 
 # peft LoraConfig fields grpoflow's adapter has (r, alpha, dropout, targets) or that change nothing;
 # any other set away from peft's default is refused.
@@ -162,9 +160,9 @@ class GRPOTrainer:
         log = StepLog(self.root, run_id, per_batch, rows, cfg.data.prompts_per_step)
         self.state = TrainerState(max_steps=cfg.run.steps * per_batch, logging_steps=self.args.logging_steps)
         every = self.args.logging_every(cfg.run.steps * per_batch)
-        with _progress(self.args, cfg.run.steps, run_id) as bar:
+        with progress(self.args, cfg.run.steps, run_id, checkpointed(self.root, resume)) as bar:
             listener = Callbacks(self.args, self.state, self.callbacks, log, every, bar)
-            with step_listeners(run_id, listener), _quiet(bar is not None):
+            with step_listeners(run_id, listener), quiet(bar is not None), no_running_loop():
                 summary = grpo_train(config=cfg, resume=resume)
         self._fill_state(cfg, log, every)
         listener.end()
@@ -218,7 +216,7 @@ class GRPOTrainer:
         page."""
         run_id = self._ran("explore")
         if self._explorer is None:
-            self._explorer = _start_explorer(self.root, port)
+            self._explorer = start_explorer(self.root, port)
         return f"{self._explorer}#/run/{run_id}"
 
     def _ran(self, what: str) -> str:
@@ -275,7 +273,9 @@ def _rewards(funcs: Any, processing: Any, args: GRPOConfig, environment: Any) ->
         elif callable(f):
             if hasattr(f, "save_pretrained"):
                 raise ConfigError(f"reward_funcs[{i}]: a loaded model; pass its directory instead")
-            out.append({"name": getattr(f, "__name__", type(f).__name__), "fn": f, **weight})
+            # TRL's form: a conversational prompt's completions as messages, a plain-text one's as text
+            name = getattr(f, "__name__", type(f).__name__)
+            out.append({"name": name, "fn": f, "completions": "messages", **weight})
         else:
             raise ConfigError(
                 f"reward_funcs[{i}]: {type(f).__name__} is neither a function nor a model directory"
@@ -317,59 +317,3 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             _flat(v, key + ".") if isinstance(v, dict) and v and key != "tools.environment" else {key: v}
         )
     return out
-
-
-@contextlib.contextmanager
-def _progress(args: GRPOConfig, steps: int, run_id: str):
-    """A progress bar of the run's steps (a notebook widget in Jupyter), unless disable_tqdm."""
-    if args.disable_tqdm:
-        yield None
-        return
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=steps, desc=run_id, unit="step")
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-@contextlib.contextmanager
-def _quiet(on: bool):
-    """With a progress bar, Prefect's per-run lines go quiet (warnings and errors still show)."""
-    loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")] if on else []
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def _start_explorer(root: str, port: int) -> str:
-    """The explorer on a daemon thread with its own event loop; its base URL."""
-    import asyncio
-
-    from grpoflow.flows.viewing.ui import serve
-
-    ready: dict[str, str] = {}
-    up = threading.Event()
-
-    def on_ready(url: str) -> None:
-        ready["url"] = url
-        up.set()
-
-    def run() -> None:
-        try:
-            asyncio.run(serve(root, port=port, ready=on_ready))
-        except BaseException as e:  # surfaced to the caller below
-            ready["error"] = repr(e)
-            up.set()
-
-    threading.Thread(target=run, name="grpoflow-explorer", daemon=True).start()
-    up.wait(60)
-    if "url" not in ready:
-        raise RuntimeError(f"the explorer did not start: {ready.get('error', 'no answer in 60 s')}")
-    return ready["url"]

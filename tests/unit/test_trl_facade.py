@@ -270,3 +270,16 @@ def test_a_script_callable_is_refused_where_another_process_must_import_it():
         ToolsConfig(tools=[lambda x: x], executor="ray")
     assert RewardConfig(name="t", fn=closure).fn is closure  # on a thread of this process: as TRL calls it
     assert RewardConfig(name="r", fn=reward, executor="process").fn is reward  # importable by its module
+
+
+def test_the_example_notebook_is_a_valid_notebook_whose_code_compiles():
+    import nbformat
+
+    from tests.support import REPO
+
+    nb = nbformat.read(REPO / "examples" / "notebooks" / "smollm2-grpo.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    for i, source in enumerate(code):
+        compile(source, f"cell {i}", "exec")
+    assert "from grpoflow.trl import GRPOConfig, GRPOTrainer" in code[0]
