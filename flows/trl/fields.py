@@ -121,7 +121,10 @@ NO_EFFECT = names(
     "vllm_server_timeout vllm_group_port log_completions log_multimodal num_completions_to_print "
     "log_unique_prompts use_vllm disable_tqdm trust_remote_code full_determinism data_seed "
     "resume_from_checkpoint ignore_data_skip restore_callback_states_from_checkpoint "
-    "use_transformers_paged logging_dir"
+    "use_transformers_paged logging_dir "
+    # TRL multiplies its KL term by the policy ratio by default; grpoflow never does (False is its KL):
+    # the field is taken either way, and docs/from-trl.md says so
+    "use_bias_correction_kl"
 )
 
 # Why a field set away from TRL's default is refused, where more can be said than "no equivalent".
@@ -132,7 +135,6 @@ REASONS: dict[str, str] = {
     "sync_ref_model": "the reference stays the starting model",
     "top_entropy_quantile": "grpoflow trains on every token of a completion",
     "multi_objective_aggregation": "grpoflow sums the weighted rewards, then normalises",
-    "use_bias_correction_kl": "grpoflow's KL term is not multiplied by the policy ratio (False is its KL)",
     "load_best_model_at_end": "grpoflow keeps every checkpoint's step; export the one you choose",
     "generation_kwargs": "only temperature, top_p, top_k, min_p and repetition_penalty reach vLLM",
     "chat_template_kwargs": "grpoflow renders prompts with the model's chat template as it is "

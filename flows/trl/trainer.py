@@ -4,6 +4,7 @@ runs the `grpo-train` flow with it (the module doc of grpoflow.trl)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +154,32 @@ class GRPOTrainer:
             raise TypeError(f"train() got an unexpected keyword argument {next(iter(kwargs))!r}")
         resume = self._resume(resume_from_checkpoint)
         run_id = resume or new_run_id()
-        cfg = self.config(run_id, resume=resume is not None)
-        self.run_id = run_id
-        per_batch = cfg.algorithm.num_iterations * cfg.learner.mini_batches
-        rows = self._stored_rows(run_id)
-        log = StepLog(self.root, run_id, per_batch, rows, cfg.data.prompts_per_step)
-        self.state = TrainerState(max_steps=cfg.run.steps * per_batch, logging_steps=self.args.logging_steps)
-        every = self.args.logging_every(cfg.run.steps * per_batch)
-        with progress(self.args, cfg.run.steps, run_id, checkpointed(self.root, resume)) as bar:
-            listener = Callbacks(self.args, self.state, self.callbacks, log, every, bar)
-            with step_listeners(run_id, listener), quiet(bar is not None), no_running_loop():
-                summary = grpo_train(config=cfg, resume=resume)
+        try:
+            cfg = self.config(run_id, resume=resume is not None)
+            per_batch = cfg.algorithm.num_iterations * cfg.learner.mini_batches
+            log = StepLog(self.root, run_id, per_batch, self._stored_rows(run_id), cfg.data.prompts_per_step)
+            self.state = TrainerState(
+                max_steps=cfg.run.steps * per_batch, logging_steps=self.args.logging_steps
+            )
+            every = self.args.logging_every(cfg.run.steps * per_batch)
+            with progress(self.args, cfg.run.steps, run_id, checkpointed(self.root, resume)) as bar:
+                listener = Callbacks(self.args, self.state, self.callbacks, log, every, bar)
+                with step_listeners(run_id, listener), quiet(bar is not None), no_running_loop():
+                    summary = grpo_train(config=cfg, resume=resume)
+        finally:
+            self._settle(run_id, resume)
         self._fill_state(cfg, log, every)
         listener.end()
         loss = [e["loss"] for e in self.state.log_history if "loss" in e]
         return TrainOutput(self.state.global_step, sum(loss) / len(loss) if loss else 0.0, summary)
+
+    def _settle(self, run_id: str, resume: str | None) -> None:
+        """After train(), however it ended: a run the store has is this trainer's (a resume continues
+        it); a new run that never started (refused before the flow wrote its record) leaves no rows."""
+        if RolloutStore(self.root).read_run_meta(run_id) is not None:
+            self.run_id = run_id
+        elif resume is None:
+            shutil.rmtree(dataset_file(self.root, run_id, "train").parent, ignore_errors=True)
 
     def _resume(self, resume: str | bool | None) -> str | None:
         if not resume:

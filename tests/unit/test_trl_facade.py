@@ -283,3 +283,34 @@ def test_the_example_notebook_is_a_valid_notebook_whose_code_compiles():
     for i, source in enumerate(code):
         compile(source, f"cell {i}", "exec")
     assert "from grpoflow.trl import GRPOConfig, GRPOTrainer" in code[0]
+
+
+def test_a_run_refused_before_it_starts_leaves_no_rows_and_no_run(tmp_path, tiny_model_dir):
+    a = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=4,
+                   max_steps=1, grpoflow={"learner.lr": -1})  # fmt: skip
+    t = _trainer(tmp_path, tiny_model_dir, args=a)
+    with pytest.raises(ConfigError, match=r"learner\.lr"):
+        t.train()  # the tree is refused after the rows were written: they go again
+    assert t.run_id is None
+    assert not any((tmp_path / "out" / "datasets").iterdir())
+
+
+# A value away from TRL's default for each field refused with a reason of its own
+REFUSED = {"push_to_hub": True, "fp16": True, "delta": 4.0, "sync_ref_model": True, "top_entropy_quantile": 0.5,
+           "multi_objective_aggregation": "normalize_then_sum", "load_best_model_at_end": True,
+           "generation_kwargs": {"seed": 1}, "chat_template_kwargs": {"enable_thinking": False},
+           "vllm_enable_sleep_mode": True, "model_init_kwargs": {"dtype": "bfloat16"}}  # fmt: skip
+
+
+def test_every_field_refused_for_a_reason_says_it():
+    from grpoflow.trl.fields import REASONS
+
+    assert set(REFUSED) == set(REASONS)
+    for name, value in REFUSED.items():
+        with pytest.raises(ConfigError) as e:
+            GRPOConfig(**{name: value})
+        assert str(e.value) == f"GRPOConfig.{name}: {value!r} cannot be honoured: {REASONS[name]}"
+    with pytest.raises(
+        ConfigError, match=r"^GRPOConfig.entropy_coef: 0.1 cannot be honoured: grpoflow has no equivalent"
+    ):
+        GRPOConfig(entropy_coef=0.1)
