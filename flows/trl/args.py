@@ -48,6 +48,7 @@ class GRPOConfig:
             setattr(self, name, fields[name])
         self.grpoflow = dict(grpoflow or {})
         self.overrides()  # a field grpoflow cannot honour fails here, at construction
+        self.eval_every(1)
 
     def __repr__(self) -> str:
         return f"GRPOConfig({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
@@ -66,9 +67,11 @@ class GRPOConfig:
         per_batch = self.num_iterations * out["learner.mini_batches"]  # optimizer steps per generation batch
         out["run.steps"] = steps = self.train_steps(per_batch, out["data.prompts_per_step"], rows)
         # TRL counts save_steps and warmup_steps in optimizer steps (below 1: a ratio of the run)
-        out["run.checkpoint_every"] = max(
-            1, math.ceil(_in_steps(self.save_steps, steps * per_batch) / per_batch)
+        saves = (
+            _in_steps(self.save_steps, steps * per_batch) if _strategy(self.save_strategy) == "steps" else 0
         )
+        # save_strategy 'no': the run's last step only (a run always ends with a checkpoint)
+        out["run.checkpoint_every"] = max(1, math.ceil(saves / per_batch)) if saves else steps
         ratio = getattr(self, "warmup_ratio", 0) or 0  # a field of transformers before 5 only
         warmup = _in_steps(self.warmup_steps, steps * per_batch) or ratio * steps * per_batch
         out["learner.warmup_steps"] = math.ceil(warmup)
@@ -94,7 +97,7 @@ class GRPOConfig:
 
     def eval_every(self, optimizer_steps: int) -> int | None:
         """TRL's eval cadence in optimizer steps: None with eval_strategy 'no'."""
-        strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+        strategy = _strategy(self.eval_strategy)
         if strategy == "no":
             return None
         if strategy != "steps":
@@ -110,6 +113,11 @@ class GRPOConfig:
                 continue
             why = REASONS.get(name, "grpoflow has no equivalent (docs/from-trl.md)")
             raise ConfigError(f"GRPOConfig.{name}: {self._given[name]!r} cannot be honoured: {why}")
+
+
+def _strategy(value: Any) -> str:
+    """A transformers strategy (an enum, or its string)."""
+    return str(getattr(value, "value", value))
 
 
 def _fail(field: str, value: Any, why: str) -> ConfigError:
@@ -257,7 +265,7 @@ def _run(a: GRPOConfig) -> dict[str, Any]:
     unknown = [r for r in report if r not in TRACKERS]
     if unknown:
         raise _fail("report_to", unknown[0], f"grpoflow reports to {', '.join(TRACKERS)}")
-    if str(getattr(a.save_strategy, "value", a.save_strategy)) not in ("steps", "no"):
+    if _strategy(a.save_strategy) not in ("steps", "no"):
         raise _fail("save_strategy", a.save_strategy, "grpoflow checkpoints every save_steps steps")
     out: dict[str, Any] = {
         "storage.root": a.output_dir or "trainer_output",

@@ -99,6 +99,7 @@ def test_epochs_count_the_rows():
         ({"max_tool_calling_iterations": 2}, {"generation.max_turns": 3}),
         ({"mask_truncated_completions": True}, {"algorithm.mask_truncated": True}),
         ({"save_total_limit": 3}, {"run.keep_checkpoints": 3}),
+        ({"save_strategy": "no", "save_steps": 1, "max_steps": 4}, {"run.checkpoint_every": 4}),
     ],
 )  # fmt: skip
 def test_each_mapped_field_lands_on_its_config_field(fields, expected):
@@ -132,6 +133,7 @@ def test_fields_with_no_effect_or_at_trls_default_are_accepted():
         ({"vllm_mode": "remote"}, "GRPOConfig.vllm_mode: 'remote'"),
         ({"vllm_importance_sampling_mode": "bad"}, "GRPOConfig.vllm_importance_sampling_mode: 'bad'"),
         ({"save_strategy": "epoch"}, "GRPOConfig.save_strategy: 'epoch'"),
+        ({"eval_strategy": "epoch"}, "GRPOConfig.eval_strategy: 'epoch'"),
         ({"sync_ref_model": True}, "GRPOConfig.sync_ref_model: True cannot be honoured"),
         ({"multi_objective_aggregation": "normalize_then_sum"}, "GRPOConfig.multi_objective_aggregation"),
     ],
