@@ -246,12 +246,7 @@ def load_config(
         set_dotted(raw, key.strip(), yaml.safe_load(value))
     if path is not None:
         _names_its_task(raw, path)
-    try:
-        cfg = GRPOConfig.model_validate(raw)
-    except ValidationError as e:
-        lines = [_error_line(err) for err in e.errors()]
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
+    cfg = validate_config(raw, f" in {path}" if path else "")
     if path is not None:
         here = Path(path).resolve().parent
         add_search_dir(here)  # the user's reward/tool/environment modules beside their config
@@ -267,6 +262,16 @@ def load_config(
         for r in cfg.rewards:
             r.model = _beside_config(r.model, here)
     return cfg
+
+
+def validate_config(raw: dict[str, Any], where: str = "") -> GRPOConfig:
+    """The tree `raw` (not copied: objects given from Python stay those objects), or a ConfigError with
+    a line per invalid field."""
+    try:
+        return GRPOConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [_error_line(err) for err in e.errors()]
+        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
 
 
 # Where a config's rows come from: one of these in `data` (the defaults are the letters demo's generator).

@@ -30,16 +30,22 @@ RENAMES = {
     "sampling/importance_sampling_ratio/mean": "train/is_weight_mean",
 }
 
+# Per step in [$first, $last]: completion lengths, and TRL's num_tokens (prompt and completion tokens of
+# every step up to it: the sum runs from step 0, so it holds across a resume and needs no state here).
 LENGTHS_SQL = """
-SELECT step,
-       avg(completion_tokens), min(completion_tokens), max(completion_tokens),
-       avg(CAST(truncated AS DOUBLE)),
-       avg(completion_tokens) FILTER (WHERE NOT truncated),
-       min(completion_tokens) FILTER (WHERE NOT truncated),
-       max(completion_tokens) FILTER (WHERE NOT truncated),
-       sum(len(prompt_ids) + completion_tokens)
-FROM rollouts WHERE run_id = $run AND split = 'train' AND step BETWEEN $first AND $last
-GROUP BY step ORDER BY step
+WITH per_step AS (
+    SELECT step,
+           avg(completion_tokens) AS mean, min(completion_tokens) AS lo, max(completion_tokens) AS hi,
+           avg(CAST(truncated AS DOUBLE)) AS clipped,
+           avg(completion_tokens) FILTER (WHERE NOT truncated) AS t_mean,
+           min(completion_tokens) FILTER (WHERE NOT truncated) AS t_lo,
+           max(completion_tokens) FILTER (WHERE NOT truncated) AS t_hi,
+           sum(len(prompt_ids) + completion_tokens) AS tokens
+    FROM rollouts WHERE run_id = $run AND split = 'train' AND step <= $last
+    GROUP BY step
+)
+SELECT step, mean, lo, hi, clipped, t_mean, t_lo, t_hi, sum(tokens) OVER (ORDER BY step)
+FROM per_step QUALIFY step >= $first ORDER BY step
 """
 LENGTH_KEYS = (
     "completions/mean_length",
@@ -85,10 +91,12 @@ class StepLog:
     ):
         self.root, self.run_id, self.per_batch = root, run_id, per_batch
         self.rows_per_epoch, self.prompts = rows_per_epoch, prompts
-        self.tokens = 0.0  # TRL's num_tokens: tokens seen so far, prompts and completions
 
     def global_step(self, step: int) -> int:
         return (step + 1) * self.per_batch
+
+    def epoch(self, step: int) -> float | None:
+        return (step + 1) * self.prompts / self.rows_per_epoch if self.rows_per_epoch else None
 
     def entries(self, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
         """TRL's log entries of `rows` (the steps rows, in step order)."""
@@ -121,10 +129,8 @@ class StepLog:
         if lengths is not None:
             for key, value in zip(LENGTH_KEYS, lengths[:-1], strict=True):
                 _put(out, key, value)
-            self.tokens += float(lengths[-1] or 0)
-            out["num_tokens"] = self.tokens
-        if self.rows_per_epoch:
-            out["epoch"] = (step + 1) * self.prompts / self.rows_per_epoch
+            _put(out, "num_tokens", lengths[-1])
+        _put(out, "epoch", self.epoch(step))
         out["step"] = self.global_step(step)
         return out
 
@@ -145,16 +151,15 @@ class Callbacks:
         self.every, self.bar, self.control = every, bar, TrainerControl()
 
     def __call__(self, step: int, row: dict[str, Any]) -> None:
-        entry = self.log.entries([{**row, "step": step}])[0]
-        self.state.global_step = entry["step"]
-        self.state.epoch = entry.get("epoch")
+        self.state.global_step, self.state.epoch = self.log.global_step(step), self.log.epoch(step)
         if self.bar is not None:
             self.bar.update(1)
-            if "reward" in entry:
-                self.bar.set_postfix(reward=f"{entry['reward']:.3f}", refresh=False)
+            if row.get("reward/mean") is not None:
+                self.bar.set_postfix(reward=f"{row['reward/mean']:.3f}", refresh=False)
         for cb in self.callbacks:
             cb.on_step_end(self.args, self.state, self.control)
-        if self.state.global_step % self.every == 0:
+        if self.state.global_step % self.every == 0:  # the store is read for logged steps only
+            entry = self.log.entries([{**row, "step": step}])[0]
             self.state.log_history.append(entry)
             for cb in self.callbacks:
                 cb.on_log(self.args, self.state, self.control, logs=entry)

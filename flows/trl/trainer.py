@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from grpoflow.flows.config import ConfigError, load_config, set_dotted
+from grpoflow.flows.config import ConfigError, set_dotted, validate_config
 from grpoflow.flows.config import GRPOConfig as Tree
 from grpoflow.flows.training.runs import new_run_id
 from grpoflow.flows.training.step_close import step_listeners
@@ -80,7 +80,6 @@ class GRPOTrainer:
         self.tools, self.environment = list(tools or []), environment_factory
         self.callbacks = check_callbacks(callbacks)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.root = self.args.overrides()["storage.root"]
         self.run_id: str | None = None
         from transformers import TrainerState
 
@@ -88,6 +87,11 @@ class GRPOTrainer:
         self._explorer: str | None = None
 
     # -- the config tree ------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        """The store's root: `output_dir`, or `grpoflow={"storage.root": ...}` over it, as the run's tree."""
+        return _flat(self.args.grpoflow).get("storage.root", self.args.overrides()["storage.root"])
 
     def config(self, run_id: str, resume: bool = False) -> Tree:
         """The run's grpoflow config: TRL's fields, the script's callables, its data in the store."""
@@ -128,7 +132,7 @@ class GRPOTrainer:
             set_dotted(raw, "learner.lora", self.lora)
         for key, value in _flat(a.grpoflow).items():
             set_dotted(raw, key, value)
-        return load_config(base=raw)
+        return validate_config(raw)  # not load_config(base=): a deep copy would copy a callable object
 
     def _iterable_limit(self) -> int | None:
         o = self.args.overrides()
@@ -200,7 +204,6 @@ class GRPOTrainer:
     def _fill_state(self, cfg: Tree, log: StepLog, every: int) -> None:
         """`state.log_history` from the run's `steps` table, TRL's logged steps only (all of the run's,
         those before a resume too)."""
-        log.tokens = 0.0
         rows = sorted(RolloutStore(self.root).read_steps(self.run_id), key=lambda r: r["step"])
         entries = log.entries(rows)
         self.state.log_history = [e for e in entries if e["step"] % every == 0]

@@ -10,6 +10,7 @@ validates across them.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -31,8 +32,8 @@ def check_import_path_syntax(v: str) -> str:
 def check_sendable(obj: Any, field: str, executor: str) -> None:
     """A callable given from Python that runs in another process (`executor` 'process' or 'ray') must be
     importable there by its module and name: one defined in `__main__` (a script, a notebook cell), a
-    lambda or a closure is not."""
-    if isinstance(obj, str) or executor == "thread":
+    lambda or a closure is not. An async function always runs in this process, whatever the executor."""
+    if isinstance(obj, str) or executor == "thread" or inspect.iscoroutinefunction(obj):
         return
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__qualname__)
     name = getattr(obj, "__name__", qualname)

@@ -147,19 +147,15 @@ class RolloutSettings:
 
     def sample_kwargs(self) -> dict[str, Any]:
         g = self.gen
-        # top_k, min_p and repetition_penalty go only when set: a request of a run that leaves them
-        # is the same request as before they existed.
-        filters = {
-            "top_k": (g.top_k, 0),
-            "min_p": (g.min_p, 0.0),
-            "repetition_penalty": (g.repetition_penalty, 1.0),
-        }
+        # top_k, min_p and repetition_penalty go only when set away from their defaults: a request of a
+        # run that leaves them is the same request as before they existed.
+        filters = {k: getattr(g, k) for k in ("top_k", "min_p", "repetition_penalty")}
         return {
             "temperature": g.temperature,
             "top_p": g.top_p,
             "stop": g.stop,
             "stop_token_ids": g.stop_token_ids,
-        } | {k: v for k, (v, off) in filters.items() if v != off}
+        } | {k: v for k, v in filters.items() if v != type(g).model_fields[k].default}
 
     def decode(self, ids: list[int]) -> str:
         """The model's raw text, special tokens kept (tool-call parsing, EOS detection)."""

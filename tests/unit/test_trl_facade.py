@@ -270,7 +270,13 @@ def test_a_script_callable_is_refused_where_another_process_must_import_it():
         RewardConfig(name="m", fn=main, executor="ray")
     with pytest.raises(ValueError, match=r"tools.tools\[0\]: <lambda> is a lambda"):
         ToolsConfig(tools=[lambda x: x], executor="ray")
+
+    async def async_closure(completions, **kw):
+        return [0.0] * len(completions)
+
     assert RewardConfig(name="t", fn=closure).fn is closure  # on a thread of this process: as TRL calls it
+    # an async function runs on this process's loop whatever its executor says: nothing to send
+    assert RewardConfig(name="a", fn=async_closure, executor="process").fn is async_closure
     assert RewardConfig(name="r", fn=reward, executor="process").fn is reward  # importable by its module
 
 
@@ -316,3 +322,22 @@ def test_every_field_refused_for_a_reason_says_it():
         ConfigError, match=r"^GRPOConfig.entropy_coef: 0.1 cannot be honoured: grpoflow has no equivalent"
     ):
         GRPOConfig(entropy_coef=0.1)
+
+
+def test_the_store_root_follows_a_grpoflow_override_and_a_callable_object_is_not_copied(
+    tmp_path, tiny_model_dir
+):
+    class Scorer:  # a reward with state of its own, as a callable object
+        __name__ = "scorer"
+
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    scorer = Scorer()
+    a = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=4,
+                   max_steps=1, grpoflow={"storage.root": str(tmp_path / "store")})  # fmt: skip
+    t = _trainer(tmp_path, tiny_model_dir, args=a, reward_funcs=scorer)
+    cfg = t.config("trl-root")
+    assert t.root == cfg.storage.root == str(tmp_path / "store")
+    assert cfg.data.path.startswith(str(tmp_path / "store"))  # the rows kept where the run is
+    assert cfg.rewards[0].fn is scorer
