@@ -18,7 +18,7 @@ else
 TORCH_SPEC := torch==2.13.0
 endif
 
-.PHONY: gpu-wheels help install demo demo-smollm2 demo-gemma3 test test-parallel test-unit test-integration lint format deploy bench clean
+.PHONY: gpu-wheels help install demo demo-smollm2 demo-gemma3 test test-serial test-unit test-integration lint format deploy bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -84,13 +84,14 @@ demo-smollm2: $(BIN)/.core $(VLLM_VENV)/.installed models/smollm2-135m  ## SmolL
 demo-gemma3: $(BIN)/.core $(VLLM_VENV)/.installed models/gemma3-270m  ## R1-Zero style: Gemma 3 270M, a base model, learns a plain-text answer format (~25 min on 2 cores)
 	$(BIN)/python scripts/demo.py --config configs/gemma3-r1zero.yaml --seed $(or $(SEED),0) --root $(ROOT)
 
-test: install models/smollm2-135m  ## the whole test suite (unit + integration with the real vLLM server and Prefect API; SmolLM2 converted once)
-	$(BIN)/pytest tests $(PYTEST_ARGS)
-
-# The same tests as two pytest processes side by side (tests/shards.py). On this 2-core, 24 GB machine it
-# saved 9 of 72 minutes and needed the memory lock; on a machine with more cores and memory it pays more.
-test-parallel: install models/smollm2-135m  ## the whole suite as two pytest processes side by side
+# The whole suite as two pytest processes side by side (tests/shards.py): one process keeps about half of
+# two cores busy (waiting on servers starting and processes dying); two saved 9 of 72 minutes here.
+test: install models/smollm2-135m  ## the whole test suite (unit + integration with the real vLLM server and Prefect API; SmolLM2 converted once), as two pytest processes
 	$(BIN)/python -m tests.shards $(PYTEST_ARGS)
+
+# The same tests in one pytest process: one report in order, half the memory (what CI ran until 2026-11-29).
+test-serial: install models/smollm2-135m  ## the whole test suite in one pytest process
+	$(BIN)/pytest tests $(PYTEST_ARGS)
 
 test-unit: $(BIN)/.installed  ## fast tests, no servers
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)

@@ -47,7 +47,7 @@ def learner_device(request) -> str:
     return request.config.getoption("--learner-device")
 
 
-# `make test-parallel` runs two pytest sessions side by side (tests/shards.py). A module marked `memory_heavy`
+# `make test` runs two pytest sessions side by side (tests/shards.py). A module marked `memory_heavy`
 # (several vLLM servers, hosts, a SmolLM2 learner: 10-16 GB) holds this lock for its whole run, so no
 # two such modules overlap: a LoRA flow beside the Ray hosts drill once filled this machine's 24 GB and
 # Ray's memory monitor killed the reward workers.
@@ -79,7 +79,7 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
 
     cache = getattr(request.config, "cache", None)
     out = cache.mkdir("smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")
-    with _locked(out / ".lock"):  # `make test-parallel`: the other session may be extracting it
+    with _locked(out / ".lock"):  # `make test`: the other session may be extracting it
         return save_smollm2_tokenizer(out)
 
 
@@ -98,7 +98,7 @@ def gemma3_tokenizer_dir(request, tmp_path_factory):
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """Hold an exclusive lock on the file `path` (made if missing) across processes: `make test-parallel`
+    """Hold an exclusive lock on the file `path` (made if missing) across processes: `make test`
     runs two pytest sessions side by side (tests/shards.py), and a tokenizer one extracts must not be
     read half-written by the other."""
     with open(path, "w") as lock:

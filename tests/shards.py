@@ -1,12 +1,12 @@
-"""`make test-parallel`: the whole suite as two pytest processes side by side, then one verdict.
+"""`make test`: the whole suite as two pytest processes side by side, then one verdict.
 
 One pytest process kept about half of this 2-core machine busy over test_crash (57%): the rest is
 waiting on servers starting, processes dying, subprocesses importing. Two processes fill the gaps, each
 with its own session servers (vLLM, Prefect) and its own Prefect home. Over the whole suite here it
 saved less than that suggested: 63 minutes against 72 in one process (2026-11-28, a fresh clone), the two
 shards slowing each other at a load of 6-15, and two memory-heavy modules at once filled the 24 GB
-(hence the lock of tests/conftest.py). `make test` (CI) stays one process; on a machine with more cores
-and memory this pays more.
+(hence the lock of tests/conftest.py). On a machine with more cores and memory this pays more;
+`make test-serial` runs the suite in one process.
 
 Shard B takes the unit tier and every test that touches state of the whole machine: Ray clusters, the
 hosts' network namespaces, scans of the process table for Ray ranks (test_sharded_learner), and the
@@ -17,7 +17,7 @@ Shard A streams its output; shard B writes to `<basetemp>/shard-b.log`, printed 
 ends, so each shard's report reads as one pytest run. The exit status fails if either shard fails.
 Interrupted (Ctrl-C, SIGTERM), both shards get SIGINT, so their fixtures tear down their servers.
 
-    python -m tests.shards [pytest args...]     # what `make test-parallel` runs, PYTEST_ARGS to both
+    python -m tests.shards [pytest args...]     # what `make test` runs, PYTEST_ARGS to both
 """
 
 from __future__ import annotations

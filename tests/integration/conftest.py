@@ -109,7 +109,7 @@ def counter_env_warmup(tiny_model_dir, tmp_path_factory):
 
 
 # The session's servers (3-5 GB each) are stopped after the last test that uses them, in the order the
-# session runs its tests, not at the session's end: `make test-parallel` runs two sessions side by side
+# session runs its tests, not at the session's end: `make test` runs two sessions side by side
 # (tests/shards.py), and one holding the tiny, LoRA and Gemma 3 servers to its end left the machine
 # under 2 GB of free memory.
 RELEASED = ("vllm_server", "lora_server", "gemma3_server")

@@ -3,6 +3,7 @@ deployment runs triggered through the API (the way users run grpoflow from the U
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,13 +42,28 @@ def prefect_server(tmp_path):
         wait_for(up, 180, "Prefect's server", 0.5, why=lambda: (tmp_path / "server.log").read_text()[-2000:])
         yield api, env, procs
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
         log.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to the server and its workers at once, SIGKILL to what is left of them and their children
+    10 s later: a worker's graceful shutdown took the whole 30 s it was given, each in turn (60 s of the
+    suite's time)."""
+    import psutil
+
+    tree = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree += [(parent := psutil.Process(p.pid)), *parent.children(recursive=True)]
+    for p in reversed(procs):
+        p.terminate()
+    _, left = psutil.wait_procs(tree, timeout=10)
+    for q in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            q.kill()
+    for p in procs:
+        p.wait()
 
 
 def _cli(args: list[str], env: dict) -> str:

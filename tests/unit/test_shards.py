@@ -1,4 +1,4 @@
-"""`make test-parallel`'s two shards (tests/shards.py): every test file runs in exactly one, and every
+"""`make test`'s two shards (tests/shards.py): every test file runs in exactly one, and every
 integration file that touches state of the whole machine (Ray, the hosts' namespaces, a scan of the
 process table) runs in shard B, where none of them overlaps another."""
 
