@@ -37,10 +37,10 @@ _CHUNK = 1 << 22  # elements per step of a checksum (bounds its int64 temporarie
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The elements' bit patterns as int64 (a float's bits, an integer's value), flat."""
-    return _raw(t).to(torch.int64)
+    return raw_bits(t).to(torch.int64)
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
     """The elements' bit patterns in their own width (a float's bits as the same-size integer), flat."""
     flat = t.detach().reshape(-1)
     return flat.view(_BITS[flat.element_size()]) if flat.dtype.is_floating_point else flat
@@ -56,18 +56,18 @@ def _weights(name: str, idx: torch.Tensor) -> torch.Tensor:
     return ((idx + _seed(name)) * _MIX) | 1
 
 
-def _wrap(x: int) -> int:
+def wrap64(x: int) -> int:
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def tensor_checksum(name: str, t: torch.Tensor) -> int:
     """One tensor's share of `checksum` (a signed 64-bit integer)."""
-    raw, seed, total = _raw(t), _seed(name), 0
+    raw, seed, total = raw_bits(t), _seed(name), 0
     for lo in range(0, raw.numel(), _CHUNK):  # int64 temporaries of one chunk at a time
         part = raw[lo : lo + _CHUNK].to(torch.int64)
         w = torch.arange(lo, lo + part.numel(), dtype=torch.int64).add_(seed).mul_(_MIX).bitwise_or_(1)
         total += int(part.mul_(w).sum())
-    return _wrap(total)
+    return wrap64(total)
 
 
 def _whole_change(name: str, new: torch.Tensor, old: torch.Tensor | None) -> int:
@@ -75,14 +75,14 @@ def _whole_change(name: str, new: torch.Tensor, old: torch.Tensor | None) -> int
     return tensor_checksum(name, new) - (tensor_checksum(name, old) if old is not None else 0)
 
 
-def _elements_change(name: str, idx: torch.Tensor, was: torch.Tensor, now: torch.Tensor) -> int:
+def elements_change(name: str, idx: torch.Tensor, was: torch.Tensor, now: torch.Tensor) -> int:
     """What the elements at flat indices `idx` changing from `was` to `now` change in the checksum."""
     return int(((_bits(now) - _bits(was)) * _weights(name, idx)).sum())
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> int:
     """The checksum of a set of named tensors (the module doc), as a signed 64-bit integer."""
-    return _wrap(sum(tensor_checksum(n, t) for n, t in tensors.items()))
+    return wrap64(sum(tensor_checksum(n, t) for n, t in tensors.items()))
 
 
 def make_delta(
@@ -98,18 +98,18 @@ def make_delta(
             out[name] = t.detach().clone()
             change += _whole_change(name, t, old)
             continue
-        now, was = _raw(t), _raw(old)  # compared in their own width: no int64 copy of the model
+        now, was = raw_bits(t), raw_bits(old)  # compared in their own width: no int64 copy of the model
         idx = torch.nonzero(now != was).reshape(-1)
         if idx.numel() == 0:
             continue
-        change += _elements_change(name, idx, was[idx], now[idx])
+        change += elements_change(name, idx, was[idx], now[idx])
         small = now.numel() < 2**31
         if idx.numel() * ((4 if small else 8) + t.element_size()) >= now.numel() * t.element_size():
             out[name] = t.detach().clone()  # cheaper whole
         else:
             vals = t.detach().reshape(-1)[idx].clone()
             out[name + IDX], out[name + VAL] = idx.to(torch.int32) if small else idx, vals
-    return out, _wrap(change)
+    return out, wrap64(change)
 
 
 def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> tuple[list[str], int]:
@@ -124,7 +124,7 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -
             target, values = base[name], delta[name + VAL]
             flat = target.view(-1)
             idx = t.to(torch.int64)
-            change += _elements_change(name, idx, flat[idx], values)
+            change += elements_change(name, idx, flat[idx], values)
             flat[idx] = values.to(target.dtype)
         else:
             name = key
@@ -135,7 +135,7 @@ def apply_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -
             else:
                 base[name] = t.clone()
         names.append(name)
-    return names, _wrap(change)
+    return names, wrap64(change)
 
 
 def delta_bytes(delta: dict[str, torch.Tensor]) -> int:

@@ -77,6 +77,11 @@ class _UploadCreate(TypedDict):
 
 class UploadCreate(_UploadCreate, total=False):
     recycle: str  # a committed version whose files the upload overwrites in place
+    # A committed version this one is made from: a declared file `X` + DELTA_SUFFIX is a delta
+    # (server/delta.py's tensors, as safetensors) applied to the base's `X`; the base's other files not
+    # declared are carried over (server/delta_file.py).
+    base: str
+    checksums: bool  # the commit answers the checksum of every safetensors file (a full pass if needed)
 
 
 class UploadCreated(TypedDict):
@@ -89,8 +94,14 @@ class ChunkWritten(TypedDict):
     written: int
 
 
-class Committed(TypedDict):
+class _Committed(TypedDict):
     path: str  # the version's absolute path on the server's host
+
+
+class Committed(_Committed, total=False):
+    # safetensors file -> server/delta.py's checksum of its tensors: those of a version made from a
+    # base, or of any version whose create asked for them
+    checksums: dict[str, int]
 
 
 class Aborted(TypedDict):
@@ -129,6 +140,7 @@ def fields(shape: type) -> tuple[str, ...]:
 # -- files, headers, worker RPCs, environment -------------------------------------------------------
 
 MANIFEST = ".grpoflow-upload.json"  # in every committed upload: what marks a dir as a version
+DELTA_SUFFIX = ".delta"  # an uploaded `X.delta` is a delta of the base version's file `X`
 PROBE_PREFIX = ".grpoflow-probe-"  # + 32 hex digits: the only files the probe route reads
 PROBE_NAME = re.compile(re.escape(PROBE_PREFIX) + r"[0-9a-f]{32}")
 AUTHORIZATION, BEARER = "Authorization", "Bearer"  # `Authorization: Bearer <key>`

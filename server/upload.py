@@ -105,7 +105,7 @@ class WeightUpload:
         self.root = os.path.abspath(folder) if folder else None
         self.max_bytes = int(os.environ.get(UPLOAD_MAX_BYTES_ENV) or DEFAULT_MAX_BYTES)
         self.uploads: dict[str, Upload] = {}
-        self.committed: dict[str, str] = {}  # upload id -> the version's path
+        self.committed: dict[str, Committed] = {}  # upload id -> the commit's answer
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -175,7 +175,16 @@ class WeightUpload:
             recycle = store.relative_name(recycle, "recycle", hidden=False)
             if recycle == name:
                 raise Refused(400, "field 'recycle': a version cannot be recycled into itself")
-        up = Upload(upload_id, name, staging, {p: File(n) for p, n in files.items()}, recycle=recycle)
+        base = req.get("base")
+        if base is not None:
+            base = store.relative_name(base, "base", hidden=False)
+            if base == name:
+                raise Refused(400, "field 'base': a version cannot be made from itself")
+        checksums = req.get("checksums", False)
+        if not isinstance(checksums, bool):
+            raise Refused(400, f"field 'checksums' must be true or false, not {checksums!r}")
+        declared = {p: File(n) for p, n in files.items()}
+        up = Upload(upload_id, name, staging, declared, recycle=recycle, base=base, checksums=checksums)
         now = time.monotonic()
         for old in list(self.uploads.values()):  # one writer per name; an idle one is abandoned
             if not old.committing and (old.name == name or now - old.touched > IDLE_S):
@@ -218,7 +227,7 @@ class WeightUpload:
 
     async def _commit(self, upload_id: str) -> dict:
         if upload_id in self.committed:
-            return Committed(path=self.committed[upload_id])
+            return self.committed[upload_id]
         up = self._live(upload_id)
         if up.committing:
             raise Refused(503, f"upload {upload_id} ({up.name}) is being committed: try again")
@@ -226,7 +235,7 @@ class WeightUpload:
             raise Refused(503, f"upload {upload_id} ({up.name}) has a chunk still being written: try again")
         up.committing = True
         try:
-            await asyncio.to_thread(store.verify, up)
+            checksums = await asyncio.to_thread(store.verify, up, self.root)
             path = await asyncio.to_thread(store.publish, self.root, up)
         except BaseException as e:
             up.committing = False
@@ -235,10 +244,11 @@ class WeightUpload:
                 await asyncio.to_thread(shutil.rmtree, up.staging, True)
             raise
         self.uploads.pop(up.id, None)
-        self.committed[up.id] = path
+        answer = Committed(path=path, checksums=checksums) if checksums else Committed(path=path)
+        self.committed[up.id] = answer
         while len(self.committed) > KEEP_COMMITTED:
             del self.committed[next(iter(self.committed))]
-        return Committed(path=path)
+        return answer
 
     async def _abort(self, up: Upload) -> dict:
         if up.committing:

@@ -1,6 +1,8 @@
 """The upload directory of upload.WeightUpload (its module doc has the protocol): the names it
 accepts, the staging dirs, the writes, and the check and publication of a version. Everything here
-touches the disk, so the middleware calls it on a thread. Standard library only.
+touches the disk, so the middleware calls it on a thread. Standard library only, but for a version made
+from a base (a delta push) or whose checksums are asked for: those import delta_file.py (torch and
+safetensors, vLLM's own) when they run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from grpoflow.server.protocol import MANIFEST
+from grpoflow.server.protocol import DELTA_SUFFIX, MANIFEST
 
 STAGING, TRASH = ".incoming-", ".trash-"
 MAX_FILES, MAX_DEPTH, MAX_NAME = 10_000, 8, 1024
@@ -57,6 +59,8 @@ class Upload:
     touched: float = field(default_factory=time.monotonic)
     committing: bool = False
     recycle: str | None = None  # a committed version whose files this upload overwrites in place
+    base: str | None = None  # a committed version this one is made from (protocol.UploadCreate)
+    checksums: bool = False  # the commit computes every safetensors file's checksum it does not know
 
     def writing(self) -> bool:
         return any(f.writing for f in self.files.values())
@@ -160,6 +164,8 @@ def prepare(root: str, up: Upload, live: set[str]) -> None:
         if entry.startswith(TRASH) or (entry.startswith(STAGING) and entry[len(STAGING) :] not in live):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     total, free = sum(f.size for f in up.files.values()), shutil.disk_usage(root).free
+    if up.base is not None:  # its files are written too
+        total += sum(os.path.getsize(os.path.join(root, up.base, rel)) for rel in _files_of(root, up.base))
     if total > free:
         raise Refused(507, f"{up.name}: {total} bytes do not fit in the {free} free under {root}")
     if not (up.recycle and _take(root, up)):
@@ -186,12 +192,26 @@ def _take(root: str, up: Upload) -> bool:
             return False
         os.rename(source, up.staging)
     os.unlink(os.path.join(up.staging, MANIFEST))
+    if up.base is not None:  # the files made from the base go over these; the commit drops the rest
+        return True
     for folder, _, names in os.walk(up.staging, topdown=False):
         for n in names:
             rel = os.path.relpath(os.path.join(folder, n), up.staging).replace(os.sep, "/")
             if rel not in up.files:
                 os.unlink(os.path.join(folder, n))
     return True
+
+
+def _files_of(root: str, name: str) -> list[str]:
+    """The files of the committed version `name` (a 404 if there is none), its manifest left out."""
+    relative_name(name, "base", hidden=False)
+    folder = os.path.join(root, name)
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        raise Refused(404, f"base {name!r}: no such uploaded version on this server")
+    out = []
+    for here, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(here, n), folder).replace(os.sep, "/") for n in names]
+    return sorted(r for r in out if r != MANIFEST)
 
 
 def write(up: Upload, rel: str, offset: int, pieces: list[bytes], crc: int) -> int:
@@ -219,9 +239,11 @@ def write(up: Upload, rel: str, offset: int, pieces: list[bytes], crc: int) -> i
     return crc
 
 
-def verify(up: Upload) -> None:
+def verify(up: Upload, root: str) -> dict[str, int]:
     """Every file has its declared size and every byte of it came in a chunk that matched its CRC-32
-    (a 422 naming the file and the range if not), and is on disk; then the manifest is written."""
+    (a 422 naming the file and the range if not), and is on disk; a version made from a base is
+    completed from it (`derive`); then the manifest is written. The checksums known (`derive`'s, and
+    with `up.checksums` every safetensors file's)."""
     for rel, f in up.files.items():
         path = os.path.join(up.staging, rel)
         size = os.stat(path).st_size
@@ -238,13 +260,73 @@ def verify(up: Upload) -> None:
         rel: {"size": f.size, "chunks": [[at, *f.checked[at]] for at in sorted(f.checked)]}
         for rel, f in up.files.items()
     }
+    derived, sums = derive(root, up) if up.base is not None else ({}, {})
+    files = {rel: v for rel, v in files.items() if not rel.endswith(DELTA_SUFFIX) or up.base is None}
+    if up.checksums:
+        sums |= _checksums(up.staging, {*files, *derived} - set(sums))
     manifest = {"name": up.name, "upload": up.id, "committed_at": time.time(), "files": files}
+    manifest |= {"base": up.base, "derived": derived, "checksums": sums}
     with open(os.path.join(up.staging, MANIFEST), "w") as out:
         json.dump(manifest, out, indent=1, sort_keys=True)
         out.flush()
         os.fsync(out.fileno())
     for folder, _, _ in os.walk(up.staging):
         _fsync(folder)
+    return sums
+
+
+def derive(root: str, up: Upload) -> tuple[dict[str, str], dict[str, int]]:
+    """Complete the staging dir from the base version: each base file not uploaded is made from its
+    delta (`X` + DELTA_SUFFIX, server/delta_file.py) or copied; the deltas and anything else not part
+    of the version (a recycled dir's leftovers) are removed. ({file: "delta" or "copy"}, the checksums
+    that follow from the base's manifest). A delta that does not apply is a 422 naming it."""
+    from safetensors.torch import load_file
+
+    from grpoflow.server import delta_file  # torch and safetensors: only for a version made from a base
+
+    base_dir = os.path.join(root, up.base)
+    base_files = _files_of(root, up.base)
+    with open(os.path.join(base_dir, MANIFEST)) as f:
+        known = json.load(f).get("checksums") or {}
+    deltas = {rel for rel in up.files if rel.endswith(DELTA_SUFFIX)}
+    if orphans := sorted(d for d in deltas if d.removesuffix(DELTA_SUFFIX) not in base_files):
+        raise Refused(422, f"{up.name}: {orphans[0]} is a delta of a file the base {up.base} does not have")
+    derived, sums = {}, {}
+    for rel in base_files:
+        if rel in up.files:
+            continue
+        src, out = os.path.join(base_dir, rel), os.path.join(up.staging, rel)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if rel + DELTA_SUFFIX in deltas:
+            try:
+                delta = load_file(os.path.join(up.staging, rel + DELTA_SUFFIX))
+                change = delta_file.materialize(src, delta, out)
+            except (ValueError, OSError) as e:
+                raise Refused(422, f"{up.name}: {rel + DELTA_SUFFIX} does not apply to {up.base}: {e}") from e
+            derived[rel] = "delta"
+            if rel in known:
+                sums[rel] = delta_file.wrap64(known[rel] + change)
+        else:
+            delta_file.copy_file(src, out)
+            derived[rel] = "copy"
+            if rel in known:
+                sums[rel] = known[rel]
+        _fsync(out)
+    keep = (set(up.files) - deltas) | set(derived)
+    for folder, _, names in os.walk(up.staging, topdown=False):
+        for n in names:
+            if os.path.relpath(os.path.join(folder, n), up.staging).replace(os.sep, "/") not in keep:
+                os.unlink(os.path.join(folder, n))
+    return derived, sums
+
+
+def _checksums(folder: str, files: set[str]) -> dict[str, int]:
+    """server/delta.py's checksum of each safetensors file among `files` (a full pass over each)."""
+    from grpoflow.server.delta_file import checksum_of  # torch: only when a client asks
+
+    return {
+        rel: checksum_of(os.path.join(folder, rel)) for rel in sorted(files) if rel.endswith(".safetensors")
+    }
 
 
 def publish(root: str, up: Upload) -> str:

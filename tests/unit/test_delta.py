@@ -115,3 +115,58 @@ def test_the_full_checksum_is_the_sum_the_incremental_one_updates():
         d._CHUNK = old
     assert _same(d.tensor_checksum("layer.q", t), by_element)
     assert not _same(d.tensor_checksum("layer.k", t), by_element)  # the name is in the weights
+
+
+# -- a version's file made from its base's file and a delta (server/delta_file.py) ---------------------
+
+
+def _file(tmp_path, name: str, tensors: dict[str, torch.Tensor]):
+    from grpoflow.tasks.push.weights import write_safetensors
+
+    path = tmp_path / name
+    write_safetensors(tensors, path)
+    return path
+
+
+def test_a_file_made_from_its_base_and_a_delta_is_the_new_version_byte_for_byte(tmp_path):
+    from grpoflow.server.delta_file import checksum_of, materialize
+
+    master = _model()
+    base = dict(_bf16(master), steps=torch.tensor([3], dtype=torch.int64))  # a non-float tensor stays
+    _step(master, lr=1e-5)
+    new = dict(_bf16(master), steps=base["steps"])
+    new["norm"] = torch.full((32,), 2.0, dtype=torch.bfloat16)  # one tensor whole
+    delta, change = make_delta(base, new)
+    assert "norm" in delta and "embed" + IDX in delta
+    base_file, want = _file(tmp_path, "base.safetensors", base), _file(tmp_path, "want.safetensors", new)
+    out = tmp_path / "out.safetensors"
+    made = materialize(str(base_file), delta, str(out))
+    assert out.read_bytes() == want.read_bytes()
+    assert made == change and _same(checksum_of(str(base_file)) + made, checksum_of(str(out)))
+    assert _same(checksum_of(str(out)), checksum(new))  # the learner's checksum of what it holds
+    # over a recycled version's file, longer than the new one: written over in place, cut to length
+    out.write_bytes(b"\xff" * (want.stat().st_size + 4096))
+    materialize(str(base_file), delta, str(out))
+    assert out.read_bytes() == want.read_bytes()
+
+
+def test_a_delta_that_does_not_fit_the_base_file_is_refused_and_writes_nothing(tmp_path):
+    from grpoflow.server.delta_file import materialize
+
+    base = _bf16(_model())
+    base_file = _file(tmp_path, "base.safetensors", base)
+    out = tmp_path / "out.safetensors"
+    cases = {
+        "'extra' is not in the base file": {"extra": torch.ones(3, dtype=torch.bfloat16)},
+        r"'norm' is torch.bfloat16 \[16\]": {"norm": torch.ones(16, dtype=torch.bfloat16)},
+        r"'norm' is torch.float32 \[32\]": {"norm": torch.ones(32)},
+        "'layer.q': indices outside": {
+            "layer.q" + IDX: torch.tensor([5, 1024], dtype=torch.int32),
+            "layer.q" + VAL: torch.ones(2, dtype=torch.bfloat16),
+        },
+        r"'layer.q': layer.q@val missing": {"layer.q" + IDX: torch.tensor([5], dtype=torch.int32)},
+    }
+    for message, delta in cases.items():
+        with pytest.raises(ValueError, match=message):
+            materialize(str(base_file), delta, str(out))
+        assert not out.exists(), message
