@@ -30,7 +30,7 @@ import torch
 
 from grpoflow.server.delta import IDX, VAL, elements_change, raw_bits, tensor_checksum, wrap64
 
-__all__ = ["checksum_of", "copy_file", "layout", "materialize", "wrap64"]
+__all__ = ["checksum_of", "copy_file", "layout", "materialize", "tensor_view", "wrap64"]
 
 _DTYPES = {
     "BF16": torch.bfloat16,
@@ -57,7 +57,7 @@ def layout(path: str) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def _view(buf, entry: dict, start: int) -> torch.Tensor:
+def tensor_view(buf, entry: dict, start: int) -> torch.Tensor:
     """The tensor `entry` describes, flat, sharing the memory of `buf` (a writable mmap)."""
     lo, hi = entry["data_offsets"]
     dtype = _DTYPES[entry["dtype"]]
@@ -71,7 +71,7 @@ def checksum_of(path: str) -> int:
     """delta.py's checksum of every tensor in the safetensors file at `path`."""
     header, start = layout(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buf:
-        total = sum(tensor_checksum(name, _view(buf, e, start)) for name, e in header.items())
+        total = sum(tensor_checksum(name, tensor_view(buf, e, start)) for name, e in header.items())
     return wrap64(total)
 
 
@@ -95,7 +95,7 @@ def materialize(base: str, delta: dict[str, torch.Tensor], out: str) -> int:
             if key.endswith(VAL):
                 continue
             name = key[: -len(IDX)] if key.endswith(IDX) else key
-            target = _view(buf, header[name], start)
+            target = tensor_view(buf, header[name], start)
             if key.endswith(IDX):
                 idx = t.to(torch.int64)
                 values = delta[name + VAL].to(target.dtype)

@@ -6,7 +6,7 @@ import os
 
 from pydantic import Field, model_validator
 
-from grpoflow.tasks.config.choices import SyncBackend, SyncTransport
+from grpoflow.tasks.config.choices import SyncBackend, SyncDelta, SyncTransport
 from grpoflow.tasks.config.section import Section
 
 API_KEY_ENV = "GRPOFLOW_API_KEY"
@@ -108,4 +108,13 @@ class SyncConfig(Section):
         "grpoflow starts: the run's own, `grpoflow serve`, policy-server); 'auto' asks each server "
         "whether it can read the learner's files and picks 'path' if so, else 'network'. A server that "
         "cannot take the transport chosen fails the run before its first step.",
+    )
+    delta: SyncDelta = Field(
+        "auto",
+        description="Delta pushes over the network (tasks/push/delta_push.py): 'auto' sends a server that "
+        "holds the previous version only the weights' elements that changed (bf16 or f16 weights: "
+        "model.dtype bfloat16; float32 versions always go whole), which the server applies to make the "
+        "whole version and checks against the learner's checksum; a server that restarted, missed a "
+        "push or refused the delta gets the version whole. 'off': every version goes whole. Versions "
+        "sent by path are read whole by the server either way.",
     )

@@ -39,6 +39,7 @@ from pathlib import Path
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.tasks.config.choices import SyncBackend
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+from grpoflow.tasks.push.delta_push import Deltas
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from grpoflow.tasks.push.push_api import Sent, WeightPush, WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.push.reload import (
@@ -88,6 +89,7 @@ class PushStats:
     upload_seconds: float = 0.0  # the slowest server's upload (network transport)
     upload_bytes: int = 0  # bytes sent over the network, all servers together
     network_servers: int = 0  # servers that received the version over the network
+    delta_servers: int = 0  # of those, the ones sent only what changed (tasks/push/delta_push.py)
 
     def metrics(self) -> dict[str, float]:
         """The `steps` table's sync/ columns."""
@@ -101,6 +103,7 @@ class PushStats:
             "sync/upload_seconds": self.upload_seconds,
             "sync/upload_bytes": float(self.upload_bytes),
             "sync/network_servers": float(self.network_servers),
+            "sync/delta_servers": float(self.delta_servers),
         }
 
 
@@ -126,8 +129,10 @@ class CheckpointPush:
         self.weights = weights_store(root)
         # On a server's disk as on the learner's, a full-weights version recycles the one retention
         # drops next (MergedLoraPush, whose adapters are small, makes new ones).
+        # Deltas: full-weights versions only (an adapter is small already).
+        deltas = Deltas() if self.how == RELOAD and sync.delta == "auto" else None
         self.transport = Transport(
-            run_id, sync.transport, recycle=sync.keep_last if self.how == RELOAD else None
+            run_id, sync.transport, recycle=sync.keep_last if self.how == RELOAD else None, deltas=deltas
         )
 
     def save(self, write: Callable[[Path], None], version: int) -> str:
@@ -139,7 +144,10 @@ class CheckpointPush:
 
     def forget(self) -> None:
         self.weights.prune(self.run_id, self.sync.keep_last)
-        self.transport.forget(self.weights.list(self.run_id), self.client)  # servers' copies too
+        kept = self.weights.list(self.run_id)
+        self.transport.forget(kept, self.client)  # servers' copies too
+        if self.transport.deltas is not None and kept:
+            self.transport.deltas.forget(self.weights.path(self.run_id, kept[-1]))
 
     def model_name(self, version: int) -> None:
         return None  # the server's model: a version replaces its weights
@@ -239,6 +247,7 @@ def push_version(
         upload_seconds=max((s.seconds for s in sent), default=0.0),
         upload_bytes=sum(s.bytes for s in sent),
         network_servers=len(sent),
+        delta_servers=sum(s.delta for s in sent),
     )
 
 

@@ -25,7 +25,8 @@ class WeightPushUnavailableError(WeightPushError, InferenceUnavailableError):
 @dataclass(frozen=True)
 class Sent:
     """How one version reached one server (tasks/push/transport.py): `transport` PATH or NETWORK, the
-    version's `path` on the server's host, and for NETWORK the bytes sent and the upload's seconds."""
+    version's `path` on the server's host, and for NETWORK the bytes sent, the upload's seconds and
+    whether it went as a delta (tasks/push/delta_push.py)."""
 
     PATH: ClassVar[str] = "path"
     NETWORK: ClassVar[str] = "network"
@@ -34,6 +35,7 @@ class Sent:
     path: str
     bytes: int = 0
     seconds: float = 0.0
+    delta: bool = False  # NETWORK: only what changed since the server's last version was sent
 
 
 class WeightPush(Protocol):

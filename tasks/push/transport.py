@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
+import logging
 import secrets
 import threading
 import time
@@ -38,12 +40,14 @@ from pathlib import Path
 
 from grpoflow.server.protocol import PROBE_PREFIX, UPLOAD_DIR_ENV
 from grpoflow.tasks.config.choices import SyncTransport
+from grpoflow.tasks.push.delta_push import Deltas
 from grpoflow.tasks.push.push_api import Sent, WeightPushError
-from grpoflow.tasks.push.upload import local_files, upload_dir
+from grpoflow.tasks.push.upload import WeightUploadError, local_files, upload_version
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError
 
 PATH, NETWORK = Sent.PATH, Sent.NETWORK
+log = logging.getLogger(__name__)
 
 
 class TransportError(WeightPushError):
@@ -55,10 +59,19 @@ class Transport:
     """The transport of each server a run's pusher loads into: chosen at its first load by `mode`
     (the module doc), then kept."""
 
-    def __init__(self, run_id: str, mode: SyncTransport = "auto", recycle: int | None = None):
-        self.run_id, self.mode, self.recycle = run_id, mode, recycle
+    def __init__(
+        self,
+        run_id: str,
+        mode: SyncTransport = "auto",
+        recycle: int | None = None,
+        deltas: Deltas | None = None,
+    ):
+        self.run_id, self.mode, self.recycle, self.deltas = run_id, mode, recycle, deltas
         self._lock = threading.Lock()  # a reviver thread may load while the run's push forgets
         self._chosen: dict[str, str] = {}  # server URL -> PATH or NETWORK
+        # server URL -> (name, learner's dir) of the last version uploaded to it whole or checked: the
+        # base of its next delta
+        self._uploaded: dict[str, tuple[str, str]] = {}
 
     def chosen(self) -> dict[str, str]:
         """Server URL -> the transport its versions take, for the servers loaded into so far."""
@@ -84,17 +97,75 @@ class Transport:
         if await self.choose(client, path) == PATH:
             return Sent(PATH, path)
         t0 = time.perf_counter()
-        recycle = None
-        if reuse or self.recycle:
-            root, held = await client.uploaded()  # one request for both
+        recycle, base = None, None
+        if reuse or self.recycle or self.deltas is not None:
+            root, held = await client.uploaded()  # one request for all three
             if reuse and name in held:
                 return Sent(NETWORK, f"{root}/{name}", 0, time.perf_counter() - t0)
+            with self._lock:
+                base = self._uploaded.get(client.base_url)
+            base = base if base is not None and base[0] in held and base[0] != name else None
             mine = sorted(v for v in held if v.startswith(f"{self.run_id}/v") and v != name)
-            if self.recycle and len(mine) >= self.recycle and f"{root}/{mine[0]}" != serving:
-                recycle = mine[0]
-        remote = await upload_dir(client, path, name, recycle=recycle)
-        size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))
-        return Sent(NETWORK, remote, size, time.perf_counter() - t0)
+            mine = [v for v in mine if base is None or v != base[0]]  # the delta's base stays
+            if self.recycle and mine and len(mine) + (base is not None) >= self.recycle:
+                recycle = mine[0] if f"{root}/{mine[0]}" != serving else None
+        sums = self.deltas is not None and not reuse and await asyncio.to_thread(self.deltas.applies, path)
+        sent = None
+        if sums and base is not None:
+            sent = await self._send_delta(client, path, name, recycle, base)
+        if sent is None:
+            answer = await upload_version(client, path, name, recycle=recycle, checksums=sums)
+            if sums:
+                await self._check(client, path, name, answer)
+            size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))
+            sent = Sent(NETWORK, answer["path"], size)
+        if sums:
+            with self._lock:
+                self._uploaded[client.base_url] = (name, path)
+        return dataclasses.replace(sent, seconds=time.perf_counter() - t0)
+
+    async def _send_delta(
+        self, client: VLLMClient, path: str, name: str, recycle: str | None, base: tuple[str, str]
+    ) -> Sent | None:
+        """Upload the version in `path` as its delta from `base` (the name of the server's copy, the
+        learner's dir), None when it should go whole instead: no delta pays, or the server refused it or
+        made a version whose checksum is not the learner's (its base differed), which is deleted."""
+        folder = await asyncio.to_thread(self.deltas.delta, base[1], path)
+        if folder is None:
+            return None
+        try:
+            answer = await upload_version(client, folder, name, recycle=recycle, base=base[0])
+        except WeightUploadError as e:
+            if not isinstance(e.__cause__, InferenceHTTPError) or e.__cause__.status not in (404, 422):
+                raise
+            log.warning(
+                "%s refused the delta of %s from %s; sending it whole: %s", client.base_url, name, base[0], e
+            )
+            return None
+        want = await asyncio.to_thread(self.deltas.checksums, path)
+        if answer.get("checksums") != want:
+            log.warning(
+                "%s made %s from %s with checksums %s, the learner's are %s; sending it whole",
+                client.base_url,
+                name,
+                base[0],
+                answer.get("checksums"),
+                want,
+            )
+            with contextlib.suppress(InferenceError):
+                await client.delete_uploaded_version(name)
+            return None
+        size = sum(n for _, n in await asyncio.to_thread(local_files, folder))
+        return Sent(NETWORK, answer["path"], size, delta=True)
+
+    async def _check(self, client: VLLMClient, path: str, name: str, answer: dict) -> None:
+        """A version sent whole holds what the learner's does (the base of the next delta)."""
+        want = await asyncio.to_thread(self.deltas.checksums, path)
+        if answer.get("checksums") != want:
+            raise WeightPushError(
+                f"the vLLM server at {client.base_url} holds {name} with checksums {answer.get('checksums')}, "
+                f"the learner's {path} has {want}: its disk changed the bytes after they were checked"
+            )
 
     async def choose(self, client: VLLMClient, path: str) -> str:
         """The server's transport (asked at its first load, the module doc)."""

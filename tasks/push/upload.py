@@ -25,6 +25,7 @@ import os
 import zlib
 from pathlib import Path
 
+from grpoflow.server.protocol import Committed
 from grpoflow.storage.faults import failpoint
 from grpoflow.tasks.push.push_api import WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.rollouts.inference import VLLMClient
@@ -70,12 +71,35 @@ async def upload_dir(
                 commit_timeout_s=commit_timeout_s,
                 recycle=recycle,
             )
+    options = {"chunk_bytes": chunk_bytes, "streams": streams, "commit_timeout_s": commit_timeout_s}
+    return (await upload_version(server, local_dir, name, recycle=recycle, **options))["path"]
+
+
+async def upload_version(
+    server: VLLMClient,
+    local_dir: str | Path,
+    name: str,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    streams: int = STREAMS,
+    commit_timeout_s: float = COMMIT_TIMEOUT_S,
+    recycle: str | None = None,
+    base: str | None = None,
+    checksums: bool = False,
+) -> Committed:
+    """`upload_dir`, made from the committed version `base` if given (the files under `local_dir` are
+    then what differs from it: deltas, server/delta_file.py), with `checksums` asked of the commit;
+    the commit's answer (the version's path, and its weights files' checksums)."""
     local = Path(local_dir)
     files = await asyncio.to_thread(local_files, local)
     sending: list[str] = []  # the file of the chunk that failed, for the error
     try:
         upload_id = await server.upload_begin(
-            name, [{"path": rel, "size": size} for rel, size in files], recycle
+            name,
+            [{"path": rel, "size": size} for rel, size in files],
+            recycle,
+            base=base,
+            checksums=checksums,
         )
     except InferenceError as e:
         raise _failed(server, local, name, None, e) from e

@@ -174,13 +174,27 @@ class ServerControl:
     # -- weight versions sent as bytes (grpoflow.server.upload; a server without the
     # middleware, or started without an upload dir, answers these with 404) -----------------------
 
-    async def upload_begin(self, name: str, files: list[dict[str, Any]], recycle: str | None = None) -> str:
+    async def upload_begin(
+        self,
+        name: str,
+        files: list[dict[str, Any]],
+        recycle: str | None = None,
+        *,
+        base: str | None = None,
+        checksums: bool = False,
+    ) -> str:
         """Start an upload of the version `name` ({"path", "size"} per file) into the server's upload
-        dir (over the files of the committed version `recycle`, which it replaces); its id. A retried
-        create that had reached the server is superseded by the next one."""
+        dir (over the files of the committed version `recycle`, which it replaces; made from the
+        committed version `base` and the deltas among the files; its commit answering the checksums of
+        its weights files with `checksums`); its id. A retried create that had reached the server is
+        superseded by the next one."""
         body = wire.UploadCreate(name=name, files=files)
         if recycle:
             body["recycle"] = recycle
+        if base:
+            body["base"] = base
+        if checksums:
+            body["checksums"] = True
         text = await self._request("POST", wire.UPLOADS, json_body=body, retry_status=_NOT_500)
         return json_object(text, f"POST {self.base_url}{wire.UPLOADS}", fields(wire.UploadCreated))["upload"]
 
@@ -195,14 +209,15 @@ class ServerControl:
             retry_status=_NOT_500,
         )
 
-    async def upload_commit(self, upload_id: str, *, timeout_s: float) -> str:
+    async def upload_commit(self, upload_id: str, *, timeout_s: float) -> wire.Committed:
         """Publish the version once every byte of every file has come in a chunk that matched its
-        CRC-32; its path on the server's host. A file not covered is an InferenceHTTPError 422 naming it
-        (the upload is gone)."""
+        CRC-32; its path on the server's host (and its checksums, when the create asked or named a
+        base). A file not covered, or a delta that does not apply to its base, is an InferenceHTTPError
+        422 naming it (the upload is gone)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.control_timeout.sock_connect)
         where = wire.upload_route(upload_id, wire.COMMIT)
         text = await self._request("POST", where, json_body={}, timeout=timeout, retry_status=_NOT_500)
-        return json_object(text, f"POST {self.base_url}{where}", fields(wire.Committed))["path"]
+        return json_object(text, f"POST {self.base_url}{where}", fields(wire.Committed))
 
     async def upload_abort(self, upload_id: str, *, retries: int = 1) -> None:
         """Drop an upload in progress and what it wrote."""
