@@ -16,6 +16,10 @@ by its path: the server's workers share its host's disk.
   instead, its files overwritten in place (the pusher names one it is about to drop). Stale uploads are swept here, the one rule being "one writer per name": an
   unfinished upload of the same name (a pusher that died and tries again), one idle for an hour, and
   any staging dir no upload of this process owns (a restarted server's leftovers) are removed.
+  With "base": "<a committed version>" (a delta push: tasks/push/delta_push.py) the version is made
+  from that one: a declared file `X.delta` is a delta of the base's `X` (server/delta_file.py), and the
+  base's files not declared are carried over; with "checksums": true the commit also answers the
+  checksum of every safetensors file (server/delta.py).
 - `PUT /grpoflow/uploads/<id>/<file path>?offset=K&crc32=C`, the raw bytes as the body, C their CRC-32
   as 8 hex digits -> {"written": n}: streamed to the file at offset K as `receive()` yields it (at
   most about WRITE_BATCH bytes held, each batch written with one pwritev on a thread, its writeback
@@ -31,7 +35,9 @@ by its path: the server's workers share its host's disk.
   fsynced, a manifest `.grpoflow-upload.json` (sizes, and each chunk's range and CRC-32) written, and
   the staging dir renamed to `<dir>/<name>` (a version already there is renamed aside first, then
   deleted). A commit already running, or one while a PUT of the upload runs, answers 503 (a retry
-  waits for it); one that succeeded answers its path again.
+  waits for it); one that succeeded answers its path again. A version made from a base is completed
+  before its manifest is written (a delta that does not fit its base file: 422, nothing published), and
+  its answer has "checksums": the base's (kept in its manifest) plus each delta's change.
 - `POST /grpoflow/probe` {"path": "/abs/dir/.grpoflow-probe-<32 hex>"} -> {"sha256": hex or null,
   "uploads": bool}: whether this server's host can read a file the pusher just wrote beside its
   weights (the digest of its content, null when it cannot be read) and whether uploads are on. Answered

@@ -20,9 +20,12 @@ On a server's disk, versions are named `<run>/v<NNNNNN>`; after each push those 
 longer keeps are deleted from every server that received them (`forget`), so a server's disk holds
 what `sync.keep_last` (and the `lora` backend's grace) keeps on the learner's.
 
-Neither deltas nor compression: a full-weights version changes every tensor (the optimizer updates
-them all), and bf16/fp32 weights compress by a few percent at a CPU cost far above the bridge's
-transfer time (BENCHMARKS.md, "Weights over the network").
+Over the network, a full-weights version in bf16 goes as a delta (`sync.delta: auto`,
+tasks/push/delta_push.py) to a server that holds this run's last upload: only the elements whose bits
+changed, from which the server makes the whole version on its disk (server/delta_file.py); the
+checksum it answers must be the learner's, else the version goes whole. Float32 versions always go
+whole (a step changes every element), and no version is compressed: bf16/fp32 weights compress by a few
+percent at a CPU cost far above the bridge's transfer time (BENCHMARKS.md, "Weights over the network").
 """
 
 from __future__ import annotations

@@ -176,6 +176,27 @@ def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remot
     assert gap(load(tiny_model_dir), answers) > 1e-2  # which are not the base's
 
 
+def test_a_bf16_run_sends_each_version_after_the_first_as_what_changed(remote, tiny_model_dir):
+    """Pushes in bf16 (model.dtype) at an RL learning rate, `sync.delta: auto`: the first version goes
+    whole, each later one as the elements whose bf16 bits changed since the server's last version, which
+    the server completes from its own copy of that version and checks against the learner's checksum.
+    The files it reloads are the learner's byte for byte, and it serves the run's last weights."""
+    url, store, uploads = remote.url, remote.store, remote.uploads
+    out = train(store, "far-delta", url, f"model.path={tiny_model_dir}", "model.dtype=bfloat16",
+                "learner.lr=1e-6", f"run.steps={STEPS + 1}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, rows = query(store, """SELECT "sync/version", "sync/delta_servers", "sync/upload_bytes" FROM steps
+        WHERE run_id = 'far-delta' AND "sync/version" IS NOT NULL ORDER BY step""")  # fmt: skip
+    kept = sorted(p.name for p in (store / "weights" / "far-delta").glob("v*"))
+    whole = size(store / "weights" / "far-delta" / kept[-1])
+    assert [r[0] for r in rows] == list(range(1, STEPS + 2)) and all(r[1] == 1 for r in rows), rows
+    assert all(0 < r[2] < 0.1 * whole for r in rows), (whole, rows)  # v0, the first, went whole
+    for v in kept:
+        mine = store / "weights" / "far-delta" / v / "model.safetensors"
+        assert (uploads / "far-delta" / v / "model.safetensors").read_bytes() == mine.read_bytes(), v
+    assert gap(load(store / "weights" / "far-delta" / kept[-1]), served(url)) < 1e-3
+
+
 def test_a_transport_the_server_cannot_take_fails_before_the_first_step_in_one_line(remote, tiny_model_dir):
     out = train(remote.store, "far-wrong", remote.url, f"model.path={tiny_model_dir}", "sync.transport=path")
     assert out.returncode == 2, out.stderr[-3000:]
