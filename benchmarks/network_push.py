@@ -20,9 +20,14 @@ server takes both, so the two transports differ only in how the version reaches 
   the same HTTP stack as vLLM's API server (uvicorn, httptools, uvloop) and the same client (aiohttp,
   8 MiB chunks, three at once), with no disk write or check.
 
+With `--delta-lr LR...` it measures instead, per learning rate, bf16 pushes each after one real AdamW
+step (float32 masters) at that rate: by path, over the network whole (`sync.delta: off`) and as deltas
+(`sync.delta: auto`, tasks/push/delta_push.py): seconds, bytes, and how many pushes went as deltas.
+
 Prints one JSON line per model with the medians. Root only (namespaces), like the hosts tests.
 
     .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --random 0.5b 1.5b
+    .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --delta-lr 1e-6 1e-5
 """
 
 from __future__ import annotations
@@ -58,16 +63,27 @@ HERE = Path(__file__).resolve().parent
 KEY, PORT = "bench-network-push", 8000
 
 
-def pushes(url: str, root: Path, run: str, backend: str, write, repeats: int, warmup: int) -> dict:
+def pushes(
+    url: str, root: Path, run: str, backend: str, write, repeats: int, warmup: int, delta="off", step=None
+) -> dict:
     """`warmup` pushes, then `repeats` timed ones (medians): a run's pushes from its third on (with
     keep_last 2) overwrite the files of the version retention drops next, on both ends, while its
-    first ones fill new files, whose cost depends on how much free memory the machine has."""
-    pusher = weight_push(root, run, SyncConfig(backend=backend), InferenceConfig(api_key=KEY))
+    first ones fill new files, whose cost depends on how much free memory the machine has. `step()`
+    runs before each push, untimed (a training step); `delta`: `sync.delta`."""
+    pusher = weight_push(root, run, SyncConfig(backend=backend, delta=delta), InferenceConfig(api_key=KEY))
     replicas = ReplicaSet([Replica(0, url)])
-    first = [push_version(pusher, write, v + 1, replicas) for v in range(warmup)]
-    stats = [push_version(pusher, write, warmup + v + 1, replicas) for v in range(repeats)]
+
+    def one(v: int):
+        if step is not None:
+            step()
+        return push_version(pusher, write, v, replicas)
+
+    first = [one(v + 1) for v in range(warmup)]
+    stats = [one(warmup + v + 1) for v in range(repeats)]
     (transport,) = set(pusher.transport.chosen().values())
     return {
+        "delta_pushes": sum(s.delta_servers for s in stats),
+        "upload_bytes_median": statistics.median(s.upload_bytes for s in stats),
         "transport": transport,
         "first_push_seconds": [round(s.total_seconds, 4) for s in first],
         "push_seconds": [round(s.total_seconds, 4) for s in stats],
@@ -172,8 +188,53 @@ def cut_off_then_push(url: str, far: Path, write) -> dict:
             "next_push_recovered": "bench-cut/v000002" in asyncio.run(versions())}  # fmt: skip
 
 
+def adamw_step(model, lr: float, batch: int = 2, seq: int = 64):
+    """One real AdamW step (float32 masters) of the causal-LM loss on random tokens, as a callable: at
+    an RL learning rate it moves every weight by about `lr`, as a training step does
+    (benchmarks/delta_sizes.py)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def step() -> None:
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def delta_rows(url: str, near: Path, far: Path, model, lrs: list[float], repeats: int, warmup: int) -> dict:
+    """bf16 pushes, each after one AdamW step at each of `lrs`: by path, over the network whole
+    (`sync.delta: off`) and as deltas (`auto`)."""
+    import torch
+
+    from grpoflow.tasks.push.weights import save_weights
+
+    bf16 = lambda d: save_weights(model, d, dtype=torch.bfloat16)  # noqa: E731
+    out = {}
+    for lr in lrs:
+        step = adamw_step(model.train(), lr)
+        for name, root, delta in (("path", near, "off"), ("network", far, "off"), ("delta", far, "auto")):
+            run = f"bf16-{name}-{lr:g}"
+            out[f"bf16_{name}_lr{lr:g}"] = pushes(
+                url, root, run, "checkpoint", bf16, repeats, warmup, delta, step
+            )
+            shutil.rmtree(root / "weights" / run)
+            asyncio.run(forget_all(url, run + "/"))
+    return out
+
+
 def measure(
-    label: str, model_dir: Path, tmp: Path, rank: int, repeats: int, warmup: int, extra: tuple[str, ...]
+    label: str,
+    model_dir: Path,
+    tmp: Path,
+    rank: int,
+    repeats: int,
+    warmup: int,
+    extra: tuple[str, ...],
+    delta_lrs: list[float] | None = None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -201,6 +262,10 @@ def measure(
 
         asyncio.run(healthy())
         full = lambda d: save_weights(model, d)  # noqa: E731
+        if delta_lrs:  # only the bf16 and delta pushes
+            row |= delta_rows(url, near, far, model, delta_lrs, repeats, warmup)
+            log.close()
+            return row
         row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats, warmup)
         shutil.rmtree(near / "weights")  # disk: 1.5B versions are 6 GB each
         row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats, warmup)
@@ -235,6 +300,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     ap.add_argument("--repeats", type=int, default=3, help="timed pushes of each kind (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed pushes first (default 2: keep_last's)")
+    what = "instead: bf16 pushes after one AdamW step at each lr, by path, whole and as deltas"
+    ap.add_argument("--delta-lr", nargs="*", type=float, default=[], help=what)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="grpoflow-network-push-"))
     try:
@@ -247,6 +314,7 @@ def main() -> None:
                 args.repeats,
                 args.warmup,
                 (),
+                args.delta_lr,
             )
             print(json.dumps(row), flush=True)
         learner_bench = runpy.run_path(str(HERE / "learner.py"), run_name="learner_bench")
@@ -261,6 +329,7 @@ def main() -> None:
                 args.repeats,
                 args.warmup,
                 ("--skip-tokenizer-init",),
+                args.delta_lr,
             )
             print(json.dumps(row), flush=True)
             shutil.rmtree(model_dir)
