@@ -118,6 +118,7 @@ class Transport:
             sent = await self._send_delta(client, path, name, recycle, base)
         if sent is None:
             answer = await upload_version(client, path, name, recycle=recycle, checksums=sums)
+            sums = sums and "checksums" in answer  # a server of an older grpoflow takes no deltas
             if sums:
                 await self._check(client, path, name, answer)
             size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))

@@ -93,3 +93,19 @@ def test_float32_versions_always_go_whole(mod, tmp_path):
         ]
     assert [s.delta for s in sent] == [False, False]
     assert not (tmp_path / "weights/r/.deltas").exists()
+
+
+def test_a_server_that_answers_no_checksums_gets_every_version_whole(mod, tmp_path, monkeypatch):
+    """A server of an older grpoflow ignores `checksums` and `base`: it must never be sent a delta, which
+    it would publish as a version without its weights."""
+    t = Transport("r", "network", deltas=Deltas())
+    monkeypatch.setattr(mod.store, "_checksums", lambda folder, files: {})  # its commit answers none
+    with served(mod.WeightUpload(inner)) as url:
+        sent = [
+            on(url, lambda c, v=v, w=w: t.deliver(c, str(_version(tmp_path, v, w)), v))
+            for v, w in enumerate(_steps(3), start=1)
+        ]
+    assert [s.delta for s in sent] == [False, False, False]
+    for v in (1, 2, 3):
+        mine = tmp_path / "weights/r" / f"v{v:06d}" / "model.safetensors"
+        assert (tmp_path / "uploads/r" / f"v{v:06d}" / "model.safetensors").read_bytes() == mine.read_bytes()
