@@ -36,3 +36,12 @@ def test_a_shard_b_name_that_does_not_exist_is_refused(monkeypatch):
     monkeypatch.setattr(shards, "SHARD_B", (*shards.SHARD_B, "test_gone.py"))
     with pytest.raises(SystemExit, match="test_gone.py"):
         shards.shards()
+
+
+def test_shard_a_runs_its_memory_heavy_modules_first():
+    a, _ = shards.shards()
+    heavy = [shards.memory_heavy(REPO / path) for path in a]
+    assert any(heavy) and heavy == sorted(heavy, reverse=True), a
+    assert [p for p, h in zip(a, heavy, strict=True) if not h] == sorted(
+        p for p, h in zip(a, heavy, strict=True) if not h
+    )
