@@ -181,16 +181,18 @@ def test_a_bf16_run_sends_each_version_after_the_first_as_what_changed(remote, t
     whole, each later one as the elements whose bf16 bits changed since the server's last version, which
     the server completes from its own copy of that version and checks against the learner's checksum.
     The files it reloads are the learner's byte for byte, and it serves the run's last weights."""
-    url, store, uploads = remote.url, remote.store, remote.uploads
+    url, store, uploads, steps = remote.url, remote.store, remote.uploads, 4
     out = train(store, "far-delta", url, f"model.path={tiny_model_dir}", "model.dtype=bfloat16",
-                "learner.lr=1e-6", f"run.steps={STEPS + 1}")  # fmt: skip
+                "learner.lr=1e-6", f"run.steps={steps}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     _, rows = query(store, """SELECT "sync/version", "sync/delta_servers", "sync/upload_bytes" FROM steps
         WHERE run_id = 'far-delta' AND "sync/version" IS NOT NULL ORDER BY step""")  # fmt: skip
     kept = sorted(p.name for p in (store / "weights" / "far-delta").glob("v*"))
     whole = size(store / "weights" / "far-delta" / kept[-1])
-    assert [r[0] for r in rows] == list(range(1, STEPS + 2)) and all(r[1] == 1 for r in rows), rows
-    assert all(0 < r[2] < 0.1 * whole for r in rows), (whole, rows)  # v0, the first, went whole
+    assert [r[0] for r in rows] == list(range(1, steps + 1)) and all(r[1] == 1 for r in rows), rows
+    # v0, the first, went whole; AdamW's first steps move every weight by the whole learning rate (13%
+    # of the bytes here, measured), later ones fewer bf16 values
+    assert all(0 < r[2] < 0.2 * whole for r in rows) and rows[-1][2] < 0.1 * whole, (whole, rows)
     for v in kept:
         mine = store / "weights" / "far-delta" / v / "model.safetensors"
         assert (uploads / "far-delta" / v / "model.safetensors").read_bytes() == mine.read_bytes(), v
