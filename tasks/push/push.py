@@ -39,7 +39,6 @@ from pathlib import Path
 from grpoflow.storage.checkpoints import weights_store
 from grpoflow.tasks.config.choices import SyncBackend
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
-from grpoflow.tasks.push.delta_push import Deltas
 from grpoflow.tasks.push.lora_push import LoraPush, LoraUnsupportedError, adapter_rank, require_adapter
 from grpoflow.tasks.push.push_api import Sent, WeightPush, WeightPushError, WeightPushUnavailableError
 from grpoflow.tasks.push.reload import (
@@ -130,7 +129,11 @@ class CheckpointPush:
         # On a server's disk as on the learner's, a full-weights version recycles the one retention
         # drops next (MergedLoraPush, whose adapters are small, makes new ones).
         # Deltas: full-weights versions only (an adapter is small already).
-        deltas = Deltas() if self.how == RELOAD and sync.delta == "auto" else None
+        deltas = None
+        if self.how == RELOAD and sync.delta == "auto":
+            from grpoflow.tasks.push.delta_push import Deltas  # torch: not on a CLI's bad-input path
+
+            deltas = Deltas()
         self.transport = Transport(
             run_id, sync.transport, recycle=sync.keep_last if self.how == RELOAD else None, deltas=deltas
         )

@@ -40,14 +40,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpoflow.server.protocol import PROBE_PREFIX, UPLOAD_DIR_ENV
 from grpoflow.tasks.config.choices import SyncTransport
-from grpoflow.tasks.push.delta_push import Deltas
 from grpoflow.tasks.push.push_api import Sent, WeightPushError
 from grpoflow.tasks.push.upload import WeightUploadError, local_files, upload_version
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.inference_api import InferenceError, InferenceHTTPError
+
+if TYPE_CHECKING:  # torch: imported by whoever makes one (tasks/push/push.py)
+    from grpoflow.tasks.push.delta_push import Deltas
 
 PATH, NETWORK = Sent.PATH, Sent.NETWORK
 log = logging.getLogger(__name__)
