@@ -22,6 +22,7 @@ torch and safetensors (grpoflow.server PROVIDED_BY_VLLM), imported by upload.py 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -30,9 +31,9 @@ import torch
 
 from grpoflow.server.delta import IDX, VAL, elements_change, raw_bits, tensor_checksum, wrap64
 
-__all__ = ["checksum_of", "copy_file", "layout", "materialize", "tensor_view", "wrap64"]
+__all__ = ["SAFETENSORS_DTYPES", "checksum_of", "copy_file", "layout", "materialize", "tensor_view", "wrap64"]
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {  # safetensors' dtype names (the learner's writer, tasks/push/weights.py, too)
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
@@ -60,7 +61,7 @@ def layout(path: str) -> tuple[dict[str, dict], int]:
 def tensor_view(buf, entry: dict, start: int) -> torch.Tensor:
     """The tensor `entry` describes, flat, sharing the memory of `buf` (a writable mmap)."""
     lo, hi = entry["data_offsets"]
-    dtype = _DTYPES[entry["dtype"]]
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     count = (hi - lo) // dtype.itemsize
     if count == 0:
         return torch.empty(0, dtype=dtype)
@@ -118,10 +119,10 @@ def _check(header: dict[str, dict], delta: dict[str, torch.Tensor], base: str) -
         entry = header.get(name)
         if entry is None:
             raise ValueError(f"delta tensor {name!r} is not in the base file {base}: send the version whole")
-        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
         if key.endswith(IDX):
             values = delta.get(name + VAL)
-            numel = int(torch.tensor(shape).prod()) if shape else 1
+            numel = math.prod(shape)
             if values is None or values.shape != t.shape or values.dtype != dtype:
                 raise ValueError(
                     f"delta tensor {name!r}: {name + VAL} missing or not {len(t)} {dtype} values"

@@ -192,14 +192,24 @@ def _take(root: str, up: Upload) -> bool:
             return False
         os.rename(source, up.staging)
     os.unlink(os.path.join(up.staging, MANIFEST))
-    if up.base is not None:  # the files made from the base go over these; the commit drops the rest
-        return True
-    for folder, _, names in os.walk(up.staging, topdown=False):
-        for n in names:
-            rel = os.path.relpath(os.path.join(folder, n), up.staging).replace(os.sep, "/")
-            if rel not in up.files:
-                os.unlink(os.path.join(folder, n))
+    if up.base is None:  # else the files made from the base go over these; the commit drops the rest
+        _keep_only(up.staging, set(up.files))
     return True
+
+
+def _relative_files(folder: str) -> list[str]:
+    """Every file under `folder`, as a "/"-separated path relative to it, sorted."""
+    out = []
+    for here, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(here, n), folder).replace(os.sep, "/") for n in names]
+    return sorted(out)
+
+
+def _keep_only(folder: str, keep: set[str]) -> None:
+    """Remove every file under `folder` whose relative path is not in `keep`."""
+    for rel in _relative_files(folder):
+        if rel not in keep:
+            os.unlink(os.path.join(folder, rel))
 
 
 def _files_of(root: str, name: str) -> list[str]:
@@ -208,10 +218,7 @@ def _files_of(root: str, name: str) -> list[str]:
     folder = os.path.join(root, name)
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
         raise Refused(404, f"base {name!r}: no such uploaded version on this server")
-    out = []
-    for here, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(here, n), folder).replace(os.sep, "/") for n in names]
-    return sorted(r for r in out if r != MANIFEST)
+    return [r for r in _relative_files(folder) if r != MANIFEST]
 
 
 def write(up: Upload, rel: str, offset: int, pieces: list[bytes], crc: int) -> int:
@@ -312,11 +319,7 @@ def derive(root: str, up: Upload) -> tuple[dict[str, str], dict[str, int]]:
             if rel in known:
                 sums[rel] = known[rel]
         _fsync(out)
-    keep = (set(up.files) - deltas) | set(derived)
-    for folder, _, names in os.walk(up.staging, topdown=False):
-        for n in names:
-            if os.path.relpath(os.path.join(folder, n), up.staging).replace(os.sep, "/") not in keep:
-                os.unlink(os.path.join(folder, n))
+    _keep_only(up.staging, (set(up.files) - deltas) | set(derived))
     return derived, sums
 
 

@@ -16,17 +16,10 @@ from pathlib import Path
 
 import torch
 
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from grpoflow.server.delta_file import SAFETENSORS_DTYPES
+
+# torch dtype -> safetensors' name for it: grpoflow.server's table, which the server's reader uses
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def save_weights(model, directory: Path, dtype: torch.dtype | None = None) -> None:
