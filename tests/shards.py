@@ -41,7 +41,6 @@ SHARD_B = (
     "test_mcp.py",
     "test_ray.py",
     "test_server_env.py",
-    "test_server_faults.py",
     "test_sharded_learner.py",
     "test_smollm2.py",
 )

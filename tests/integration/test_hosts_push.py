@@ -238,7 +238,7 @@ def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote
     assert gap(load(store / "weights" / "far-kill" / kept[-1]), served(url)) < 1e-3
 
 
-KILL_AFTER_STEP, STEPS = 1, 6
+KILL_AFTER_STEP, DEATH_STEPS = 1, 6  # the host-death run's (the tests above train STEPS)
 # The watcher's progress (host_dead: killed, link down; host_back: its server rejoined) and the run's
 # (last_generated: its last batch was generated), each set once.
 host_dead, last_generated, host_back, run_over = (threading.Event() for _ in range(4))
@@ -258,7 +258,7 @@ def gated_letter(completions, trainer_state, **kw):
     step = trainer_state.global_step
     if step >= KILL_AFTER_STEP + 2 and not host_dead.wait(300):
         raise TimeoutError("the second host was not killed within 5 min")
-    if step == STEPS - 1:
+    if step == DEATH_STEPS - 1:
         last_generated.set()
         if not host_back.wait(300):
             raise TimeoutError("the second host's server did not rejoin within 5 min")
@@ -276,7 +276,7 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.rollouts.replicas import ReplicaSet
 
-    store, steps = remote.store, STEPS
+    store, steps = remote.store, DEATH_STEPS
     sets = [f"storage.root={store}", f"model.path={tiny_model_dir}", f"run.steps={steps}", "run.run_id=far-death",
             f"inference.urls=[{vllm_server.url}, {remote.url}]", f"inference.api_key={KEY}", "inference.retries=1",
             "run.checkpoint_every=100", "rewards=[{name: letter, fn: 'tests.integration.test_hosts_push:gated_letter', "

@@ -1,8 +1,8 @@
 """Gated promotion into a live vLLM server, on the real servers and the real Prefect API.
 
-Two servers: the session's shared one trains and evaluates (grpo-retrain's `eval_server_url`), and a
-second one plays the live `policy-server` users are served from; only promotions and rollbacks touch
-it. Its greedy completions are compared with the shared server's after the same weights are loaded
+Two servers: the session's shared one trains and evaluates (grpo-retrain's `eval_server_url`), and
+its second (`lora_server`) plays the live `policy-server` users are served from; only promotions and
+rollbacks touch it. Its greedy completions are compared with the shared server's after the same weights are loaded
 there (vLLM against vLLM)."""
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Write a word like cat with many letters a.", "Write a word like banana with many letters a."]
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_model_dir, tmp_path_factory):
-    from grpoflow.flows.processes.serve import start_server
+@pytest.fixture
+def live_server(lora_server, tiny_model_dir, tmp_path):
+    """The live `policy-server`: the session's second server (`lora_server`, started as LoRA runs start
+    theirs, which takes full-weight loads too; a server of its own cost the suite ~50 s), holding the
+    base weights whatever the LoRA tests before this one loaded into it."""
+    from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
+    from grpoflow.tasks.push.push import load_version, weight_push
 
-    log = tmp_path_factory.mktemp("live") / "vllm.log"
-    handle = start_server(
-        tiny_model_dir, max_model_len=256, kv_cache_gb=1, log_path=log, startup_timeout_s=600
+    pusher = weight_push(
+        tmp_path / "live-base", "live-base", SyncConfig(), InferenceConfig(), reset_prefix_cache=True
     )
-    try:
-        yield handle
-    finally:
-        handle.stop()
+    load_version(pusher, lora_server.url, tiny_model_dir, 0)
+    return lora_server
 
 
 def greedy(url: str, tok) -> list[list[int]]:

@@ -551,12 +551,15 @@ async def test_a_successful_push_draws_a_new_cache_salt_for_its_version(fake_ser
         assert 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")
 
 
-async def test_promote_and_rollback_honour_the_reload_timeout_of_sync(fake_server, tmp_path):
+async def test_promote_and_rollback_honour_the_reload_timeout_of_sync(fake_server, tmp_path, monkeypatch):
     """Promotion and rollback load through the run's weight push with the whole `sync` section: a reload
     slower than `sync.reload_timeout_s` fails them (with the 300 s default it would succeed)."""
     from grpoflow.flows.lineage.promote import promote, rollback
     from grpoflow.storage.promotions import version
 
+    # No Prefect event or artifact: outside a flow they started Prefect's temporary server (~20 s), which
+    # pytest's closed log streams once left running after the session (tests/unit/test_promotions.py too).
+    monkeypatch.setattr("grpoflow.flows.lineage.promote._announce", lambda row: None)
     app, url = fake_server
     app["mode"]["/collective_rpc"] = "slow"  # 0.6 s
     base, v1, v2 = (
