@@ -15,28 +15,61 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 
-PROBE = """
-import sys
+# One process imports the CLI once and forks a child per command (19 fresh interpreters took 60-100 s of
+# CI's unit tier): each child starts from the same modules, none heavy, as a fresh `grpoflow` would.
+FORKS = """
+import json, os, sys
 from grpoflow.flows.cli.main import main
-rc = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
-print("RC", rc, "HEAVY", ",".join(heavy) or "-")
+for line in sys.stdin:
+    args, out = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out + ".err", os.O_WRONLY | os.O_CREAT), 2)
+        os.dup2(os.open(out + ".out", os.O_WRONLY | os.O_CREAT), 1)
+        try:
+            rc = main(args)
+        except SystemExit as e:
+            rc = e.code
+        heavy = sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules)
+        sys.stdout.flush(), sys.stderr.flush()
+        with open(out + ".rc", "w") as f:
+            json.dump([rc, ",".join(heavy) or "-"], f)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(status), flush=True)
 """
 
 
-def train(root: Path, *args: str) -> tuple[int, str, str]:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, "train", "--root", str(root), *args],
+@pytest.fixture(scope="module")
+def _forks():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKS],
         cwd=REPO,
         env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"},  # never contacted
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("RC "), out.stdout + out.stderr
-    _, rc, _, heavy = last.split()
-    return int(rc), heavy, out.stderr
+    yield proc
+    proc.stdin.close()
+    proc.wait(60)
+
+
+@pytest.fixture
+def train(_forks, tmp_path):
+    """`grpoflow train --root ROOT ARGS...` in a child of `_forks`: (exit status, heavy modules, stderr)."""
+
+    def run(root: Path, *args: str) -> tuple[int, str, str]:
+        out = str(tmp_path / "cli")
+        _forks.stdin.write(json.dumps([["train", "--root", str(root), *args], out]) + "\n")
+        _forks.stdin.flush()
+        status = json.loads(_forks.stdout.readline())
+        err = Path(out + ".err").read_text()
+        assert status == 0, (status, err)
+        rc, heavy = json.loads(Path(out + ".rc").read_text())
+        return rc, heavy, err
+
+    return run
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -135,7 +168,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "unknown tracker",
     ],
 )
-def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
+def test_bad_input_fails_early_and_writes_nothing(case, tmp_path, train):
     args, named = cases(tmp_path)[case]
     root = tmp_path / "store"
     rc, heavy, err = train(root, *args)
@@ -146,7 +179,7 @@ def test_bad_input_fails_early_and_writes_nothing(case, tmp_path):
     assert not root.exists()  # nothing written to the store
 
 
-def test_lora_target_modules_the_model_lacks_fail_before_any_server_or_file(tmp_path):
+def test_lora_target_modules_the_model_lacks_fail_before_any_server_or_file(tmp_path, train):
     from grpoflow.tasks.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
