@@ -17,7 +17,8 @@ from tests.support import REPO, assistant_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.memory_heavy]
 
-STEPS, PROMPTS, G = 2, 2, 4  # the tools test's run: 16 rollouts, 11 with calls (2026-11-29); 32 took 30 s more
+# The tools test's run: 16 rollouts, 11 of them with calls (2026-11-29); 32 rollouts took 30 s more.
+STEPS, PROMPTS, G = 2, 2, 4
 
 
 @pytest.fixture(scope="module")
