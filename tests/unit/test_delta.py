@@ -170,3 +170,35 @@ def test_a_delta_that_does_not_fit_the_base_file_is_refused_and_writes_nothing(t
         with pytest.raises(ValueError, match=message):
             materialize(str(base_file), delta, str(out))
         assert not out.exists(), message
+
+
+@pytest.mark.parametrize("kernel", ["copies", "stops half way", "has no such call"])
+def test_a_file_copied_over_a_longer_one_is_the_source_however_the_kernel_copies(
+    tmp_path, monkeypatch, kernel
+):
+    """copy_file: os.copy_file_range where it works; where it stops (EXDEV, ENOSYS) or is missing, the
+    rest by reads and writes. Either way the old file's tail is cut."""
+    import errno
+    import os
+
+    from grpoflow.server import delta_file
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(torch.randint(0, 256, (3 << 20 | 77,), dtype=torch.uint8).numpy().tobytes())
+    dst.write_bytes(b"\xff" * (5 << 20))
+    real = os.copy_file_range
+    calls = []
+
+    def half_then_fails(i, o, count, offset_src, offset_dst):
+        calls.append(count)
+        if len(calls) > 1:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(i, o, count // 2, offset_src, offset_dst)
+
+    if kernel == "stops half way":
+        monkeypatch.setattr(os, "copy_file_range", half_then_fails)
+    elif kernel == "has no such call":
+        monkeypatch.delattr(os, "copy_file_range")
+    delta_file.copy_file(str(src), str(dst))
+    assert dst.read_bytes() == src.read_bytes()
+    assert len(calls) == (2 if kernel == "stops half way" else 0)
