@@ -72,10 +72,12 @@ install:  ## create .venv (grpoflow), .venv-vllm (server), .venv-openenv (test e
 	@$(MAKE) --no-print-directory -j3 $(BIN)/.installed $(VLLM_VENV)/.installed $(OPENENV_VENV)/.installed
 
 # Its two environments side by side, as `install` builds its three: on a fresh clone, one after the other
-# took 4.7 of the demo's 6.9 minutes.
+# took 4.7 of the demo's 6.9 minutes. Its server runs eager: for the tiny model torch.compile costs more at
+# the start (~35 s on 2 cores) than it saves over the demo's 30 steps (generation 12-13% slower, docs/speed.md).
+DEMO_SERVER ?= --set 'inference.extra_args=[--enforce-eager]'
 demo:  ## install what it runs, train the tiny demo through vLLM + Prefect, print the reward curve
 	@$(MAKE) --no-print-directory -j2 $(BIN)/.core $(VLLM_VENV)/.installed
-	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT)
+	$(BIN)/grpoflow train --config $(CONFIG) --root $(ROOT) $(DEMO_SERVER)
 	$(BIN)/grpoflow sql --root $(ROOT) --canned reward_curve
 
 demo-smollm2: $(BIN)/.core $(VLLM_VENV)/.installed models/smollm2-135m  ## SmolLM2-135M learns to reply with only the number (~17 min on 2 cores; SEED=0)
