@@ -39,6 +39,7 @@ SHARD_B = (
     "test_hosts_push.py",
     "test_hosts_ray.py",
     "test_mcp.py",
+    "test_openenv.py",
     "test_ray.py",
     "test_server_env.py",
     "test_sharded_learner.py",
