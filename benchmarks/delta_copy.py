@@ -45,18 +45,16 @@ def main() -> None:
                         copy_file(str(src), str(dst))
                 times[way].append(time.perf_counter() - start)
         assert dst.read_bytes() == src.read_bytes()
-    med = {way: statistics.median(t) for way, t in times.items()}
-    ratio = med["kernel"] / med["user_space"]
-    out = {
-        "mb": args.mb,
-        "repeats": args.repeats,
-        "kernel_s": med["kernel"],
-        "user_space_s": med["user_space"],
-    }
+    kernel, user = (statistics.median(times[way]) for way in ("kernel", "user_space"))
     print(
         json.dumps(
-            {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
-            | {"ratio": round(ratio, 3)}
+            {
+                "mb": args.mb,
+                "repeats": args.repeats,
+                "kernel_s": round(kernel, 4),
+                "user_space_s": round(user, 4),
+                "ratio": round(kernel / user, 3),
+            }
         )
     )
 

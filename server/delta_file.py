@@ -78,8 +78,9 @@ def checksum_of(path: str) -> int:
 
 def copy_file(src: str, dst: str) -> None:
     """`src`'s bytes into `dst`, over an existing file's pages in place (then cut to length). The kernel
-    copies (os.copy_file_range: no pass through user space, 0.17 s against 0.33 s for SmolLM2's 270 MB
-    in bf16 here); where it cannot (another filesystem on an old kernel, no such call), reads and writes."""
+    copies (os.copy_file_range: no pass through user space, about half the time for SmolLM2's 270 MB in
+    bf16 here: benchmarks/delta_copy.py); where it cannot (another filesystem on an old kernel, no such
+    call), reads and writes."""
     with open(src, "rb") as i, open(dst, "r+b" if os.path.isfile(dst) else "wb") as o:
         size, done = os.fstat(i.fileno()).st_size, 0
         try:

@@ -2,8 +2,8 @@
 
 Two servers: the session's shared one trains and evaluates (grpo-retrain's `eval_server_url`), and
 its second (`lora_server`) plays the live `policy-server` users are served from; only promotions and
-rollbacks touch it. Its greedy completions are compared with the shared server's after the same weights are loaded
-there (vLLM against vLLM)."""
+rollbacks touch it. Its greedy completions are compared with the shared server's after the same weights
+are loaded there (vLLM against vLLM)."""
 
 from __future__ import annotations
 
