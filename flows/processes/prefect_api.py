@@ -9,8 +9,9 @@ dies, and points this process's Prefect settings at it.
 With `PREFECT_API_URL` set (a Prefect server on another host), a run goes on when that server dies: the
 store, not Prefect, holds its tables. But Prefect sends the run's queued logs and events before the
 process may exit, each with its own retries and the queue growing with every failed one, which takes
-hours once the server is gone. A command gives them `EXIT_DRAIN_S`; what is still queued then is
-dropped, said so on stderr, and the command exits with its own code (`undelivered`, flows/cli/main.py).
+hours once the server is gone. A command gives them `exit_drain_s()` (30 s, or `GRPOFLOW_PREFECT_DRAIN_S`);
+what is still queued then is dropped, said so on stderr, and the command exits with its own code
+(`undelivered`, flows/cli/main.py).
 """
 
 from __future__ import annotations
@@ -35,14 +36,15 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
+        drain_s = exit_drain_s()  # a bad value fails before the command runs, not at its exit
         try:
             yield None
         finally:
-            pending = _drain_prefect_workers(EXIT_DRAIN_S)
+            pending = _drain_prefect_workers(drain_s)
             if pending:
                 _undelivered.append(
                     f"the Prefect API at {PREFECT_API_URL.value()} took not all of this run's logs and events "
-                    f"within {EXIT_DRAIN_S:.0f} s ({pending} of Prefect's senders still busy): they are dropped; "
+                    f"within {drain_s:g} s ({pending} of Prefect's senders still busy): they are dropped; "
                     "the run's tables are all in the store"
                 )
         return
@@ -158,6 +160,26 @@ def settle_flow_runs(root: str | Path) -> list[str]:
 
 # How long a command's last logs and events may take to reach a configured Prefect API (module doc).
 EXIT_DRAIN_S = 30.0
+DRAIN_ENV = "GRPOFLOW_PREFECT_DRAIN_S"
+
+
+def exit_drain_s() -> float:
+    """`GRPOFLOW_PREFECT_DRAIN_S` (seconds, at least 0) if set, else `EXIT_DRAIN_S`: how long a command
+    waits at its exit for Prefect's senders when the configured API stops answering."""
+    from grpoflow.flows.config import ConfigError
+
+    raw = os.environ.get(DRAIN_ENV)
+    if raw is None or not raw.strip():
+        return EXIT_DRAIN_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{DRAIN_ENV}={raw!r}: must be a number of seconds, 0 or more")
+    return value
+
+
 _undelivered: list[str] = []
 
 

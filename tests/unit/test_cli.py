@@ -164,6 +164,30 @@ def test_serving_off_loopback_without_a_key_is_one_line(capsys, monkeypatch, no_
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("drain", ["soon", "-1", "inf"])
+def test_a_bad_prefect_drain_is_one_line_before_the_command_runs(drain, capsys, monkeypatch, tmp_path):
+    """GRPOFLOW_PREFECT_DRAIN_S bounds a command's wait for a configured Prefect API that stopped
+    answering (flows/processes/prefect_api.py); a value that is no number of seconds fails at the start,
+    not at the exit of a run that already trained."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import grpoflow.flows.viewing.report  # noqa: F401  (binds the package; its attribute is used)
+    from grpoflow import flows
+    from grpoflow.flows.processes.prefect_api import exit_drain_s
+
+    monkeypatch.setattr(
+        flows.viewing.report, "grpo_report_flow", lambda: pytest.fail("the command must not run")
+    )
+    monkeypatch.setenv("GRPOFLOW_PREFECT_DRAIN_S", "2.5")
+    assert exit_drain_s() == 2.5
+    monkeypatch.setenv("GRPOFLOW_PREFECT_DRAIN_S", drain)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # never contacted
+        assert cli.main(["report", "run", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: GRPOFLOW_PREFECT_DRAIN_S={drain!r}: must be a number of seconds, 0 or more\n"
+
+
+@pytest.mark.unit
 def test_other_errors_keep_their_traceback(monkeypatch):
     def bug(args):
         raise ValueError("a bug, not bad input")
