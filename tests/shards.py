@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name: str, paths: list[str], out) -> None:
-        env = dict(os.environ, PREFECT_HOME=str(base / f"prefect-home-{name}"))
+        env = shard_env(name, base)
         cmd = [sys.executable, "-m", "pytest", *paths, *argv]
         procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -97,6 +97,21 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     print(f"\nshard A exit {codes['a']}, shard B exit {codes['b']}", flush=True)
     return 0 if codes == {"a": 0, "b": 0} else 1
+
+
+# Shard B's session server runs eager, as the suite's other servers do (tests/conftest.py): shard A's
+# `vllm_server` keeps the compiled default, which its tests of in-place reloads need, and shard B's four
+# tests that use one (the hosts push, OpenEnv, the sharded learner) need none of it (25 s of a start).
+EAGER_SHARED_SERVER_ENV = "GRPOFLOW_TESTS_EAGER_SHARED_SERVER"
+
+
+def shard_env(name: str, base: Path) -> dict[str, str]:
+    """The environment of shard `name` ("a" or "b"): its own Prefect home under `base`; shard B's
+    shared server eager."""
+    env = dict(os.environ, PREFECT_HOME=str(base / f"prefect-home-{name}"))
+    if name == "b":
+        env[EAGER_SHARED_SERVER_ENV] = "1"
+    return env
 
 
 def _wait(proc: subprocess.Popen) -> int:

@@ -11,12 +11,17 @@ import pytest
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """The real vLLM OpenAI server (CPU build) serving the tiny model; ~60-90 s to start. Compiled, as
     a server starts by default (the session's other servers run eager: tests/conftest.py), so the
-    in-place reloads of most tests go into a torch.compiled model."""
+    in-place reloads of most tests go into a torch.compiled model; eager in `make test`'s shard B
+    (tests/shards.py: EAGER_SHARED_SERVER_ENV), whose tests need no compiled model."""
+    import os
+
     from grpoflow.flows.processes.serve import SITE_ARGS_ENV, start_server
+    from tests.shards import EAGER_SHARED_SERVER_ENV
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     with pytest.MonkeyPatch.context() as env:
-        env.delenv(SITE_ARGS_ENV, raising=False)
+        if not os.environ.get(EAGER_SHARED_SERVER_ENV):
+            env.delenv(SITE_ARGS_ENV, raising=False)
         handle = start_server(
             tiny_model_dir, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=600
         )

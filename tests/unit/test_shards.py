@@ -45,3 +45,10 @@ def test_shard_a_runs_its_memory_heavy_modules_first():
     assert [p for p, h in zip(a, heavy, strict=True) if not h] == sorted(
         p for p, h in zip(a, heavy, strict=True) if not h
     )
+
+
+def test_shard_b_alone_serves_its_shared_server_eager(tmp_path, monkeypatch):
+    monkeypatch.delenv(shards.EAGER_SHARED_SERVER_ENV, raising=False)
+    a, b = shards.shard_env("a", tmp_path), shards.shard_env("b", tmp_path)
+    assert shards.EAGER_SHARED_SERVER_ENV not in a and b[shards.EAGER_SHARED_SERVER_ENV] == "1"
+    assert a["PREFECT_HOME"] != b["PREFECT_HOME"] and Path(a["PREFECT_HOME"]).parent == tmp_path
