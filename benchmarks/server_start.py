@@ -1,16 +1,20 @@
 """A vLLM CPU server's start-up, compiled (vLLM's default) against eager (`--enforce-eager`, what
 `GRPOFLOW_VLLM_ARGS=--enforce-eager` adds to every server a machine starts), with its one worker inside
 the engine-core process (`uni`, what grpoflow starts on a CPU) or in a process of its own (`mp`, vLLM's
-CPU default), and what each costs generation afterwards.
+CPU default), and what each costs generation afterwards; in float32 (a CPU's server by default) or
+bfloat16 (`--dtype`: what a `model.dtype: bfloat16` run's servers serve on a CPU with native bf16,
+flows/processes/serve.py: served_dtype).
 
 For each model, mode and executor, one after the other on the same machine: a server started as a run starts its
 embedded one (`start_server`), the seconds from the start to /health answering, then generation
-tokens/s at concurrency 8 (8 requests of one 32-token prompt, 128 new tokens each, EOS ignored), the
-median of `--repeats` rounds after one warm-up round; the server stopped before the next starts.
+tokens/s at concurrency `--concurrency` (default 8 requests of one 32-token prompt, 128 new tokens each,
+EOS ignored), the median of `--repeats` rounds after one warm-up round; the server stopped before the
+next starts.
 
-    .venv/bin/python benchmarks/server_start.py [--smollm2 models/smollm2-135m]
+    .venv/bin/python benchmarks/server_start.py [--smollm2 models/smollm2-135m] [--dtype float32 bfloat16]
+        [--modes eager] [--executors uni] [--concurrency 8]
 
-Prints one JSON line per (model, mode).
+Prints one JSON line per (model, dtype, mode, executor).
 """
 
 from __future__ import annotations
@@ -45,28 +49,34 @@ async def _round(url: str, concurrency: int, max_tokens: int) -> tuple[int, floa
         return sum(len(ch.token_ids) for out in outs for ch in out), time.perf_counter() - t0
 
 
-def measure(name: str, model: Path, mode: str, executor: str, repeats: int, log_dir: Path) -> dict:
+def measure(name: str, model: Path, dtype: str, mode: str, executor: str, args, log_dir: Path) -> dict:
     os.environ.pop(SITE_ARGS_ENV, None)  # the mode alone decides
     t0 = time.perf_counter()
-    server = start_server(model, max_model_len=1024, kv_cache_gb=1, log_path=log_dir / f"{name}-{mode}-{executor}.log",
-                          startup_timeout_s=900, extra_args=(*MODES[mode], *EXECUTORS[executor]))  # fmt: skip
+    log = log_dir / f"{name}-{dtype}-{mode}-{executor}.log"
+    server = start_server(model, max_model_len=1024, kv_cache_gb=1, log_path=log, startup_timeout_s=900,
+                          extra_args=(*MODES[mode], *EXECUTORS[executor]), dtype=dtype)  # fmt: skip
     up = time.perf_counter() - t0
     try:
-        asyncio.run(_round(server.url, 8, 128))  # warm-up
+        asyncio.run(_round(server.url, args.concurrency, 128))  # warm-up
         rates = []
-        for _ in range(repeats):
-            tokens, seconds = asyncio.run(_round(server.url, 8, 128))
+        for _ in range(args.repeats):
+            tokens, seconds = asyncio.run(_round(server.url, args.concurrency, 128))
             rates.append(tokens / seconds)
     finally:
         server.stop()
-    return {"model": name, "mode": mode, "executor": executor, "startup_s": round(up, 1),
-            "gen_tok_s_c8_median": round(statistics.median(rates), 1)}  # fmt: skip
+    return {"model": name, "dtype": dtype, "mode": mode, "executor": executor, "startup_s": round(up, 1),
+            "concurrency": args.concurrency, "gen_tok_s_median": round(statistics.median(rates), 1),
+            "gen_tok_s_rounds": [round(r, 1) for r in rates]}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smollm2", help="converted SmolLM2-135M model dir")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--executors", nargs="+", default=list(EXECUTORS), choices=list(EXECUTORS))
     args = ap.parse_args()
     from grpoflow.tasks.tiny_model import build_tiny_model
 
@@ -75,10 +85,11 @@ def main() -> None:
         if args.smollm2:
             models.append(("SmolLM2-135M", Path(args.smollm2).resolve()))
         for name, model in models:
-            for mode in MODES:
-                for executor in EXECUTORS:
-                    row = measure(name, Path(model), mode, executor, args.repeats, Path(tmp))
-                    print(json.dumps(row), flush=True)
+            for mode in args.modes:
+                for executor in args.executors:
+                    for dtype in args.dtype:
+                        row = measure(name, Path(model), dtype, mode, executor, args, Path(tmp))
+                        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

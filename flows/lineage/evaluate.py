@@ -27,7 +27,7 @@ from prefect.utilities.annotations import quote
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.processes.cluster import ray_cluster
-from grpoflow.flows.processes.serve import inference_server
+from grpoflow.flows.processes.serve import inference_server, served_dtype
 from grpoflow.flows.training.data import load_rows, split_rows
 from grpoflow.flows.training.environments import check_environment_rows, check_run
 from grpoflow.flows.training.preflight import confine
@@ -181,7 +181,14 @@ def grpo_evaluate(
     ray_log = Path(cfg.storage.root) / "logs" / f"ray-{eval_run}.log"
     with (
         ray_cluster(cfg.scale, cfg.config_dir, ray_log),
-        inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{eval_run}", lora) as server,
+        inference_server(
+            cfg.inference,
+            base,
+            cfg.storage.root,
+            f"vllm-{eval_run}",
+            lora,
+            served_dtype(cfg.model.dtype, cfg.run.reproducible),
+        ) as server,
     ):
         groups = evaluate_model(
             cfg,

@@ -26,7 +26,7 @@ from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
 from grpoflow.flows.lineage.promote import base_version, checkpoint_version, promote, reject, serving_version
 from grpoflow.flows.processes.cluster import ray_cluster
-from grpoflow.flows.processes.serve import inference_server
+from grpoflow.flows.processes.serve import inference_server, served_dtype
 from grpoflow.flows.training.environments import check_run
 from grpoflow.flows.training.preflight import confine
 from grpoflow.flows.training.train import grpo_train
@@ -71,7 +71,14 @@ def _evaluate_both(
     ray_log = Path(cfg.storage.root) / "logs" / f"ray-{lineage}-gate.log"
     with (
         ray_cluster(cfg.scale, cfg.config_dir, ray_log),  # `executor: ray` rewards score here too
-        inference_server(cfg.inference, base, cfg.storage.root, f"vllm-{lineage}-gate", lora) as server,
+        inference_server(
+            cfg.inference,
+            base,
+            cfg.storage.root,
+            f"vllm-{lineage}-gate",
+            lora,
+            served_dtype(cfg.model.dtype, cfg.run.reproducible),
+        ) as server,
     ):
         # A required reward broken on every completion raises (evaluate_model): the gate decides nothing.
         cand_groups = evaluate_model(

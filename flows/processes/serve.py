@@ -26,6 +26,7 @@ from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.allowlist import check_server_flags
 from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.learner import LoraConfig
+from grpoflow.tasks.config.model import cpu_computes_bf16
 from grpoflow.tasks.push.push import forget_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,6 +84,7 @@ def server_command(
     lora_rank: int | None = None,
     max_loras: int = 4,
     upload_dir: str | Path | None = None,
+    dtype: str | None = None,
 ) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
     cores its engine binds to on a CPU-only machine (default: all this process may use).
@@ -90,14 +92,17 @@ def server_command(
     (one vLLM takes: `LoraConfig.served_rank`), `max_loras` of them in one batch.
     `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow.server.upload), a
     folder of its own (its sweep removes staging dirs it does not know); None: `GRPOFLOW_UPLOAD_DIR`
-    from this environment, if set, else uploads are off."""
+    from this environment, if set, else uploads are off. `dtype`: vLLM's `--dtype` (`served_dtype`; None:
+    float32 on a CPU, the model's own on a GPU)."""
     if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
             "(or --api-key); the default 127.0.0.1 needs none"
         )
     port = port or free_port(host if is_loopback(host) else "127.0.0.1")
-    args = _vllm_args(model_dir, host, port, served_model_name, max_model_len)
+    args = _vllm_args(
+        model_dir, host, port, served_model_name, max_model_len, dtype or served_dtype("float32")
+    )
     cmd = guarded_command(python or vllm_python(), "vllm.entrypoints.openai.api_server", args)
     if lora_rank is not None:
         # One batch mixes the current version's adapter with stale versions still generating.
@@ -123,8 +128,20 @@ def server_command(
     return cmd, env, f"http://{connect_host}:{port}"
 
 
+def served_dtype(compute: str, reproducible: bool = False) -> str:
+    """The `--dtype` of a server generating for a learner whose compute dtype is `compute` (`model.dtype`):
+    the learner's where the hardware computes it (docs/architecture.md, "Precision"). On a GPU the model's
+    own ("auto"). On a CPU bfloat16 for a bfloat16 learner on a CPU with native bf16 (`cpu_computes_bf16`:
+    about 2.4x float32's generation, BENCHMARKS.md) outside `run.reproducible` (the CPU server's batch
+    invariance is checked in float32: server/invariant.py); float32 otherwise."""
+    if not _cpu_only():
+        return "auto"
+    bf16 = compute == "bfloat16" and not reproducible and cpu_computes_bf16()
+    return "bfloat16" if bf16 else "float32"
+
+
 def _vllm_args(
-    model_dir, host: str, port: int, served_model_name: str, max_model_len: int | None
+    model_dir, host: str, port: int, served_model_name: str, max_model_len: int | None, dtype: str
 ) -> list[str]:
     args = [
         "--model",
@@ -143,7 +160,7 @@ def _vllm_args(
         "--generation-config",
         "vllm",
         "--dtype",
-        "float32" if _cpu_only() else "auto",
+        dtype,
         # usage.prompt_tokens_details.cached_tokens: how many prompt tokens the prefix cache served
         # (prefix caching is on by default, also in the CPU build; requests carry a per-weights
         # cache_salt so that none reuses KV computed under older weights).
@@ -318,12 +335,13 @@ def inference_servers(
     root: str | Path,
     name: str,
     lora: LoraConfig | None = None,
+    dtype: str | None = None,
 ):
     """The run's generation servers: `inference.urls` / `inference.url` as they are, or
     `inference.replicas` embedded servers (each on its own share of the cores, started together,
-    always stopped). Servers a dead attempt of the same names left behind are stopped first. With
-    `lora` (a LoRA learner's), embedded servers load adapters of its rank (`inference.max_loras` per
-    batch); external ones must have been started so (the first push says so if not)."""
+    always stopped, serving `dtype`: `served_dtype`). Servers a dead attempt of the same names left
+    behind are stopped first. With `lora` (a LoRA learner's), embedded servers load adapters of its rank
+    (`inference.max_loras` per batch); external ones must have been started so (the first push says so)."""
     root, names = Path(root), replica_names(name, inference)
     for n in names:
         stop_stale(root, n)
@@ -349,6 +367,7 @@ def inference_servers(
             lora_rank=lora and lora.served_rank(),
             max_loras=i.max_loras,
             upload_dir=upload_dir_of(root, n),
+            dtype=dtype,
         )
         handle = VLLMServer(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)
@@ -370,10 +389,11 @@ def inference_server(
     root: str | Path,
     name: str,
     lora: LoraConfig | None = None,
+    dtype: str | None = None,
 ):
     """`inference.url`, or an embedded vLLM server named `name` under `root` (always stopped; with
-    `lora`, one that loads adapters of its rank); a server a dead attempt of the same name left behind
-    is stopped first."""
+    `lora`, one that loads adapters of its rank; serving `dtype`); a server a dead attempt of the same
+    name left behind is stopped first."""
     one = inference.model_copy(update={"urls": [], "replicas": 1})
-    with inference_servers(one, model_dir, root, name, lora) as (server,):
+    with inference_servers(one, model_dir, root, name, lora, dtype) as (server,):
         yield server

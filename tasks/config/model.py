@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -18,7 +19,9 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Learner compute dtype: auto = float32 on CPU, bfloat16 on GPU. bfloat16 computes under "
-        "autocast over float32 master weights and optimizer state; pushes are written in it.",
+        "autocast over float32 master weights and optimizer state; pushes are written in it, and the "
+        "run's own vLLM servers serve it on a CPU that computes bf16 natively (AMX or AVX512-BF16; not "
+        "with run.reproducible), float32 on other CPUs.",
     )
     chat_template: str | None = Field(
         None,
@@ -27,3 +30,16 @@ class ModelConfig(Section):
         "The run's tokenizer carries it: generation, the warm-up, tool calls, checkpoints and exports. "
         "Only conversational prompts (lists of messages) are rendered with a template.",
     )
+
+
+def cpu_computes_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Does this machine's CPU compute bfloat16 natively: AMX or AVX512-BF16, as Linux lists its flags
+    (what vLLM's CPU backend checks for its bf16 kernels)? False where the file cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return bool({"amx_bf16", "avx512_bf16"} & set(line.partition(":")[2].split()))
+    return False

@@ -117,11 +117,14 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
 
 def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):
     """SIGKILL the run's own vLLM server mid-run: it is restarted, gets the current weights back, and
-    every step lands exactly once."""
+    every step lands exactly once. A bf16 run: both servers serve bfloat16 where this CPU computes it
+    natively (flows/processes/serve.py: served_dtype), float32 elsewhere, and take the bf16 pushes."""
+    import re
     import shutil
     import threading
 
     from grpoflow.flows.config import load_config
+    from grpoflow.flows.processes.serve import served_dtype
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.rollouts import RolloutStore
 
@@ -129,7 +132,7 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
     shutil.copytree(tiny_model_dir, model)
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", [
         f"storage.root={tmp_path}", f"model.path={model}", "run.steps=8", "run.run_id=phoenix",
-        "algorithm.max_staleness=1", "inference.retries=2",
+        "algorithm.max_staleness=1", "inference.retries=2", "model.dtype=bfloat16",
     ])  # fmt: skip
     store = RolloutStore(tmp_path)
     killed = []
@@ -153,3 +156,6 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
         assert store.steps_written(table, "phoenix") == list(range(8))
     restarts = [s["server_restarts"] for s in store.read_steps("phoenix")]
     assert restarts[-1] >= 1 and restarts[0] == 0
+    # each start's engine config, as vLLM logs it: the first server and its restart alike
+    served = re.findall(r"\bdtype=torch\.(\w+)", (tmp_path / "logs" / "vllm-phoenix.log").read_text())
+    assert len(served) >= 2 and set(served) == {served_dtype("bfloat16")}, served

@@ -88,3 +88,40 @@ def test_a_cpu_server_runs_its_one_worker_in_the_engine_process_unless_told_othe
     monkeypatch.setattr(serve, "_cpu_only", lambda: False)  # a GPU: vLLM's own choice
     cmd, env, _ = server_command("m", python="py", port=9)
     assert "--distributed-executor-backend" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+
+
+CPUINFO = "processor\t: {i}\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 {extra}\n\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "native"),
+    [("", False), ("avx512f avx512_bf16", True), ("amx_tile amx_bf16", True), ("avx512_bf16x", False)],
+)
+def test_a_cpu_computes_bf16_natively_only_with_amx_or_avx512_bf16(extra, native, tmp_path):
+    from grpoflow.tasks.config.model import cpu_computes_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("".join(CPUINFO.format(i=i, extra=extra) for i in range(2)))
+    assert cpu_computes_bf16(cpuinfo) is native
+    assert cpu_computes_bf16(tmp_path / "missing") is False  # not Linux: no claim of bf16
+
+
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_a_cpu_server_serves_bf16_for_a_bf16_learner_where_the_cpu_computes_it(bf16_cpu, monkeypatch):
+    """The served dtype follows the learner's compute dtype where the hardware computes it: a CPU's
+    server serves bfloat16 for `model.dtype: bfloat16` on a CPU with native bf16, outside
+    `run.reproducible`; float32 in every other case, as before; a GPU's keeps the model's own."""
+    monkeypatch.setattr(serve, "_cpu_only", lambda: True)
+    monkeypatch.setattr(serve, "cpu_computes_bf16", lambda: bf16_cpu)
+    assert serve.served_dtype("bfloat16") == ("bfloat16" if bf16_cpu else "float32")
+    assert serve.served_dtype("bfloat16", reproducible=True) == "float32"
+    assert serve.served_dtype("float32") == serve.served_dtype("auto") == "float32"
+
+    def dtype_of(**kw) -> str:
+        cmd = server_command("m", python="py", port=9, **kw)[0]
+        return cmd[cmd.index("--dtype") + 1]
+
+    assert dtype_of() == "float32"  # a server nobody asked a dtype of: today's
+    assert dtype_of(dtype=serve.served_dtype("bfloat16")) == ("bfloat16" if bf16_cpu else "float32")
+    monkeypatch.setattr(serve, "_cpu_only", lambda: False)
+    assert serve.served_dtype("bfloat16") == serve.served_dtype("float32") == dtype_of() == "auto"
