@@ -12,7 +12,7 @@ EOS ignored), the median of `--repeats` rounds after one warm-up round; the serv
 next starts.
 
     .venv/bin/python benchmarks/server_start.py [--smollm2 models/smollm2-135m] [--dtype float32 bfloat16]
-        [--modes eager] [--executors uni] [--concurrency 8]
+        [--modes eager] [--executors uni] [--concurrency 8] [--no-tiny]
 
 Prints one JSON line per (model, dtype, mode, executor).
 """
@@ -77,11 +77,12 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--executors", nargs="+", default=list(EXECUTORS), choices=list(EXECUTORS))
+    ap.add_argument("--no-tiny", action="store_true", help="only the --smollm2 model")
     args = ap.parse_args()
     from grpoflow.tasks.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="grpoflow-server-start-") as tmp:
-        models = [("tiny", build_tiny_model(Path(tmp) / "tiny"))]
+        models = [] if args.no_tiny else [("tiny", build_tiny_model(Path(tmp) / "tiny"))]
         if args.smollm2:
             models.append(("SmolLM2-135M", Path(args.smollm2).resolve()))
         for name, model in models:
