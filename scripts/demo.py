@@ -42,7 +42,7 @@ def main() -> int:
     from grpoflow.flows.config import load_config
     from grpoflow.flows.lineage.evaluate import grpo_evaluate
     from grpoflow.flows.processes.prefect_api import owned_prefect_api
-    from grpoflow.flows.processes.serve import inference_server
+    from grpoflow.flows.processes.serve import inference_server, served_dtype
     from grpoflow.flows.training.runs import new_run_id
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
@@ -55,7 +55,12 @@ def main() -> int:
     with (
         owned_prefect_api(),
         inference_server(
-            base.inference, base.model.path, args.root, f"vllm-{run_id}", lora=base.learner.lora
+            base.inference,
+            base.model.path,
+            args.root,
+            f"vllm-{run_id}",
+            lora=base.learner.lora,
+            dtype=served_dtype(base.model.dtype, base.run.reproducible),  # as the run's own servers
         ) as srv,
     ):
         cfg = load_config(config, [*sets, f"inference.url={srv.url}"])
