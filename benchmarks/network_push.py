@@ -51,7 +51,7 @@ import tempfile
 import time
 import zlib
 
-from grpoflow.flows.processes.serve import server_command
+from grpoflow.flows.processes.vllm_command import server_command
 from grpoflow.tasks.config.inference import InferenceConfig, SyncConfig
 from grpoflow.tasks.config.learner import LoraConfig
 from grpoflow.tasks.push.push import push_version, weight_push

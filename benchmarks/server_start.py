@@ -3,7 +3,7 @@
 the engine-core process (`uni`, what grpoflow starts on a CPU) or in a process of its own (`mp`, vLLM's
 CPU default), and what each costs generation afterwards; in float32 (a CPU's server by default) or
 bfloat16 (`--dtype`: what a `model.dtype: bfloat16` run's servers serve on a CPU with native bf16,
-flows/processes/serve.py: served_dtype).
+flows/processes/vllm_command.py: served_dtype).
 
 For each model, mode and executor, one after the other on the same machine: a server started as a run starts its
 embedded one (`start_server`), the seconds from the start to /health answering, then generation
@@ -33,11 +33,13 @@ import statistics
 import tempfile
 import time
 
-from grpoflow.flows.processes.serve import SITE_ARGS_ENV, start_server
+from grpoflow.flows.processes.serve import start_server
+from grpoflow.flows.processes.vllm_command import SITE_ARGS_ENV
 from grpoflow.tasks.rollouts.inference import VLLMClient
 
 MODES = {"compiled": (), "eager": ("--enforce-eager",)}
-EXECUTORS = {"uni": (), "mp": ("--distributed-executor-backend", "mp")}  # uni: flows/processes/serve.py
+# uni: flows/processes/vllm_command.py
+EXECUTORS = {"uni": (), "mp": ("--distributed-executor-backend", "mp")}
 PROMPT = [3 + (7 * k) % 90 for k in range(32)]
 
 

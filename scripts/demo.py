@@ -42,7 +42,8 @@ def main() -> int:
     from grpoflow.flows.config import load_config
     from grpoflow.flows.lineage.evaluate import grpo_evaluate
     from grpoflow.flows.processes.prefect_api import owned_prefect_api
-    from grpoflow.flows.processes.serve import inference_server, served_dtype
+    from grpoflow.flows.processes.serve import inference_server
+    from grpoflow.flows.processes.vllm_command import served_dtype
     from grpoflow.flows.training.runs import new_run_id
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.sql import query
@@ -60,7 +61,7 @@ def main() -> int:
             args.root,
             f"vllm-{run_id}",
             lora=base.learner.lora,
-            dtype=served_dtype(base.model.dtype, base.run.reproducible),  # as the run's own servers
+            dtype=served_dtype(base),  # as the run's own servers
         ) as srv,
     ):
         cfg = load_config(config, [*sets, f"inference.url={srv.url}"])

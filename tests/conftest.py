@@ -20,7 +20,7 @@ if "grpoflow" not in sys.modules and importlib.util.find_spec("grpoflow") is Non
 # No telemetry from the test servers (there is no network here, and it races the SQLite writes).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Every vLLM server the tests start, but the shared `vllm_server` (tests/integration/conftest.py, the
-# default compiled path), runs eager (flows/processes/serve.py: GRPOFLOW_VLLM_ARGS): torch.compile took
+# default compiled path), runs eager (flows/processes/vllm_command.py: GRPOFLOW_VLLM_ARGS): torch.compile took
 # 35 s of a tiny server's 84 s start and 145 s of SmolLM2's 198 s (benchmarks/server_start.py), some
 # twenty starts a session, for generation these tests keep short.
 os.environ.setdefault("GRPOFLOW_VLLM_ARGS", "--enforce-eager")

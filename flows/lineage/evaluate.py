@@ -27,7 +27,8 @@ from prefect.utilities.annotations import quote
 
 from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.processes.cluster import ray_cluster
-from grpoflow.flows.processes.serve import inference_server, served_dtype
+from grpoflow.flows.processes.serve import inference_server
+from grpoflow.flows.processes.vllm_command import served_dtype
 from grpoflow.flows.training.data import load_rows, split_rows
 from grpoflow.flows.training.environments import check_environment_rows, check_run
 from grpoflow.flows.training.preflight import confine
@@ -187,7 +188,7 @@ def grpo_evaluate(
             cfg.storage.root,
             f"vllm-{eval_run}",
             lora,
-            served_dtype(cfg.model.dtype, cfg.run.reproducible),
+            served_dtype(cfg),
         ) as server,
     ):
         groups = evaluate_model(

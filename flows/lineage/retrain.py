@@ -26,7 +26,8 @@ from grpoflow.flows.config import ConfigError, GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import adapter_base, eval_rows, evaluate_model, evaluation_config, scores
 from grpoflow.flows.lineage.promote import base_version, checkpoint_version, promote, reject, serving_version
 from grpoflow.flows.processes.cluster import ray_cluster
-from grpoflow.flows.processes.serve import inference_server, served_dtype
+from grpoflow.flows.processes.serve import inference_server
+from grpoflow.flows.processes.vllm_command import served_dtype
 from grpoflow.flows.training.environments import check_run
 from grpoflow.flows.training.preflight import confine
 from grpoflow.flows.training.train import grpo_train
@@ -77,7 +78,7 @@ def _evaluate_both(
             cfg.storage.root,
             f"vllm-{lineage}-gate",
             lora,
-            served_dtype(cfg.model.dtype, cfg.run.reproducible),
+            served_dtype(cfg),
         ) as server,
     ):
         # A required reward broken on every completion raises (evaluate_model): the gate decides nothing.

@@ -11,7 +11,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from grpoflow.flows.processes.launch import ServerHandle, ServerStartError, _tail
-from grpoflow.flows.processes.serve import VLLMServer, server_command, upload_dir_of
+from grpoflow.flows.processes.serve import VLLMServer, upload_dir_of
+from grpoflow.flows.processes.vllm_command import server_command
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.learner import LoraConfig
 

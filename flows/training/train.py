@@ -18,7 +18,8 @@ from prefect.context import FlowRunContext
 from grpoflow.flows.config import GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import TrainingEval, eval_metrics
 from grpoflow.flows.processes.cluster import ray_cluster
-from grpoflow.flows.processes.serve import inference_servers, replica_names, served_dtype, vllm_python
+from grpoflow.flows.processes.serve import inference_servers, replica_names
+from grpoflow.flows.processes.vllm_command import served_dtype, vllm_python
 from grpoflow.flows.training.pipeline import RolloutPipeline, replica_set
 from grpoflow.flows.training.preflight import preflight
 from grpoflow.flows.training.runner import StepRunner, StepUnits
@@ -128,7 +129,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             root,
             f"vllm-{run_id}",
             served_lora(cfg),
-            served_dtype(cfg.model.dtype, cfg.run.reproducible),
+            served_dtype(cfg),
         ) as started,
         contextlib.closing(replica_set(started, run, pusher)) as servers,
         contextlib.closing(build_learner(cfg, run)) as learner,

@@ -64,7 +64,7 @@ async def serve_adapter(client: VLLMClient, name: str, path: str, *, drain_s: fl
         raise WeightPushError(
             f"{client.base_url} has no grpoflow alias middleware (GET {ALIASES}: 404), so "
             f"lineage {name!r} cannot be re-pointed without a 404 window: start the server with "
-            "`grpoflow serve --lora-rank R` (or flows/processes/serve.py's server_command)"
+            "`grpoflow serve --lora-rank R` (or flows/processes/vllm_command.py's server_command)"
         ) from e
     held = {m.get("id"): m.get("root") for m in await client.models() if m.get("id") not in aliases}
     previous, target = aliases.get(name), internal_name(name, path)

@@ -15,7 +15,8 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     (tests/shards.py: EAGER_SHARED_SERVER_ENV), whose tests need no compiled model."""
     import os
 
-    from grpoflow.flows.processes.serve import SITE_ARGS_ENV, start_server
+    from grpoflow.flows.processes.serve import start_server
+    from grpoflow.flows.processes.vllm_command import SITE_ARGS_ENV
     from tests.shards import EAGER_SHARED_SERVER_ENV
 
     log = tmp_path_factory.mktemp("logs") / "vllm.log"

@@ -1,5 +1,5 @@
 """The vLLM environment runs what grpoflow hands vLLM from the installed grpoflow.server alone: the guard,
-the middlewares and the worker extension (flows/processes/serve.py's own names) import there without any other
+the middlewares and the worker extension (flows/processes/vllm_command.py's own names) import there without any other
 part of grpoflow, and every third-party name the package imports is there. No server starts: the
 imports are what vLLM does first with them."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from grpoflow.flows.processes.serve import AUTH_MIDDLEWARE, MIDDLEWARES, vllm_python
+from grpoflow.flows.processes.vllm_command import AUTH_MIDDLEWARE, MIDDLEWARES, vllm_python
 from grpoflow.server import guard
 from grpoflow.server.protocol import WORKER_EXTENSION
 from tests.support import server_imports

@@ -118,13 +118,13 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
 def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):
     """SIGKILL the run's own vLLM server mid-run: it is restarted, gets the current weights back, and
     every step lands exactly once. A bf16 run: both servers serve bfloat16 where this CPU computes it
-    natively (flows/processes/serve.py: served_dtype), float32 elsewhere, and take the bf16 pushes."""
+    natively (flows/processes/vllm_command.py: served_dtype), float32 elsewhere, and take the bf16 pushes."""
     import re
     import shutil
     import threading
 
     from grpoflow.flows.config import load_config
-    from grpoflow.flows.processes.serve import served_dtype
+    from grpoflow.flows.processes.vllm_command import served_dtype
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.storage.rollouts import RolloutStore
 
@@ -158,4 +158,4 @@ def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, 
     assert restarts[-1] >= 1 and restarts[0] == 0
     # each start's engine config, as vLLM logs it: the first server and its restart alike
     served = re.findall(r"\bdtype=torch\.(\w+)", (tmp_path / "logs" / "vllm-phoenix.log").read_text())
-    assert len(served) >= 2 and set(served) == {served_dtype("bfloat16")}, served
+    assert len(served) >= 2 and set(served) == {served_dtype(cfg)}, served

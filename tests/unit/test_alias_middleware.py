@@ -158,7 +158,7 @@ def test_models_lists_each_alias_as_its_targets_card(alias):
 
 
 def test_every_server_grpoflow_starts_carries_it_inside_the_key_check():
-    from grpoflow.flows.processes.serve import server_command
+    from grpoflow.flows.processes.vllm_command import server_command
 
     for key in (None, "k"):
         cmd, _, _ = server_command("m", python="py", port=9, api_key=key, lora_rank=None)

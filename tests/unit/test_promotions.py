@@ -308,9 +308,9 @@ def test_the_gate_of_a_lora_lineage_evaluates_both_adapters_side_by_side(lora_ro
     cfg, base = GRPOConfig(), str(lora_root / "base")
     a1, a2 = checkpoint_version(lora_root, "ada", 1), checkpoint_version(lora_root, "ada", 2)
     retrain._evaluate_both(cfg, "ada", a2, a1, [], None)
-    from grpoflow.flows.processes.serve import served_dtype
+    from grpoflow.flows.processes.vllm_command import served_dtype
 
-    assert started == [(base, 8, served_dtype("auto"))]  # one server, on the base, LoRA on, the run's dtype
+    assert started == [(base, 8, served_dtype(cfg))]  # one server, on the base, LoRA on, the run's dtype
     assert evaluated == [(a2["path"], "ada-eval", True, base), (a1["path"], "ada-eval-incumbent", True, base)]
     evaluated.clear()
     retrain._evaluate_both(cfg, "ada", a2, base_version(lora_root, "ada"), [], None)

@@ -12,7 +12,7 @@ import pytest
 from grpoflow.flows.cli.main import build_parser
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.processes.policy_server import policy_server
-from grpoflow.flows.processes.serve import server_command
+from grpoflow.flows.processes.vllm_command import server_command
 from grpoflow.tasks.rollouts.tools import HermesToolParser
 from tests.support import toolbox, wait_for
 

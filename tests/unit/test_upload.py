@@ -121,9 +121,9 @@ def served(app):
 
 
 def stacked_as_served(mod):
-    """The fake vLLM inside grpoflow's middlewares as flows/processes/serve.py gives them to vLLM (with a
+    """The fake vLLM inside grpoflow's middlewares as flows/processes/vllm_command.py gives them to vLLM (with a
     key): Starlette's add_middleware makes each one given wrap the ones given before it."""
-    from grpoflow.flows.processes.serve import server_command
+    from grpoflow.flows.processes.vllm_command import server_command
 
     cmd, _, _ = server_command("m", python="py", port=9, api_key=KEY)
     app = inner
