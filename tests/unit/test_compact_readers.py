@@ -3,7 +3,8 @@ step's rows exactly once.
 
 A writer process writes steps (real RolloutStore files, synthetic groups) and compacts the steps it
 has written after every second step, as a run compacts its closed steps; it is SIGKILLed again and
-again, at the compaction's failpoints and at seeded random moments, and restarted where its progress
+again, at the compaction's failpoints and at seeded hits of the step files' own (`parquet_write`: a
+step's file written, not yet renamed), never at a wall-clock moment, and restarted where its progress
 file says it stopped (first deleting later steps' files, as a resume does). Meanwhile a reader
 thread in this process runs storage.sql.query in a loop. Every answer must hold each step it shows
 exactly rows-per-step times, and every step the writer had finished before the query began. No vLLM
@@ -88,27 +89,29 @@ def _reader(root: Path, stop: threading.Event, answers: list, errors: list) -> N
 
 def test_sql_during_compactions_and_kills_counts_every_step_exactly_once(tmp_path):
     rng = random.Random(7)
-    # Kills at the two moments that matter most, and at random moments between them.
-    plan = ["compact_publish@1", "random", "compact_write@2", "random", "compact_publish@3", "random",
-            "compact_write@1", "random", "compact_publish@2", "random"]  # fmt: skip
+    # Kills at the compaction's two moments, and between them at seeded step-file writes: a launch writes
+    # 2 files a step for at least QUOTA steps (more than 20 steps are always left), so each hit is reached.
+    compaction = [
+        "compact_publish@1",
+        "compact_write@2",
+        "compact_publish@3",
+        "compact_write@1",
+        "compact_publish@2",
+    ]
+    plan = [p for c in compaction for p in (c, f"parquet_write@{rng.randint(1, 2 * QUOTA)}")]
     stop, answers, errors = threading.Event(), [], []
     reader = threading.Thread(target=_reader, args=(tmp_path, stop, answers, errors))
     reader.start()
     cmd = [sys.executable, "-c", WRITER, str(tmp_path), str(STEPS), str(PER_STEP), str(EVERY)]
-    killed = {"failpoint": 0, "random": 0}
+    killed = []
     try:
-        for kind in plan:
-            env = {**os.environ, **({"GRPOFLOW_FAULTS": f"{kind}:kill"} if kind != "random" else {})}
-            proc = subprocess.Popen([*cmd, str(QUOTA)], cwd=REPO, env=env, stderr=subprocess.PIPE)
-            try:
-                proc.wait(rng.uniform(0.5, 1.5) if kind == "random" else 120)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-            err = proc.stderr.read().decode()
+        for point in plan:
+            env = {**os.environ, "GRPOFLOW_FAULTS": f"{point}:kill"}
+            proc = subprocess.run([*cmd, str(QUOTA)], cwd=REPO, env=env, stderr=subprocess.PIPE, timeout=120)
+            err = proc.stderr.decode()
             assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
             if proc.returncode == -signal.SIGKILL:
-                killed["failpoint" if kind != "random" else "random"] += 1
+                killed.append(point)
         final = subprocess.run([*cmd, str(STEPS)], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert final.returncode == 0, final.stderr[-3000:]
         n = len(answers)  # two whole rounds (2 tables each) on the finished store too
@@ -117,9 +120,7 @@ def test_sql_during_compactions_and_kills_counts_every_step_exactly_once(tmp_pat
         stop.set()
         reader.join()
     assert errors == []
-    # Every failpoint kill fires (a launch writes enough steps to reach it); whether a random moment
-    # lands before its launch finishes is luck, and the answers must be exact either way.
-    assert killed["failpoint"] == 5 and len(answers) > 20, (killed, len(answers))
+    assert killed == plan and len(answers) > 20, (killed, len(answers))  # every kill fired where planned
     assert _finished(tmp_path) == STEPS - 1
 
     compact_run(tmp_path, "w", STEPS - 1, EVERY, final=True)  # the next compaction cleans up
