@@ -30,6 +30,8 @@ Points, in the order a run reaches them:
                       (the other ranks wait for it in their first collective)
     upload_chunk      a chunk of a version's file reached a server over the network (sync.transport),
                       the rest of the version not yet sent (tasks/push/upload.py)
+    delta_chunk       the same, of a version sent as a delta (sync.delta; counted as upload_chunk too):
+                      the server has part of what changed, and serves the version before it
     weight_push       new weights are saved and the server is paused, the reload not yet requested
     checkpoint_write  a checkpoint's files are written to its temp dir, not yet published
     checkpoint_done   a checkpoint is published; the step's other writes came before it
@@ -60,6 +62,7 @@ POINTS = (
     "train",
     "learner_rank",
     "upload_chunk",
+    "delta_chunk",
     "weight_push",
     "checkpoint_write",
     "checkpoint_done",

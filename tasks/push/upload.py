@@ -104,7 +104,8 @@ async def upload_version(
     except InferenceError as e:
         raise _failed(server, local, name, None, e) from e
     try:
-        await _send_chunks(server, upload_id, local, chunks(files, chunk_bytes, streams), streams, sending)
+        todo = chunks(files, chunk_bytes, streams)
+        await _send_chunks(server, upload_id, local, todo, streams, sending, delta=base is not None)
         return await server.upload_commit(upload_id, timeout_s=commit_timeout_s)
     except BaseException as e:  # cancelled too: the server drops what it got
         await _abort(server, upload_id, e)
@@ -146,9 +147,12 @@ async def _send_chunks(
     todo: list[tuple[str, int, int]],
     streams: int,
     failed_at: list[str],
+    *,
+    delta: bool = False,
 ) -> None:
     """Send `todo`'s chunks, `streams` at once (each stream takes the next chunk left), each with its
-    CRC-32; the first failure cancels the others and is raised, its file put in `failed_at`."""
+    CRC-32; the first failure cancels the others and is raised, its file put in `failed_at`. `delta`:
+    the chunks are a delta's (failpoint delta_chunk as well as upload_chunk)."""
     left = iter(todo)
 
     async def stream() -> None:
@@ -164,6 +168,8 @@ async def _send_chunks(
                 failed_at.append(rel)
                 raise
             failpoint("upload_chunk")
+            if delta:
+                failpoint("delta_chunk")
 
     tasks = [asyncio.ensure_future(stream()) for _ in range(streams)]
     try:

@@ -3,9 +3,11 @@ this machine's own namespace, a `grpoflow serve` server (the real vLLM CPU serve
 second host (tests/hosts.py: a network namespace on a bridge) in a mount namespace where the learner's
 store is an empty read-only tmpfs. Every push of a run reaches it over the network (`sync.transport`
 auto: the server's probe finds the store unreadable), full weights and LoRA adapters alike; a learner
-killed mid-upload leaves it serving the last whole version, and the next push goes through. Last, the
-whole second host dies mid-run (a run on it and on the session's local server): the run goes on on the
-local one, and when the host is back the server rejoins at the served version, sent over the network."""
+killed mid-upload leaves it serving the last whole version, and the next push goes through. bf16 runs
+send what changed (`sync.delta`), and a delta cut off mid-upload leaves the version before it served.
+Last, the whole second host dies mid-run (a bf16 run on it and on the session's local server): the run
+goes on on the local one, and when the host is back the server rejoins at the served version, sent over
+the network, and takes deltas again."""
 
 from __future__ import annotations
 
@@ -238,6 +240,36 @@ def test_a_learner_killed_mid_upload_leaves_the_last_whole_version_served(remote
     assert gap(load(store / "weights" / "far-kill" / kept[-1]), served(url)) < 1e-3
 
 
+def test_a_learner_killed_mid_delta_leaves_the_version_before_it_served(remote, tiny_model_dir):
+    """A bf16 run's first delta (v1, from the whole v0 its first load sent) is cut off by SIGKILL after
+    its first chunk: the server publishes nothing of it and serves v0; the resumed run sends its first
+    version whole (a new learner knows no base on the server) and deltas after it, and every version on
+    the server's disk is the learner's byte for byte."""
+    url, store, uploads = remote.url, remote.store, remote.uploads
+    sets = (f"model.path={tiny_model_dir}", "model.dtype=bfloat16", "learner.lr=1e-6")
+    out = train(store, "far-dkill", url, *sets, env_extra={"GRPOFLOW_FAULTS": "delta_chunk@1:kill"})
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert list(uploads.glob(".incoming-*")), "the kill did not land mid-upload"
+    mine = store / "weights" / "far-dkill"
+    assert sorted(p.name for p in (uploads / "far-dkill").iterdir()) == ["v000000"]  # v1 never published
+    assert (mine / "v000001").is_dir()  # the learner had made it
+    assert asyncio.run(_on(url, lambda c: c.is_paused())) is False
+    assert gap(load(mine / "v000000"), served(url)) < 1e-3
+    out = train(store, "far-dkill", url, *sets, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, rows = query(store, """SELECT "sync/version", "sync/delta_servers" FROM steps
+        WHERE run_id = 'far-dkill' AND "sync/version" IS NOT NULL ORDER BY step""")  # fmt: skip
+    assert len(rows) == STEPS and rows[-1][1] == 1, rows  # the last push went as a delta
+    kept = sorted(p.name for p in mine.glob("v*"))
+    assert sorted(p.name for p in (uploads / "far-dkill").iterdir()) == kept
+    for v in kept:
+        assert (uploads / "far-dkill" / v / "model.safetensors").read_bytes() == (
+            mine / v / "model.safetensors"
+        ).read_bytes(), v
+    assert not list(uploads.glob(".incoming-*"))  # the dead upload's staging dir was swept
+    assert gap(load(mine / kept[-1]), served(url)) < 1e-3
+
+
 KILL_AFTER_STEP, DEATH_STEPS = 1, 6  # the host-death run's (the tests above train STEPS)
 # The watcher's progress (host_dead: killed, link down; host_back: its server rejoined) and the run's
 # (last_generated: its last batch was generated), each set once.
@@ -271,7 +303,8 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     """Two servers: the session's own on this host (path) and the second host's (network). The second
     host dies whole (every process, its link down) after step KILL_AFTER_STEP: its groups are generated
     on the local server and the run goes on; the host comes back, its server starts, and the run's
-    reviver sends it the served version over the network before it rejoins."""
+    reviver sends it the served version over the network before it rejoins. The run pushes bf16 at an
+    RL learning rate, so what reaches the second host goes as deltas, after its restart as before."""
     from grpoflow.flows.config import load_config
     from grpoflow.flows.training.train import grpo_train
     from grpoflow.tasks.rollouts.replicas import ReplicaSet
@@ -279,6 +312,7 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     store, steps = remote.store, DEATH_STEPS
     sets = [f"storage.root={store}", f"model.path={tiny_model_dir}", f"run.steps={steps}", "run.run_id=far-death",
             f"inference.urls=[{vllm_server.url}, {remote.url}]", f"inference.api_key={KEY}", "inference.retries=1",
+            "model.dtype=bfloat16", "learner.lr=1e-6",
             "run.checkpoint_every=100", "rewards=[{name: letter, fn: 'tests.integration.test_hosts_push:gated_letter', "
             "kwargs: {target_letter: a}, timeout_s: 600}]"]  # fmt: skip
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", sets)
@@ -326,8 +360,8 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
         store, "SELECT step, count(*) FROM rollouts WHERE run_id = 'far-death' GROUP BY step ORDER BY step"
     )
     assert counts == [(s, 64) for s in range(steps)]  # every step once, whole
-    _, rows = query(store, """SELECT step, "gen/server1/up", "sync/servers", "sync/network_servers"
-        FROM steps WHERE run_id = 'far-death' ORDER BY step""")  # fmt: skip
+    _, rows = query(store, """SELECT step, "gen/server1/up", "sync/servers", "sync/network_servers",
+        "sync/delta_servers" FROM steps WHERE run_id = 'far-death' ORDER BY step""")  # fmt: skip
     down = [r[0] for r in rows if r[1] == 0.0]
     assert down and min(down) > KILL_AFTER_STEP, rows  # batches generated without it, after the kill
     # (servers, over the network) of each push: both before the kill, its own over the network (a push
@@ -335,6 +369,9 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     pushes = [(r[2], r[3]) for r in rows]
     assert set(pushes[: KILL_AFTER_STEP + 1]) == {(2.0, 1.0)} and pushes[-1] == (2.0, 1.0), rows
     assert set(pushes) <= {(2.0, 1.0), (1.0, 0.0)}, rows
+    # bf16 pushes at an RL learning rate: each push to the second host goes as a delta on top of the
+    # version its disk holds (the first load sent v0 whole), the last one too, after its restart.
+    assert all(r[4] == r[3] for r in rows), rows
     # It rejoined (at the version served then: the reviver's load), holds what the learner keeps, and
     # serves the run's last weights, all received over the network.
     assert [i for i, _ in rejoined] == [1]
