@@ -111,10 +111,12 @@ class SyncConfig(Section):
     )
     delta: SyncDelta = Field(
         "auto",
-        description="Delta pushes over the network (tasks/push/delta_push.py): 'auto' sends a server that "
-        "holds the previous version only the weights' elements that changed (bf16 or f16 weights: "
-        "model.dtype bfloat16; float32 versions always go whole), which the server applies to make the "
-        "whole version and checks against the learner's checksum; a server that restarted, missed a "
-        "push or refused the delta gets the version whole. 'off': every version goes whole. Versions "
-        "sent by path are read whole by the server either way.",
+        description="Delta pushes over the network (tasks/push/delta_push.py): 'auto' sends a server only "
+        "the weights' elements that changed since the version this learner last sent it, while its disk "
+        "still holds that version (after a restart or a missed push too; bf16 or f16 weights: "
+        "model.dtype bfloat16; float32 versions always go whole), from which the server makes the whole "
+        "version and checks it against the learner's checksum; the first push to a server (also after "
+        "a resume), a server that no longer holds that version, refused the delta or made other bytes "
+        "gets the version whole. 'off': every version goes whole. Versions sent by path are read whole "
+        "by the server either way.",
     )
