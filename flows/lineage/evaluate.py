@@ -8,8 +8,9 @@ sample), so two models evaluated with one config see identical prompts and sampl
 Evaluation runs on its own embedded vLLM server, or on `server_url` (a server the caller keeps for
 evaluation: its weights are replaced), never on the training config's `inference.url`, which may be
 the server users are served from. A LoRA run's checkpoint (or a PEFT adapter dir) is evaluated as
-its base model with the adapter: its own server starts on the base with LoRA enabled, the adapter is
-loaded through the `lora` weight push, and requests name it. Eval rollouts are written with
+its base model with the adapter: its own server starts on the base with LoRA enabled (a caller's
+server gets the base's weights first: it may hold a run's last weights, or an adapter merged into them),
+the adapter is loaded through the `lora` weight push, and requests name it. Eval rollouts are written with
 `split='eval'` under the run id `<run>-eval` (or `eval_run`), step = the checkpoint's step.
 """
 
@@ -121,10 +122,14 @@ def evaluate_model(
     load: bool,
     tokenizer: str | None = None,
     what: str = "the evaluation",
+    on_base: str | None = None,
 ) -> list:
     """Generate and score `rows` with the model dir or LoRA adapter `model` on the server at `url`
     (first loaded into it when `load`: through the backend that loads what `model` holds), and persist
     them as step `step` of `eval_run` (split 'eval'); the groups. `tokenizer`: default `model`'s.
+    `on_base`: an adapter's base model dir, loaded into the server before the adapter, whose LoRA path
+    applies the adapter to whatever weights the server holds (a caller's server may hold a run's last
+    weights, or an adapter merged into them by `sync.backend: lora_merged`).
 
     A required reward that failed on every completion is a bug, not a score (it would read as "no valid
     reward", a pass rate of 0): BrokenRewardError names `what`, the reward and its error, once the rows
@@ -133,6 +138,9 @@ def evaluate_model(
     if load:
         from grpoflow.tasks.push.push import load_version, weight_push
 
+        if on_base is not None:  # the server's weights first: the adapter goes on them
+            sync = cfg.sync.model_copy(update={"backend": "checkpoint"})
+            load_version(weight_push(cfg.storage.root, eval_run, sync, cfg.inference), url, on_base, step)
         backend = "checkpoint" if adapter_rank(model) is None else "lora"
         sync = cfg.sync.model_copy(update={"backend": backend})
         pusher = weight_push(cfg.storage.root, eval_run, sync, cfg.inference)
@@ -200,6 +208,7 @@ def grpo_evaluate(
             server.url,
             load=server_url is not None or lora is not None,
             tokenizer=base,
+            on_base=base if server_url is not None and lora is not None else None,
         )
     return _publish(groups, eval_run, step, pass_threshold, cfg.storage.root, source)
 

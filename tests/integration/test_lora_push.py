@@ -107,7 +107,8 @@ def test_grpo_evaluate_scores_a_lora_checkpoint_as_its_base_with_the_adapter(
     lora_server, tmp_path, prefect_api
 ):
     """A LoRA run's checkpoint holds an adapter, not a model: evaluation loads it through the lora
-    push (here into a caller's eval server) and its requests name it."""
+    push (here into a caller's eval server, on the base's weights whatever the server held) and its
+    requests name it."""
     from grpoflow.flows.config import load_config
     from grpoflow.flows.lineage.evaluate import grpo_evaluate
     from grpoflow.storage.checkpoints import CheckpointStore
@@ -140,6 +141,24 @@ def test_grpo_evaluate_scores_a_lora_checkpoint_as_its_base_with_the_adapter(
         return [r[0] for r in rows]
 
     assert completions("lo-eval") != completions("lo-base-eval")
+    # A caller's server that holds other weights (a run's last, or an adapter merged into them by
+    # lora_merged): vLLM's LoRA path would apply the adapter to those; the evaluation loads the base first.
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.tasks.push.push import load_version, weight_push
+
+    other = AutoModelForCausalLM.from_pretrained(lora_server.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
+    other.save_pretrained(tmp_path / "other")
+    full = weight_push(tmp_path, "other", SyncConfig(backend="checkpoint"), InferenceConfig())
+    try:
+        load_version(full, lora_server.url, tmp_path / "other", 1)
+        again = grpo_evaluate(run_id="lo", eval_run="lo-eval-again", **common)
+        assert again["completions"] == 3 and completions("lo-eval-again") == completions("lo-eval")
+    finally:  # the session's server goes back to its base whatever happened
+        load_version(full, lora_server.url, lora_server.model_dir, 2)
 
 
 async def served_models(url: str) -> dict[str, str | None]:
