@@ -138,13 +138,13 @@ def evaluate_model(
     if load:
         from grpoflow.tasks.push.push import load_version, weight_push
 
-        if on_base is not None:  # the server's weights first: the adapter goes on them
-            sync = cfg.sync.model_copy(update={"backend": "checkpoint"})
-            load_version(weight_push(cfg.storage.root, eval_run, sync, cfg.inference), url, on_base, step)
-        backend = "checkpoint" if adapter_rank(model) is None else "lora"
-        sync = cfg.sync.model_copy(update={"backend": backend})
-        pusher = weight_push(cfg.storage.root, eval_run, sync, cfg.inference)
-        load_version(pusher, url, model, step)
+        # With `on_base`, the server's weights first: the adapter goes on them.
+        loads = [("checkpoint", on_base)] if on_base is not None else []
+        loads.append(("checkpoint" if adapter_rank(model) is None else "lora", model))
+        for backend, path in loads:
+            sync = cfg.sync.model_copy(update={"backend": backend})
+            pusher = weight_push(cfg.storage.root, eval_run, sync, cfg.inference)
+            load_version(pusher, url, path, step)
         replicas.model_name = pusher.model_name  # an adapter: requests name it
     job = dataclasses.replace(rollout_job(cfg, replicas, tokenizer or model), split="eval")
     batch = rollout_batch(step, rows, list(range(len(rows))), quote(job))
