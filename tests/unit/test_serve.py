@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import grpoflow.flows.processes.serve as serving
-import grpoflow.flows.processes.vllm_command as serve
+import grpoflow.flows.processes.serve as serve
+import grpoflow.flows.processes.vllm_command as command
 from grpoflow.flows.config import GRPOConfig
 from grpoflow.flows.processes.vllm_command import cpu_list, server_command
 
@@ -21,7 +21,7 @@ def test_cpu_list_compacts_core_ids_into_vllm_ranges():
 
 
 def test_cpu_server_binds_its_engine_to_all_our_cores_unless_told_otherwise(monkeypatch):
-    monkeypatch.setattr(serve, "cpu_only", lambda: True)
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     _, env, _ = server_command("m", python="py", port=9)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(os.sched_getaffinity(0))
@@ -31,7 +31,7 @@ def test_cpu_server_binds_its_engine_to_all_our_cores_unless_told_otherwise(monk
 
 
 def test_cpu_server_attention_is_unsplit_so_a_requests_numbers_are_its_own(monkeypatch):
-    monkeypatch.setattr(serve, "cpu_only", lambda: True)
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
     monkeypatch.delenv("VLLM_CPU_ATTN_SPLIT_KV", raising=False)
     assert server_command("m", python="py", port=9)[1]["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
     monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "1")  # the user's environment wins
@@ -58,7 +58,7 @@ def test_a_server_keeps_uploaded_versions_in_a_folder_of_its_own(monkeypatch, tm
     monkeypatch.setenv("GRPOFLOW_UPLOAD_DIR", "/srv/uploads")  # the launcher's own setting passes
     assert server_command("m", python="py", port=9)[1]["GRPOFLOW_UPLOAD_DIR"] == "/srv/uploads"
     monkeypatch.chdir(tmp_path)
-    upload_dir = serving.upload_dir_of("runs", "serve-8000")  # next to <root>/pids/serve-8000.json
+    upload_dir = serve.upload_dir_of("runs", "serve-8000")  # next to <root>/pids/serve-8000.json
     _, env, _ = server_command("m", python="py", port=9, upload_dir=upload_dir)
     assert env["GRPOFLOW_UPLOAD_DIR"] == str(tmp_path / "runs" / "uploads" / "serve-8000")
 
@@ -66,20 +66,20 @@ def test_a_server_keeps_uploaded_versions_in_a_folder_of_its_own(monkeypatch, tm
 def test_the_machines_own_vllm_flags_follow_the_runs_and_are_checked_as_they_are(monkeypatch):
     from grpoflow.tasks.config.allowlist import NotAllowedError
 
-    monkeypatch.setenv(serve.SITE_ARGS_ENV, "--enforce-eager --max-num-seqs 8")
+    monkeypatch.setenv(command.SITE_ARGS_ENV, "--enforce-eager --max-num-seqs 8")
     cmd, _, _ = server_command("m", python="py", port=9, extra_args=("--seed", "3"))
     at = cmd.index("--seed")
     assert cmd[at : at + 5] == ["--seed", "3", "--enforce-eager", "--max-num-seqs", "8"]
-    monkeypatch.setenv(serve.SITE_ARGS_ENV, "--host 0.0.0.0")  # would undo the loopback default
+    monkeypatch.setenv(command.SITE_ARGS_ENV, "--host 0.0.0.0")  # would undo the loopback default
     with pytest.raises(NotAllowedError, match="GRPOFLOW_VLLM_ARGS: --host is refused"):
         server_command("m", python="py", port=9)
-    monkeypatch.delenv(serve.SITE_ARGS_ENV)
+    monkeypatch.delenv(command.SITE_ARGS_ENV)
     assert "--enforce-eager" not in server_command("m", python="py", port=9)[0]
 
 
 def test_a_cpu_server_runs_its_one_worker_in_the_engine_process_unless_told_otherwise(monkeypatch):
-    monkeypatch.setattr(serve, "cpu_only", lambda: True)
-    monkeypatch.delenv(serve.SITE_ARGS_ENV, raising=False)
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.delenv(command.SITE_ARGS_ENV, raising=False)
     cmd, env, _ = server_command("m", python="py", port=9)
     at = cmd.index("--distributed-executor-backend")
     assert cmd[at + 1] == "uni" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # vllm-cpu keeps uni only so
@@ -87,7 +87,7 @@ def test_a_cpu_server_runs_its_one_worker_in_the_engine_process_unless_told_othe
         cmd, env, _ = server_command("m", python="py", port=9, extra_args=flags)
         assert cmd.count("--distributed-executor-backend") == (flags[0] == "--distributed-executor-backend")
         assert "uni" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
-    monkeypatch.setattr(serve, "cpu_only", lambda: False)  # a GPU: vLLM's own choice
+    monkeypatch.setattr(command, "cpu_only", lambda: False)  # a GPU: vLLM's own choice
     cmd, env, _ = server_command("m", python="py", port=9)
     assert "--distributed-executor-backend" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
 
@@ -113,12 +113,12 @@ def test_a_cpu_server_serves_bf16_for_a_bf16_learner_where_the_cpu_computes_it(b
     """The served dtype follows the learner's compute dtype where the hardware computes it: a CPU's
     server serves bfloat16 for `model.dtype: bfloat16` on a CPU with native bf16, outside
     `run.reproducible`; float32 in every other case, as before; a GPU's keeps the model's own."""
-    monkeypatch.setattr(serve, "cpu_only", lambda: True)
-    monkeypatch.setattr(serve, "cpu_computes_bf16", lambda: bf16_cpu)
-    monkeypatch.delenv(serve.SITE_ARGS_ENV, raising=False)
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.setattr(command, "cpu_computes_bf16", lambda: bf16_cpu)
+    monkeypatch.delenv(command.SITE_ARGS_ENV, raising=False)
 
     def served(dtype: str, reproducible: bool = False) -> str:
-        return serve.served_dtype(GRPOConfig(model={"dtype": dtype}, run={"reproducible": reproducible}))
+        return command.served_dtype(GRPOConfig(model={"dtype": dtype}, run={"reproducible": reproducible}))
 
     assert served("bfloat16") == ("bfloat16" if bf16_cpu else "float32")
     assert served("bfloat16", reproducible=True) == "float32"
@@ -130,7 +130,7 @@ def test_a_cpu_server_serves_bf16_for_a_bf16_learner_where_the_cpu_computes_it(b
 
     assert dtype_of() == "float32"  # a server nobody asked a dtype of: today's
     assert dtype_of(dtype=served("bfloat16")) == ("bfloat16" if bf16_cpu else "float32")
-    monkeypatch.setattr(serve, "cpu_only", lambda: False)
+    monkeypatch.setattr(command, "cpu_only", lambda: False)
     assert served("bfloat16") == served("float32") == dtype_of() == "auto"
 
 
@@ -138,8 +138,8 @@ def test_a_cpu_bf16_server_runs_eager_whoever_asked_for_bf16(monkeypatch):
     """vllm-cpu 0.32's compiled bf16 model fails its first forward after an in-place reload: a CPU
     server whose final argv serves bfloat16 (vLLM keeps the last --dtype) runs eager, whether the run
     asked (dtype=), its config (inference.extra_args) or the site (GRPOFLOW_VLLM_ARGS)."""
-    monkeypatch.setattr(serve, "cpu_only", lambda: True)
-    monkeypatch.delenv(serve.SITE_ARGS_ENV, raising=False)
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.delenv(command.SITE_ARGS_ENV, raising=False)
 
     def eager(**kw) -> int:
         return server_command("m", python="py", port=9, **kw)[0].count("--enforce-eager")
@@ -149,15 +149,15 @@ def test_a_cpu_bf16_server_runs_eager_whoever_asked_for_bf16(monkeypatch):
     assert eager(extra_args=("--dtype=bfloat16",)) == 1
     assert eager(dtype="bfloat16", extra_args=("--dtype", "float32")) == 0  # the last --dtype is served
     assert eager(dtype="bfloat16", extra_args=("--enforce-eager",)) == 1  # never twice
-    monkeypatch.setenv(serve.SITE_ARGS_ENV, "--dtype bfloat16")
+    monkeypatch.setenv(command.SITE_ARGS_ENV, "--dtype bfloat16")
     assert eager() == 1
-    monkeypatch.setattr(serve, "cpu_only", lambda: False)  # a GPU compiles bf16 as it likes
+    monkeypatch.setattr(command, "cpu_only", lambda: False)  # a GPU compiles bf16 as it likes
     assert eager() == 0
 
 
 def test_last_flag_is_the_value_argparse_keeps():
     argv = ["--dtype", "float32", "--model", "m", "--dtype=bfloat16"]
-    assert serve.last_flag(argv, "--dtype") == "bfloat16"
-    assert serve.last_flag([*argv, "--dtype", "half"], "--dtype") == "half"
-    assert serve.last_flag(["--dtype"], "--dtype") is None and serve.last_flag([], "--dtype") is None
-    assert serve.last_flag(["--dtypes", "x"], "--dtype") is None
+    assert command.last_flag(argv, "--dtype") == "bfloat16"
+    assert command.last_flag([*argv, "--dtype", "half"], "--dtype") == "half"
+    assert command.last_flag(["--dtype"], "--dtype") is None and command.last_flag([], "--dtype") is None
+    assert command.last_flag(["--dtypes", "x"], "--dtype") is None
