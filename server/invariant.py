@@ -2,12 +2,16 @@
 
 vLLM's CPU linear layers (oneDNN, fp32) give every row the same bits whatever the batch's row count,
 except one case: a call with exactly one row (one sequence decoding alone) takes another kernel for
-some shapes (SmolLM2's down projection, K=1536: the last bits of its output differ). Each layer is
-checked once as its weights are processed: one random row alone against the same row among others.
-A layer whose single row differs is called from then on with one more row, a copy of the first, and
-answers the rows it was given, so no call of it has one row; the others are left as they are (the copy
-costs throughput: BENCHMARKS.md, "Reproducibility"). A layer whose rows differ at other row counts too
-cannot be mended that way: it is logged as a warning, and runs on this server are not reproducible.
+some shapes (SmolLM2's down projection, K=1536: the last bits of its output differ). Each kind of layer
+is checked once, the first time one is processed: random rows alone against the same rows among others.
+A kind is its kernel (the `cpu_linear` vLLM chose), weight shape, dtype and bias: the code a call runs
+follows from those and its row count, never from the weights' values, so the verdict holds for every
+layer of the kind, and a weight push's reload, which processes every layer again, checks nothing (it
+did: about 0.35 s of SmolLM2's 0.6 s reload, BENCHMARKS.md, "Weight pushes"). A layer whose single row
+differs is called from then on with one more row, a copy of the first, and answers the rows it was
+given, so no call of it has one row; the others are left as they are (the copy costs throughput:
+BENCHMARKS.md, "Reproducibility"). A kind whose rows differ at other row counts too cannot be mended
+that way: it is logged as a warning, and runs on this server are not reproducible.
 
 vLLM's CPU attention kernel is the other place where a row's bits follow its batch. It tiles each
 request's query tokens by how the call's work divides among threads, and the size of a query tile sets
@@ -43,6 +47,7 @@ ROWS = (1, 2, 3, 5, 8, 17, 64)  # row counts checked against the same rows in on
 CHUNKS = (8, 4, 2)  # query tokens per piece, tried in turn; 1 (a decode) when none passes
 CHECK_TOKENS = 2048  # the synthetic sequence each attention shape is checked on
 _chunk_sizes: dict[tuple, int] = {}
+_variants: dict[tuple, list[int]] = {}  # a kind of linear layer (the module doc) -> its `_variant_rows`
 
 
 def _one_more_row(cpu_linear):
@@ -64,6 +69,14 @@ def _variant_rows(cpu_linear, weight, bias, in_features: int, dtype) -> list[int
     with torch.no_grad():
         full = cpu_linear(x, weight, bias)
         return [m for m in ROWS if not torch.equal(cpu_linear(x[:m].contiguous(), weight, bias), full[:m])]
+
+
+def _kind_variant_rows(cpu_linear, weight, bias, shape: tuple[int, int], dtype) -> list[int]:
+    """`_variant_rows` of the first layer of this kind (the module doc), for every layer of it."""
+    kind = (getattr(cpu_linear, "__code__", type(cpu_linear)), shape, dtype, bias is not None)
+    if kind not in _variants:
+        _variants[kind] = _variant_rows(cpu_linear, weight, bias, shape[1], dtype)
+    return _variants[kind]
 
 
 def _pieces(q_lens: list[int], seq_lens: list[int], c: int) -> tuple[list[int], list[int], list[int]]:
@@ -216,10 +229,8 @@ def install() -> None:
         inner = getattr(layer, "cpu_linear", None)
         if inner is None or weight.is_meta or weight.ndim != 2 or getattr(inner, "grpoflow_invariant", False):
             return
-        variant = _variant_rows(
-            inner, layer.weight, getattr(layer, "bias", None), weight.shape[1], weight.dtype
-        )
         shape = tuple(weight.shape)
+        variant = _kind_variant_rows(inner, layer.weight, getattr(layer, "bias", None), shape, weight.dtype)
         if variant == [1]:
             layer.cpu_linear = _one_more_row(inner)
         elif variant:
