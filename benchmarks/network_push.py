@@ -20,14 +20,16 @@ server takes both, so the two transports differ only in how the version reaches 
   the same HTTP stack as vLLM's API server (uvicorn, httptools, uvloop) and the same client (aiohttp,
   8 MiB chunks, three at once), with no disk write or check.
 
-With `--delta-lr LR...` it measures instead, per learning rate, bf16 pushes each after one real AdamW
-step (float32 masters) at that rate: by path, over the network whole (`sync.delta: off`) and as deltas
-(`sync.delta: auto`, tasks/push/delta_push.py): seconds, bytes, and how many pushes went as deltas.
+With `--delta-lr LR...` it measures instead, per learning rate, bf16 pushes into a server that serves
+bf16, each version one real AdamW step (float32 masters) at that rate after the one before: by path,
+over the network whole (`sync.delta: off`) and as deltas (`sync.delta: auto`, tasks/push/delta_push.py):
+seconds, bytes, and how many pushes went as deltas. The versions are trained before the server starts
+(a 1.5B learner's AdamW state and a server do not fit in 24 GB together) and pushed from their files.
 
 Prints one JSON line per model with the medians. Root only (namespaces), like the hosts tests.
 
     .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --random 0.5b 1.5b
-    .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --delta-lr 1e-6 1e-5
+    .venv/bin/python benchmarks/network_push.py --smollm2 models/smollm2-135m --random 0.5b 1.5b --delta-lr 1e-6 1e-5
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hosts
 import argparse
 import asyncio
 import json
+import math
 import os
 import runpy
 import shutil
@@ -188,38 +191,75 @@ def cut_off_then_push(url: str, far: Path, write) -> dict:
             "next_push_recovered": "bench-cut/v000002" in asyncio.run(versions())}  # fmt: skip
 
 
-def adamw_step(model, lr: float, batch: int = 2, seq: int = 64):
-    """One real AdamW step (float32 masters) of the causal-LM loss on random tokens, as a callable: at
-    an RL learning rate it moves every weight by about `lr`, as a training step does
-    (benchmarks/delta_sizes.py)."""
+def trained_versions(
+    model_dir: Path, lr: float, count: int, out: Path, batch: int = 2, seq: int = 64
+) -> list[Path]:
+    """`count` versions of the model in `model_dir`, each one real AdamW step (float32 masters, the
+    causal-LM loss on random tokens) after the one before, as bf16 safetensors files under `out`: at an
+    RL learning rate a step moves every weight by about `lr`, as a training step does
+    (benchmarks/delta_sizes.py). One AdamW per parameter, stepped as soon as its gradient is complete
+    (torch's optimizer-in-backward pattern): the update of one AdamW over the model without holding every
+    gradient at once, so that a 1.5B model's masters and AdamW state (18 GB) fit this machine's memory."""
     import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-    def step() -> None:
-        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def delta_rows(url: str, near: Path, far: Path, model, lrs: list[float], repeats: int, warmup: int) -> dict:
-    """bf16 pushes, each after one AdamW step at each of `lrs`: by path, over the network whole
-    (`sync.delta: off`) and as deltas (`auto`)."""
-    import torch
+    from transformers import AutoModelForCausalLM
 
     from grpoflow.tasks.push.weights import save_weights
 
-    bf16 = lambda d: save_weights(model, d, dtype=torch.bfloat16)  # noqa: E731
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+
+    def stepper(opt):
+        def hook(_param) -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return hook
+
+    hooks = [
+        p.register_post_accumulate_grad_hook(stepper(torch.optim.AdamW([p], lr=lr, weight_decay=0.0)))
+        for p in model.parameters()
+    ]
+    paths = []
+    for k in range(count):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        paths.append(out / f"lr{lr:g}-step{k + 1}")
+        paths[-1].mkdir(parents=True)
+        save_weights(model, paths[-1], dtype=torch.bfloat16)
+    for h in hooks:  # a hook, held by the tensor's C++ side, holds its optimizer, which holds the tensor
+        h.remove()
+    return paths
+
+
+def replay(dirs: list[Path]):
+    """(step, write) for `pushes`: `step` reads the next of `dirs`' bf16 tensors, `write` writes them."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from grpoflow.tasks.push.weights import write_model_dir
+
+    config, left, held = AutoConfig.from_pretrained(dirs[0]), iter(dirs), {}
+
+    def step() -> None:
+        held["tensors"] = load_file(next(left) / "model.safetensors")
+
+    return step, lambda d: write_model_dir(held["tensors"], config, d)
+
+
+def delta_rows(
+    url: str, near: Path, far: Path, versions: dict[float, list[Path]], repeats: int, warmup: int
+) -> dict:
+    """bf16 pushes of each learning rate's `versions` in turn (each one AdamW step after the one
+    before): by path, over the network whole (`sync.delta: off`) and as deltas (`auto`). The timed
+    save writes the version's bf16 tensors read before it (untimed: the step), so it leaves out the
+    float32 masters' cast to bf16."""
     out = {}
-    for lr in lrs:
-        step = adamw_step(model.train(), lr)
+    for lr, dirs in versions.items():
         for name, root, delta in (("path", near, "off"), ("network", far, "off"), ("delta", far, "auto")):
             run = f"bf16-{name}-{lr:g}"
+            step, write = replay(dirs)
             out[f"bf16_{name}_lr{lr:g}"] = pushes(
-                url, root, run, "checkpoint", bf16, repeats, warmup, delta, step
+                url, root, run, "checkpoint", write, repeats, warmup, delta, step
             )
             shutil.rmtree(root / "weights" / run)
             asyncio.run(forget_all(url, run + "/"))
@@ -237,20 +277,30 @@ def measure(
     delta_lrs: list[float] | None = None,
 ) -> dict:
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from grpoflow.tasks.learner.lora import attach, write_adapter
     from grpoflow.tasks.push.weights import save_weights
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    row: dict = {"model": label, "params": sum(p.numel() for p in model.parameters()), "rank": rank}
     near, far, server_root = tmp / "near", tmp / "far", tmp / "server"
     for d in (near, far, server_root):
         d.mkdir(parents=True, exist_ok=True)
+    if delta_lrs:  # every version first: a 1.5B learner and a server would not fit in memory together
+        versions = {
+            lr: trained_versions(model_dir, lr, warmup + repeats, tmp / "versions") for lr in delta_lrs
+        }
+        with safe_open(next(iter(versions.values()))[0] / "model.safetensors", "pt") as f:
+            params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        params = sum(p.numel() for p in model.parameters())
+    row: dict = {"model": label, "params": params, "rank": rank}
     with Hosts(1, prefix="gfb") as (host,):
         cmd, env, url = server_command(
             model_dir, host=host.address, port=PORT, max_model_len=512, kv_cache_gb=1, api_key=KEY,
             lora_rank=LoraConfig(rank=rank).served_rank(), extra_args=extra, upload_dir=server_root / "uploads",
+            dtype="bfloat16" if delta_lrs else None,  # bf16 pushes: the server serves what they carry
         )  # fmt: skip
         log = open(tmp / f"{label.replace(':', '-')}.log", "wb")  # noqa: SIM115
         host.run(cmd, hide=[far], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -261,11 +311,11 @@ def measure(
                 await c.wait_healthy(900)
 
         asyncio.run(healthy())
-        full = lambda d: save_weights(model, d)  # noqa: E731
         if delta_lrs:  # only the bf16 and delta pushes
-            row |= delta_rows(url, near, far, model, delta_lrs, repeats, warmup)
+            row |= delta_rows(url, near, far, versions, repeats, warmup)
             log.close()
             return row
+        full = lambda d: save_weights(model, d)  # noqa: E731
         row["full_path"] = pushes(url, near, "full-near", "checkpoint", full, repeats, warmup)
         shutil.rmtree(near / "weights")  # disk: 1.5B versions are 6 GB each
         row["full_network"] = pushes(url, far, "full-far", "checkpoint", full, repeats, warmup)
