@@ -22,7 +22,7 @@ server takes both, so the two transports differ only in how the version reaches 
 
 With `--delta-lr LR...` it measures instead, per learning rate, bf16 pushes into a server that serves
 bf16, each version one real AdamW step (float32 masters) at that rate after the one before: by path,
-over the network whole (`sync.delta: off`) and as deltas (`sync.delta: auto`, tasks/push/delta_push.py):
+over the network whole (`sync.delta: off`) and as deltas (`sync.delta: on`, tasks/push/delta_push.py):
 seconds, bytes, and how many pushes went as deltas. The versions are trained before the server starts
 (a 1.5B learner's AdamW state and a server do not fit in 24 GB together) and pushed from their files.
 
@@ -250,12 +250,12 @@ def delta_rows(
     url: str, near: Path, far: Path, versions: dict[float, list[Path]], repeats: int, warmup: int
 ) -> dict:
     """bf16 pushes of each learning rate's `versions` in turn (each one AdamW step after the one
-    before): by path, over the network whole (`sync.delta: off`) and as deltas (`auto`). The timed
+    before): by path, over the network whole (`sync.delta: off`) and as deltas (`on`). The timed
     save writes the version's bf16 tensors read before it (untimed: the step), so it leaves out the
     float32 masters' cast to bf16."""
     out = {}
     for lr, dirs in versions.items():
-        for name, root, delta in (("path", near, "off"), ("network", far, "off"), ("delta", far, "auto")):
+        for name, root, delta in (("path", near, "off"), ("network", far, "off"), ("delta", far, "on")):
             run = f"bf16-{name}-{lr:g}"
             step, write = replay(dirs)
             out[f"bf16_{name}_lr{lr:g}"] = pushes(

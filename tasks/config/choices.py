@@ -20,7 +20,7 @@ Device = Literal["auto", "cpu", "cuda"]
 # sync.backend: the weight push backends (tasks/push/push.py: BACKENDS)
 SyncBackend = Literal["checkpoint", "lora", "lora_merged"]
 SyncTransport = Literal["auto", "path", "network"]
-SyncDelta = Literal["auto", "off"]
+SyncDelta = Literal["auto", "on", "off"]
 
 # grpo-retrain's gate (flows/lineage/retrain.py) and `grpoflow retrain --metric`
 GateMetric = Literal["reward_mean", "pass_rate", "valid_frac"]

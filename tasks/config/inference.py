@@ -111,12 +111,16 @@ class SyncConfig(Section):
     )
     delta: SyncDelta = Field(
         "auto",
-        description="Delta pushes over the network (tasks/push/delta_push.py): 'auto' sends a server only "
+        description="Delta pushes over the network (tasks/push/delta_push.py): 'on' sends a server only "
         "the weights' elements that changed since the version this learner last sent it, while its disk "
         "still holds that version (after a restart or a missed push too; bf16 or f16 weights: "
         "model.dtype bfloat16; float32 versions always go whole), from which the server makes the whole "
         "version and checks it against the learner's checksum; the first push to a server (also after "
         "a resume), a server that no longer holds that version, refused the delta or made other bytes "
-        "gets the version whole. 'off': every version goes whole. Versions sent by path are read whole "
-        "by the server either way.",
+        "gets the version whole. 'auto' does as 'on' while deltas to that server cost less time than "
+        "whole versions: making and applying a delta costs CPU time that only a slow link pays back "
+        "(below about 3 Gbit/s on a 2-core CPU: BENCHMARKS.md, 'Delta pushes over the network'); after "
+        "a delta that took longer than the last whole version, the next versions go whole, and every "
+        "8th tries a delta again. 'off': every version goes whole. Versions sent by path are read "
+        "whole by the server either way.",
     )

@@ -49,7 +49,7 @@ from grpoflow.tasks.push.reload import (
     last_loaded,
     release_abandoned_pause,
 )
-from grpoflow.tasks.push.transport import Transport, TransportError
+from grpoflow.tasks.push.transport import DeltaCosts, Transport, TransportError
 from grpoflow.tasks.rollouts.inference import VLLMClient, client_for
 from grpoflow.tasks.rollouts.inference_api import InferenceUnavailableError
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
@@ -130,12 +130,16 @@ class CheckpointPush:
         # drops next (MergedLoraPush, whose adapters are small, makes new ones).
         # Deltas: full-weights versions only (an adapter is small already).
         deltas = None
-        if self.how == RELOAD and sync.delta == "auto":
+        if self.how == RELOAD and sync.delta != "off":
             from grpoflow.tasks.push.delta_push import Deltas  # torch: not on a CLI's bad-input path
 
             deltas = Deltas()
         self.transport = Transport(
-            run_id, sync.transport, recycle=sync.keep_last if self.how == RELOAD else None, deltas=deltas
+            run_id,
+            sync.transport,
+            recycle=sync.keep_last if self.how == RELOAD else None,
+            deltas=deltas,
+            delta_costs=DeltaCosts() if deltas is not None and sync.delta == "auto" else None,
         )
 
     def save(self, write: Callable[[Path], None], version: int) -> str:

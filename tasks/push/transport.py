@@ -20,12 +20,15 @@ On a server's disk, versions are named `<run>/v<NNNNNN>`; after each push those 
 longer keeps are deleted from every server that received them (`forget`), so a server's disk holds
 what `sync.keep_last` (and the `lora` backend's grace) keeps on the learner's.
 
-Over the network, a full-weights version in bf16 goes as a delta (`sync.delta: auto`,
+Over the network, a full-weights version in bf16 goes as a delta (`sync.delta`,
 tasks/push/delta_push.py) to a server that holds this run's last upload: only the elements whose bits
 changed, from which the server makes the whole version on its disk (server/delta_file.py); the
 checksum it answers must be the learner's, else the version goes whole. Float32 versions always go
 whole (a step changes every element), and no version is compressed: bf16/fp32 weights compress by a few
 percent at a CPU cost far above the bridge's transfer time (BENCHMARKS.md, "Weights over the network").
+A delta saves bytes on the link and costs CPU time on both ends (the learner compares two versions'
+files, the server copies its base and patches it), so with `sync.delta: auto` each server's deltas go on
+only while they take less time than its whole versions did (`DeltaCosts`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,35 @@ if TYPE_CHECKING:  # torch: imported by whoever makes one (tasks/push/push.py)
     from grpoflow.tasks.push.delta_push import Deltas
 
 PATH, NETWORK = Sent.PATH, Sent.NETWORK
+RETRY_EVERY = 8  # sync.delta auto: while whole versions cost a server less, every 8th tries a delta again
 log = logging.getLogger(__name__)
+
+
+class DeltaCosts:
+    """`sync.delta: auto`'s choice, per server: a delta unless the last delta to it took longer than the
+    last whole version, and then every `retry_every`-th version a delta again (a link, a model's step
+    size and the machines' load change). A delta's cost grows with the model (making and applying it),
+    a whole version's with the link's time per byte: on this machine's bridge whole versions win at every
+    size measured (BENCHMARKS.md, "Delta pushes over the network"). Seconds are an upload's, the delta's
+    making included, the learner's own checksum passes not (the run's first is a full pass)."""
+
+    def __init__(self, retry_every: int = RETRY_EVERY):
+        self.retry_every = retry_every
+        self._lock = threading.Lock()
+        self._last: dict[str, dict[bool, float]] = {}  # server URL -> {went as a delta: seconds}
+        self._wholes: dict[str, int] = {}  # server URL -> whole versions since its last delta
+
+    def want_delta(self, url: str) -> bool:
+        with self._lock:
+            last = self._last.get(url, {})
+            if True not in last or False not in last or last[True] <= last[False]:
+                return True
+            return self._wholes.get(url, 0) + 1 >= self.retry_every
+
+    def record(self, url: str, delta: bool, seconds: float) -> None:
+        with self._lock:
+            self._last.setdefault(url, {})[delta] = seconds
+            self._wholes[url] = 0 if delta else self._wholes.get(url, 0) + 1
 
 
 class TransportError(WeightPushError):
@@ -71,8 +102,10 @@ class Transport:
         mode: SyncTransport = "auto",
         recycle: int | None = None,
         deltas: Deltas | None = None,
+        delta_costs: DeltaCosts | None = None,
     ):
         self.run_id, self.mode, self.recycle, self.deltas = run_id, mode, recycle, deltas
+        self.delta_costs = delta_costs  # None: a delta wherever one applies (`sync.delta: on`)
         self._lock = threading.Lock()  # a reviver thread may load while the run's push forgets
         self._chosen: dict[str, str] = {}  # server URL -> PATH or NETWORK
         # server URL -> (name, learner's dir) of the last version uploaded to it whole or checked: the
@@ -116,11 +149,17 @@ class Transport:
             if self.recycle and mine and len(mine) + (base is not None) >= self.recycle:
                 recycle = mine[0] if f"{root}/{mine[0]}" != serving else None
         sums = self.deltas is not None and not reuse and await asyncio.to_thread(self.deltas.applies, path)
-        sent = None
-        if sums and base is not None:
+        sent, costs, url = None, self.delta_costs, client.base_url
+        if sums and base is not None and (costs is None or costs.want_delta(url)):
+            t1 = time.perf_counter()
             sent = await self._send_delta(client, path, name, recycle, base)
+            if sent is not None and costs is not None:
+                costs.record(url, True, time.perf_counter() - t1)
         if sent is None:
+            t1 = time.perf_counter()
             answer = await upload_version(client, path, name, recycle=recycle, checksums=sums)
+            if sums and costs is not None:
+                costs.record(url, False, time.perf_counter() - t1)
             sums = sums and "checksums" in answer  # a server of an older grpoflow takes no deltas
             if sums:
                 await self._check(client, path, name, answer)

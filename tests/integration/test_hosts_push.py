@@ -179,13 +179,13 @@ def test_a_full_weights_run_reloads_each_version_from_the_servers_own_disk(remot
 
 
 def test_a_bf16_run_sends_each_version_after_the_first_as_what_changed(remote, tiny_model_dir):
-    """Pushes in bf16 (model.dtype) at an RL learning rate, `sync.delta: auto`: the first version goes
+    """Pushes in bf16 (model.dtype) at an RL learning rate, `sync.delta: on`: the first version goes
     whole, each later one as the elements whose bf16 bits changed since the server's last version, which
     the server completes from its own copy of that version and checks against the learner's checksum.
     The files it reloads are the learner's byte for byte, and it serves the run's last weights."""
     url, store, uploads, steps = remote.url, remote.store, remote.uploads, 4
     out = train(store, "far-delta", url, f"model.path={tiny_model_dir}", "model.dtype=bfloat16",
-                "learner.lr=1e-6", f"run.steps={steps}")  # fmt: skip
+                "learner.lr=1e-6", f"run.steps={steps}", "sync.delta=on")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     _, rows = query(store, """SELECT "sync/version", "sync/delta_servers", "sync/upload_bytes" FROM steps
         WHERE run_id = 'far-delta' AND "sync/version" IS NOT NULL ORDER BY step""")  # fmt: skip
@@ -246,7 +246,7 @@ def test_a_learner_killed_mid_delta_leaves_the_version_before_it_served(remote, 
     version whole (a new learner knows no base on the server) and deltas after it, and every version on
     the server's disk is the learner's byte for byte."""
     url, store, uploads = remote.url, remote.store, remote.uploads
-    sets = (f"model.path={tiny_model_dir}", "model.dtype=bfloat16", "learner.lr=1e-6")
+    sets = (f"model.path={tiny_model_dir}", "model.dtype=bfloat16", "learner.lr=1e-6", "sync.delta=on")
     out = train(store, "far-dkill", url, *sets, env_extra={"GRPOFLOW_FAULTS": "delta_chunk@1:kill"})
     assert out.returncode == -9, out.stderr[-3000:]
     assert list(uploads.glob(".incoming-*")), "the kill did not land mid-upload"
@@ -312,7 +312,7 @@ def test_a_server_host_that_dies_mid_run_rejoins_at_the_served_version(
     store, steps = remote.store, DEATH_STEPS
     sets = [f"storage.root={store}", f"model.path={tiny_model_dir}", f"run.steps={steps}", "run.run_id=far-death",
             f"inference.urls=[{vllm_server.url}, {remote.url}]", f"inference.api_key={KEY}", "inference.retries=1",
-            "model.dtype=bfloat16", "learner.lr=1e-6",
+            "model.dtype=bfloat16", "learner.lr=1e-6", "sync.delta=on",
             "run.checkpoint_every=100", "rewards=[{name: letter, fn: 'tests.integration.test_hosts_push:gated_letter', "
             "kwargs: {target_letter: a}, timeout_s: 600}]"]  # fmt: skip
     cfg = load_config(REPO / "configs" / "tiny-letters.yaml", sets)

@@ -2,7 +2,8 @@
 first go to a server that holds the one before as what changed, the server makes each whole and its
 checksum is the learner's; a server that lost its base, or whose base was changed, gets the version whole.
 Against grpoflow's upload middleware served by uvicorn (the fake vLLM behind it is test_upload.py's);
-the real server is tests/integration/test_delta_push.py."""
+the real server is tests/integration/test_hosts_push.py's. `sync.delta: auto`'s choice by cost (DeltaCosts)
+is at the end."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from grpoflow.server.delta import checksum
 from grpoflow.tasks.push.delta_push import Deltas
-from grpoflow.tasks.push.transport import Transport
+from grpoflow.tasks.push.transport import DeltaCosts, Transport
 from grpoflow.tasks.push.weights import write_safetensors
 from tests.unit import test_upload
 from tests.unit.test_transport import on
@@ -109,3 +110,41 @@ def test_a_server_that_answers_no_checksums_gets_every_version_whole(mod, tmp_pa
     for v in (1, 2, 3):
         mine = tmp_path / "weights/r" / f"v{v:06d}" / "model.safetensors"
         assert (tmp_path / "uploads/r" / f"v{v:06d}" / "model.safetensors").read_bytes() == mine.read_bytes()
+
+
+def test_auto_keeps_deltas_while_they_cost_less_and_retries_one_after_wholes():
+    """`sync.delta: auto` (DeltaCosts), seconds given: a delta until one took longer than the last whole
+    version, then whole versions, every `retry_every`-th a delta again; each server on its own."""
+    costs = DeltaCosts(retry_every=3)
+    a, b = "http://a", "http://b"
+    assert costs.want_delta(a)  # nothing measured: a delta wherever one applies
+    costs.record(a, False, 2.0)
+    costs.record(a, True, 1.0)
+    assert costs.want_delta(a)  # the delta cost less
+    costs.record(a, True, 3.0)
+    assert not costs.want_delta(a)  # it cost more than the whole version
+    costs.record(a, False, 2.0)
+    assert not costs.want_delta(a)
+    costs.record(a, False, 2.0)
+    assert costs.want_delta(a)  # the third since: a delta again
+    assert costs.want_delta(b)  # another server's costs are its own
+    costs.record(a, True, 1.5)
+    assert costs.want_delta(a)  # and it paid this time
+
+
+def test_auto_sends_versions_whole_after_a_delta_that_cost_more(mod, tmp_path):
+    """Through the transport: a delta's cost (given, not measured: the test must not depend on the clock)
+    above the whole versions' sends the next versions whole, each checked, until the retry's delta."""
+    costs = DeltaCosts(retry_every=3)
+    t = Transport("r", "network", recycle=2, deltas=Deltas(), delta_costs=costs)
+    with served(mod.WeightUpload(inner)) as url:
+        sent = []
+        for v, w in enumerate(_steps(4), start=1):
+            path = _version(tmp_path, v, w)
+            sent.append(on(url, lambda c, v=v, path=path: t.deliver(c, str(path), v)))
+            if v == 1:
+                costs.record(url, True, 1e9)  # as if a delta to this server had taken that long
+            served_file = tmp_path / "uploads" / "r" / f"v{v:06d}" / "model.safetensors"
+            assert served_file.read_bytes() == (path / "model.safetensors").read_bytes()
+            t.deltas.forget(path)
+    assert [s.delta for s in sent] == [False, False, False, True]
