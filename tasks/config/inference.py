@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpoflow.tasks.config.choices import SyncBackend, SyncDelta, SyncTransport
 from grpoflow.tasks.config.section import Section
@@ -119,8 +119,14 @@ class SyncConfig(Section):
         "a resume), a server that no longer holds that version, refused the delta or made other bytes "
         "gets the version whole. 'auto' does as 'on' while deltas to that server cost less time than "
         "whole versions: making and applying a delta costs CPU time that only a slow link pays back "
-        "(below about 3 Gbit/s on a 2-core CPU: BENCHMARKS.md, 'Delta pushes over the network'); after "
+        "(below about 3-4 Gbit/s on a 2-core CPU: BENCHMARKS.md, 'Delta pushes over the network'); after "
         "a delta that took longer than the last whole version, the next versions go whole, and every "
         "8th tries a delta again. 'off': every version goes whole. Versions sent by path are read "
         "whole by the server either way.",
     )
+
+    @field_validator("delta", mode="before")
+    @classmethod
+    def _switch_words(cls, v):
+        """YAML reads a bare `on` or `off` as true or false: they mean the words written."""
+        return ("on" if v else "off") if isinstance(v, bool) else v

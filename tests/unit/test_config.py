@@ -74,6 +74,18 @@ def test_bad_values_name_the_field(override, field):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize("written, means", [("on", "on"), ("off", "off"), ("auto", "auto")])
+def test_sync_delta_written_bare_in_yaml_means_the_word(tmp_path, written, means):
+    # YAML 1.1 reads a bare on/off as a boolean
+    config = tmp_path / "c.yaml"
+    shipped = (Path(__file__).parents[2] / "configs" / "tiny-letters.yaml").read_text()
+    config.write_text(f"{shipped}\nsync:\n  delta: {written}\n")
+    assert load_config(config).sync.delta == means
+    assert load_config(None, [f"sync.delta={written}"]).sync.delta == means
+    with pytest.raises(ConfigError, match="sync.delta"):
+        load_config(None, ["sync.delta=sometimes"])
+
+
 @pytest.mark.parametrize(
     "servers, field",
     [("inference.replicas=2", "inference.replicas"),
