@@ -66,7 +66,9 @@ class DeltaCosts:
     size and the machines' load change). A delta's cost grows with the model (making and applying it),
     a whole version's with the link's time per byte: on this machine's bridge whole versions win at every
     size measured (BENCHMARKS.md, "Delta pushes over the network"). Seconds are an upload's, the delta's
-    making included, the learner's own checksum passes not (the run's first is a full pass)."""
+    making included, the learner's own checksum passes not (the run's first is a full pass). A version
+    sent whole asks the server for its checksum (a full pass over it there) only when a delta may
+    follow it (`want_base`): the next push, or the retry's."""
 
     def __init__(self, retry_every: int = RETRY_EVERY):
         self.retry_every = retry_every
@@ -75,11 +77,20 @@ class DeltaCosts:
         self._wholes: dict[str, int] = {}  # server URL -> whole versions since its last delta
 
     def want_delta(self, url: str) -> bool:
+        """Send this version to the server at `url` as a delta (where one applies)."""
+        return self._within(url, 1)
+
+    def want_base(self, url: str) -> bool:
+        """Check this version, sent whole, on the server at `url`: the next may go as a delta from it."""
+        return self._within(url, 2)
+
+    def _within(self, url: str, ahead: int) -> bool:
+        """Deltas pay for this server, or its retry is at most `ahead` versions away."""
         with self._lock:
             last = self._last.get(url, {})
             if True not in last or False not in last or last[True] <= last[False]:
                 return True
-            return self._wholes.get(url, 0) + 1 >= self.retry_every
+            return self._wholes.get(url, 0) + ahead >= self.retry_every
 
     def record(self, url: str, delta: bool, seconds: float) -> None:
         with self._lock:
@@ -157,10 +168,11 @@ class Transport:
                 costs.record(url, True, time.perf_counter() - t1)
         if sent is None:
             t1 = time.perf_counter()
-            answer = await upload_version(client, path, name, recycle=recycle, checksums=sums)
+            check = sums and (costs is None or costs.want_base(url))
+            answer = await upload_version(client, path, name, recycle=recycle, checksums=check)
             if sums and costs is not None:
                 costs.record(url, False, time.perf_counter() - t1)
-            sums = sums and "checksums" in answer  # a server of an older grpoflow takes no deltas
+            sums = check and "checksums" in answer  # a server of an older grpoflow takes no deltas
             if sums:
                 await self._check(client, path, name, answer)
             size = sum(n for _, n in await asyncio.to_thread(local_files, Path(path)))

@@ -123,8 +123,10 @@ def test_auto_keeps_deltas_while_they_cost_less_and_retries_one_after_wholes():
     assert costs.want_delta(a)  # the delta cost less
     costs.record(a, True, 3.0)
     assert not costs.want_delta(a)  # it cost more than the whole version
+    assert not costs.want_base(a)  # and no delta follows the next one: it need not be checked
     costs.record(a, False, 2.0)
     assert not costs.want_delta(a)
+    assert costs.want_base(a)  # the retry's base
     costs.record(a, False, 2.0)
     assert costs.want_delta(a)  # the third since: a delta again
     assert costs.want_delta(b)  # another server's costs are its own
@@ -134,11 +136,12 @@ def test_auto_keeps_deltas_while_they_cost_less_and_retries_one_after_wholes():
 
 def test_auto_sends_versions_whole_after_a_delta_that_cost_more(mod, tmp_path):
     """Through the transport: a delta's cost (given, not measured: the test must not depend on the clock)
-    above the whole versions' sends the next versions whole, each checked, until the retry's delta."""
+    above the whole versions' sends the next versions whole until the retry's delta, only the one before
+    the retry checked on the server (the retry's base)."""
     costs = DeltaCosts(retry_every=3)
     t = Transport("r", "network", recycle=2, deltas=Deltas(), delta_costs=costs)
     with served(mod.WeightUpload(inner)) as url:
-        sent = []
+        sent, checked = [], []
         for v, w in enumerate(_steps(4), start=1):
             path = _version(tmp_path, v, w)
             sent.append(on(url, lambda c, v=v, path=path: t.deliver(c, str(path), v)))
@@ -147,4 +150,9 @@ def test_auto_sends_versions_whole_after_a_delta_that_cost_more(mod, tmp_path):
             served_file = tmp_path / "uploads" / "r" / f"v{v:06d}" / "model.safetensors"
             assert served_file.read_bytes() == (path / "model.safetensors").read_bytes()
             t.deltas.forget(path)
+            manifest = json.loads((served_file.parent / ".grpoflow-upload.json").read_text())
+            checked.append(bool(manifest["checksums"]))
     assert [s.delta for s in sent] == [False, False, False, True]
+    # v2 went whole unchecked (no delta would follow it: no full pass on the server); v3, the retry's
+    # base, checked; v4, the delta, checked as every delta is
+    assert checked == [True, False, True, True]
