@@ -7,7 +7,8 @@ is checked once, the first time one is processed: random rows alone against the 
 A kind is its kernel (the `cpu_linear` vLLM chose), weight shape, dtype and bias: the code a call runs
 follows from those and its row count, never from the weights' values, so the verdict holds for every
 layer of the kind, and a weight push's reload, which processes every layer again, checks nothing (it
-did: about 0.35 s of SmolLM2's 0.6 s reload, BENCHMARKS.md, "Weight pushes"). A layer whose single row
+did: about 0.35 s of SmolLM2's 0.6 s reload, BENCHMARKS.md, "A reload that no longer re-checks every
+layer"). A layer whose single row
 differs is called from then on with one more row, a copy of the first, and answers the rows it was
 given, so no call of it has one row; the others are left as they are (the copy costs throughput:
 BENCHMARKS.md, "Reproducibility"). A kind whose rows differ at other row counts too cannot be mended
