@@ -8,11 +8,11 @@ A kind is its kernel (the `cpu_linear` vLLM chose), weight shape, dtype and bias
 follows from those and its row count, never from the weights' values, so the verdict holds for every
 layer of the kind, and a weight push's reload, which processes every layer again, checks nothing (it
 did: about 0.35 s of SmolLM2's 0.6 s reload, BENCHMARKS.md, "A reload that no longer re-checks every
-layer"). A layer whose single row
-differs is called from then on with one more row, a copy of the first, and answers the rows it was
-given, so no call of it has one row; the others are left as they are (the copy costs throughput:
-BENCHMARKS.md, "Reproducibility"). A kind whose rows differ at other row counts too cannot be mended
-that way: it is logged as a warning, and runs on this server are not reproducible.
+layer"). A layer whose single row differs is called from then on with one more row, a copy of the
+first, and answers the rows it was given, so no call of it has one row; the others are left as they
+are (the copy costs throughput: BENCHMARKS.md, "Reproducibility"). A kind whose rows differ at other row
+counts too cannot be mended that way: it is logged as a warning, and runs on this server are not
+reproducible.
 
 vLLM's CPU attention kernel is the other place where a row's bits follow its batch. It tiles each
 request's query tokens by how the call's work divides among threads, and the size of a query tile sets
