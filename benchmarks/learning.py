@@ -58,8 +58,18 @@ sys.path.insert(0, str(REPO))  # for `benchmarks.workloads`, `flows`, `storage`
 
 DEFAULT_CONFIG = REPO / "configs" / "smollm2-demo.yaml"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "learning"
-SYSTEMS: dict[str, int | None] = {"trl": None, "s0": 0, "s2": 2}  # system -> max_staleness
-LABELS = {"trl": "TRL", "s0": "grpoflow s0", "s2": "grpoflow s2"}
+# system -> max_staleness; a `-bf16` system is its float32 one computing in bf16 (TRL: `bf16=True`, CPU
+# autocast; grpoflow: `model.dtype=bfloat16`, whose servers then serve bf16 on a CPU that computes it)
+SYSTEMS: dict[str, int | None] = {"trl": None, "s0": 0, "s2": 2, "trl-bf16": None, "s0-bf16": 0, "s2-bf16": 2}
+BASE_SYSTEMS = ("trl", "s0", "s2")  # the legs a seed needs (combine names the missing ones)
+LABELS = {
+    "trl": "TRL",
+    "s0": "grpoflow s0",
+    "s2": "grpoflow s2",
+    "trl-bf16": "TRL bf16",
+    "s0-bf16": "grpoflow s0 bf16",
+    "s2-bf16": "grpoflow s2 bf16",
+}
 WINDOW = 5  # steps in the final and trailing means
 # Config keys that do not change what is learned: where things are, which run it is.
 IGNORED_KEYS = ("storage.", "run.run_id", "run.seed", "run.steps", "run.checkpoint_every", "inference.url")
@@ -170,13 +180,14 @@ def run_leg(
     system: str, seed: int, steps: int | None, config: Path, smollm2: str | None, store: Path
 ) -> dict:
     """Train one leg in `store` and return it."""
-    import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    import grpoflow.flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.cli.shared import quiet_prefect_task_logs
     from grpoflow.flows.config import load_config
     from grpoflow.flows.processes.prefect_api import owned_prefect_api
     from grpoflow.flows.training.runs import new_run_id, prepare_model
 
-    sets = [f"storage.root={store}", f"run.seed={seed}"]
+    bf16 = system.endswith("-bf16")
+    sets = [f"storage.root={store}", f"run.seed={seed}"] + (["model.dtype=bfloat16"] if bf16 else [])
     cfg = load_config(config, sets)
     steps = steps or cfg.run.steps
     sets.append(f"run.steps={steps}")
@@ -185,10 +196,10 @@ def run_leg(
     sets.append(f"model.path={model_dir.resolve()}")
     base = load_config(config, sets)
 
-    if system == "trl":
+    if SYSTEMS[system] is None:
         from benchmarks.vs_trl import run_trl
 
-        r = run_trl(config, sets, steps=steps, out_dir=store / f"trl-seed{seed}")
+        r = run_trl(config, sets, steps=steps, out_dir=store / f"trl-seed{seed}", bf16=bf16)
         walls = r["step_end_seconds"]
         return _leg(system, seed, config, sets, r["reward_curve"], walls, run_seconds=r["run_seconds"])
 
@@ -243,7 +254,7 @@ def import_run(
     from grpoflow.storage.rollouts import RolloutStore
     from grpoflow.storage.sql import query
 
-    if system == "trl":
+    if SYSTEMS[system] is None:
         raise SystemExit("--from-run imports grpoflow runs only (s0 or s2)")
     meta = RolloutStore(root).read_run_meta(run_id)
     cols, rows = query(root, "SELECT * FROM steps WHERE run_id = $run ORDER BY step", {"run": run_id})
@@ -324,11 +335,10 @@ def _fmt(x: float | None, nd: int = 3) -> str:
 
 
 def summarize(legs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per leg: final mean, total wall seconds, first reach of its seed's TRL target."""
-    trl = {g["seed"]: g for g in legs if g["system"] == "trl"}
+    """One row per leg: final mean, total wall seconds, first reach of its seed's TRL target (`trl_reference`)."""
     rows = []
     for g in legs:
-        t = trl.get(g["seed"])
+        t = trl_reference(legs, g["seed"])
         target = final_mean(t["rewards"]) if t else None
         t_reach = first_reach(t["rewards"], t["wall_seconds"], target) if t else None
         reach = first_reach(g["rewards"], g["wall_seconds"], target)
@@ -346,6 +356,18 @@ def summarize(legs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def trl_reference(legs: list[dict[str, Any]], seed: int) -> dict[str, Any] | None:
+    """The seed's TRL leg every leg is timed against: of its TRL legs (float32, bf16), the one that
+    reaches its own final level soonest (TRL at its best settings on this machine); None: no TRL leg."""
+    trl = [g for g in legs if g["seed"] == seed and SYSTEMS[g["system"]] is None]
+
+    def own_time(g: dict[str, Any]) -> float:
+        reach = first_reach(g["rewards"], g["wall_seconds"], final_mean(g["rewards"]))
+        return reach[1] if reach else float("inf")
+
+    return min(trl, key=own_time, default=None)
 
 
 def _reach_cell(r: dict[str, Any]) -> str:
@@ -386,7 +408,8 @@ def plot(legs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:blue", "s0": "tab:orange", "s2": "tab:green"}
+    colors = {"trl": "tab:blue", "s0": "tab:orange", "s2": "tab:green", "trl-bf16": "tab:purple",
+              "s0-bf16": "tab:red", "s2-bf16": "tab:olive"}  # fmt: skip
     styles = ["-", "--", ":", "-."]
     seeds = sorted({g["seed"] for g in legs})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
@@ -399,8 +422,8 @@ def plot(legs: list[dict[str, Any]], path: Path) -> None:
             raw = [(x, r) for x, r in zip(xs, g["rewards"], strict=True) if r is not None]
             ax.plot([x for x, _ in raw], [r for _, r in raw], color=c, lw=0.8, alpha=0.35, ls=ls)
             ax.plot(xs, trail, color=c, lw=2, ls=ls, label=label)
-    for g in legs:
-        if g["system"] == "trl":
+    for seed in seeds:
+        if (g := trl_reference(legs, seed)) is not None:
             target = final_mean(g["rewards"])
             for ax in axes:
                 ax.axhline(target, color="black", ls=(0, (4, 3)), lw=1, alpha=0.7)
@@ -441,7 +464,7 @@ def combine(out: Path) -> int:
     seeds = sorted({g["seed"] for g in legs})
     have = {(g["system"], g["seed"]) for g in legs}
     for seed in seeds:
-        missing = [s for s in SYSTEMS if (s, seed) not in have]
+        missing = [s for s in BASE_SYSTEMS if (s, seed) not in have]
         if missing:
             print(
                 f"# seed {seed}: missing legs {', '.join(missing)} "

@@ -287,7 +287,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra config overrides")
     args = ap.parse_args()
 
-    import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    import grpoflow.flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.config import load_config
     from grpoflow.flows.training.data import load_rows
     from grpoflow.tasks.rollouts.templates import load_tokenizer

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="timed batches per count (+1 warm-up)")
     args = ap.parse_args()
 
-    import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    import grpoflow.flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.examples.envs import arith_rows
     from grpoflow.flows.processes.serve import inference_servers
     from grpoflow.tasks.config.inference import InferenceConfig

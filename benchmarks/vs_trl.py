@@ -117,7 +117,7 @@ def trl_lora(lora):
                       target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")  # fmt: skip
 
 
-def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
+def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path, bf16: bool = False):
     from grpoflow.flows.config import load_config
 
     cfg = load_config(config, overrides)
@@ -142,7 +142,7 @@ def run_trl(config: Path, overrides: list[str], *, steps: int, out_dir: Path):
         output_dir=str(out_dir),
         use_cpu=True,
         report_to="none",
-        bf16=False,
+        bf16=bf16,  # CPU autocast over float32 weights (benchmarks/learning.py's trl-bf16 leg)
         fp16=False,
         gradient_checkpointing=lc.gradient_checkpointing,
         # One optimizer step per generated batch of prompts_per_step x G completions, in micro-batches
@@ -286,7 +286,7 @@ def main() -> None:
                     help="both systems train a rank-RANK LoRA adapter (alpha 2 x RANK, peft) at the same LR")  # fmt: skip
     args = ap.parse_args()
 
-    import flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+    import grpoflow.flows  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
     from grpoflow.flows.config import load_config
 
     root = Path(tempfile.mkdtemp(prefix="grpoflow-vs-trl-"))

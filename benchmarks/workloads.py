@@ -95,8 +95,10 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
 
 def serve(cfg, model: Path, log_path: Path):
     """The embedded vLLM server for `model`, sized by the config's inference section (with
-    `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does)."""
+    `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does), serving the
+    dtype a run's own servers would (`served_dtype`: bf16 for a bf16 learner on a CPU that computes it)."""
     from grpoflow.flows.processes.serve import embedded_server
+    from grpoflow.flows.processes.vllm_command import served_dtype
 
     lora = cfg.learner.lora
     return embedded_server(
@@ -106,4 +108,5 @@ def serve(cfg, model: Path, log_path: Path):
         log_path=log_path,
         lora_rank=lora.served_rank() if lora else None,
         max_loras=cfg.inference.max_loras,
+        dtype=served_dtype(cfg),
     )

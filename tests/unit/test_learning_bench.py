@@ -64,3 +64,18 @@ def test_combine_times_each_leg_against_trls_target(tmp_path, capsys):
     assert "| grpoflow s0 | 0 | 3 | 0.400 | 0.433 | 15 | 10 (step 1) | 0.33 |" in out
     assert (tmp_path / "learning.png").stat().st_size > 0
     assert (tmp_path / "learning.md").read_text().startswith("| system |")
+
+
+def test_legs_are_timed_against_the_trl_leg_that_reaches_its_own_level_soonest(tmp_path):
+    trl = _leg("trl", [0.2, 0.4, 0.6], [10.0, 20.0, 30.0])  # its target 0.4 at 30 s
+    trl_bf16 = _leg("trl-bf16", [0.2, 0.3, 0.4], [5.0, 10.0, 15.0])  # target 0.3 at 15 s: the reference
+    s0_bf16 = _leg("s0-bf16", [0.3, 0.5, 0.5], [1.0, 2.0, 3.0])  # trailing mean >= 0.3 at step 0
+    for g in (trl, trl_bf16, s0_bf16):
+        (tmp_path / f"leg-{g['system']}-seed0.json").write_text(json.dumps(g))
+    legs = learning.load_legs(tmp_path)
+    assert [g["system"] for g in legs] == ["trl", "trl-bf16", "s0-bf16"]
+    assert learning.trl_reference(legs, 0)["system"] == "trl-bf16"
+    rows = {r["system"]: r for r in learning.summarize(legs)}
+    assert rows["trl-bf16"]["frac"] == 1.0 and rows["trl"]["target"] == pytest.approx(0.3)
+    assert rows["trl"]["reach"] == (1, 20.0) and rows["trl"]["frac"] == pytest.approx(20 / 15)
+    assert rows["s0-bf16"]["reach"] == (0, 1.0) and rows["s0-bf16"]["frac"] == pytest.approx(1 / 15)
