@@ -14,5 +14,5 @@ if __name__ != "grpoflow.server":
 # Installed with the package: server/pyproject.toml's `dependencies` (a test keeps the two equal).
 REQUIRES = ("psutil",)  # watchdog.py (vLLM depends on it too, but grpoflow does not rely on that)
 # The vLLM environment's own, imported only inside the worker extension's functions (merge.py,
-# invariant.py), which run in vLLM's worker processes: never a dependency of the package.
+# invariant.py, reload.py), which run in vLLM's worker processes: never a dependency of the package.
 PROVIDED_BY_VLLM = ("safetensors", "torch", "vllm")

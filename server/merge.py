@@ -5,11 +5,14 @@ Every server grpoflow starts runs with `--worker-extension-cls grpoflow.server.m
 methods to vLLM's workers, called over `/collective_rpc` (their names: protocol.RELOAD_RPC,
 protocol.MERGE_LORA_RPC):
 
-`grpoflow_reload_weights(weights_path)` is vLLM's `reload_weights`, then the tied LM heads re-packed: on
-CPU, vLLM packs an LM head's weight for oneDNN when the layer is processed. A model with tied embeddings
-(Gemma 3, SmolLM2, Qwen2.5's small ones) has no LM head weight in its checkpoint: a reload copies the new
-embedding into the head's (shared) weight but processes only the layers it loaded, so the head would go on
-multiplying by the old embedding's pack, and the server would sample from a mix of two policies.
+`grpoflow_reload_weights(weights_path)` loads the version at `weights_path`. On CPU it loads the new
+values into the plain weights it kept and packs every layer again (reload.py), which costs about a third
+of vLLM's own reload; elsewhere, or where that does not apply, it is vLLM's `reload_weights`, then the
+tied LM heads re-packed: on CPU, vLLM packs an LM head's weight for oneDNN when the layer is processed. A
+model with tied embeddings (Gemma 3, SmolLM2, Qwen2.5's small ones) has no LM head weight in its
+checkpoint: vLLM's reload copies the new embedding into the head's (shared) weight but processes only the
+layers it loaded, so the head would go on multiplying by the old embedding's pack, and the server would
+sample from a mix of two policies.
 
 `grpoflow_merge_lora(adapter_path)` reads the adapter (safetensors + `adapter_config.json`, as PEFT
 writes it), reads the weights of the modules it adapts from its base model's safetensors (the
@@ -29,11 +32,13 @@ from __future__ import annotations
 import json
 import os
 
-from grpoflow.server import invariant
+from grpoflow.server import invariant, reload
 
 # vLLM imports this module into every worker of a server grpoflow starts, before the model loads: where
-# the linear layers are made batch-invariant (invariant.py).
+# the linear layers are made batch-invariant (invariant.py) and keep their plain weights (reload.py,
+# whose packing goes through invariant's wrapper: installed after it).
 invariant.install()
+reload.install()
 
 LORA_A, LORA_B, PREFIX = ".lora_A.weight", ".lora_B.weight", "base_model.model."
 
@@ -77,37 +82,75 @@ def _base_files(base: str) -> list[str]:
     return [single]
 
 
-def refresh_tied_heads(model) -> list[str]:
-    """Re-pack, on CPU, the LM heads that share their weight with an embedding (the module doc); their
-    names. Off CPU the head multiplies by the weight itself: nothing to do."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+def tied_heads(model) -> list[str]:
+    """The names of the LM heads that share their weight with an embedding."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return []
     modules = dict(model.named_modules())
     embeddings = {
         id(m.weight)
         for m in modules.values()
         if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
     }
-    tied = [
+    return [
         name for name, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings
     ]
+
+
+def refresh_tied_heads(model) -> list[str]:
+    """Re-pack, on CPU, the LM heads that share their weight with an embedding (the module doc); their
+    names. Off CPU the head multiplies by the weight itself: nothing to do."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    tied = tied_heads(model)
     for name in tied:
-        dispatch_cpu_unquantized_gemm(modules[name], remove_weight=False)
+        dispatch_cpu_unquantized_gemm(model.get_submodule(name), remove_weight=False)
     return tied
+
+
+def _load_from(runner, model, weights_path: str) -> int:
+    """`_plain_reload` of the version at `weights_path`, read by the server's own model loader (its
+    safetensors files and index), which reads the model's path from the config as vLLM's reload does:
+    pointed there, and back where it was when the load fails."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    cfg = runner.vllm_config.model_config
+    was = cfg.model, cfg.model_weights, cfg.revision
+    cfg.model, cfg.model_weights, cfg.revision = weights_path, "", None
+    try:
+        return _plain_reload(
+            runner, model, get_model_loader(runner.vllm_config.load_config).get_all_weights(cfg, model)
+        )
+    except BaseException:
+        cfg.model, cfg.model_weights, cfg.revision = was
+        raise
+
+
+def _plain_reload(runner, model, weights) -> int:
+    """reload.py's reload of `weights`, then the caches vLLM's reload resets after it, reset; the layers
+    packed again."""
+    packed = reload.reload(model, weights)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        getattr(runner, reset, lambda: None)()
+    return packed
 
 
 class LoraMerge:
     """Mixed into vLLM's worker class (`--worker-extension-cls`)."""
 
-    def grpoflow_reload_weights(self, weights_path: str) -> list[str]:
-        """vLLM's `reload_weights` from `weights_path`, then the tied LM heads re-packed (the module doc);
-        the heads re-packed."""
-        self.reload_weights(weights_path=weights_path)
-        return refresh_tied_heads(self.model_runner.get_model())
+    def grpoflow_reload_weights(self, weights_path: str, plain: bool = True) -> dict:
+        """Serve the version at `weights_path` (the module doc): {"reload": "plain", "packed": the layers
+        packed again} or {"reload": "vllm", "tied_heads": those re-packed}. `plain` False: vLLM's reload
+        even where reload.py's applies (tests compare the two)."""
+        runner = self.model_runner
+        model = runner.get_model()
+        if not (plain and reload.can_reload(model, runner.vllm_config)):
+            self.reload_weights(weights_path=weights_path)
+            return {"reload": "vllm", "tied_heads": refresh_tied_heads(model)}
+        return {"reload": "plain", "packed": _load_from(runner, model, weights_path)}
 
     def grpoflow_merge_lora(self, adapter_path: str) -> list[str]:
         """Serve base + the adapter at `adapter_path`, merged (the module doc); the modules merged."""
@@ -140,6 +183,9 @@ class LoraMerge:
         missing = sorted(set(deltas) - merged)
         if missing:
             raise ValueError(f"{adapter_path}: modules not in the base model {base}: {missing[:3]}")
-        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        refresh_tied_heads(model)  # adapters never touch the embedding; kept current all the same
+        if reload.can_reload(model, self.model_runner.vllm_config):
+            _plain_reload(self.model_runner, model, iter(weights))
+        else:
+            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            refresh_tied_heads(model)  # adapters never touch the embedding; kept current all the same
         return sorted(merged)

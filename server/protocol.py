@@ -149,6 +149,7 @@ AUTHORIZATION, BEARER = "Authorization", "Bearer"  # `Authorization: Bearer <key
 WORKER_EXTENSION = "grpoflow.server.merge.LoraMerge"
 RELOAD_RPC, MERGE_LORA_RPC = "grpoflow_reload_weights", "grpoflow_merge_lora"
 UPLOAD_DIR_ENV = "GRPOFLOW_UPLOAD_DIR"  # where uploaded versions go; unset: uploads are off
+PLAIN_RELOAD_ENV = "GRPOFLOW_PLAIN_RELOAD"  # "0": a CPU server keeps no plain weights (reload.py)
 UPLOAD_MAX_BYTES_ENV = "GRPOFLOW_UPLOAD_MAX_BYTES"  # the largest upload taken (default 64 GiB)
 API_KEY_ENV = "VLLM_API_KEY"  # the server's key (vLLM's own variable): the auth middleware checks it
 GUARD_SESSION_ENV = "GRPOFLOW_GUARD_SESSION"  # "1": the guard kills its whole session (a local Ray)

@@ -181,6 +181,54 @@ def logprob_gap(model, samples: Samples) -> float:
     return worst
 
 
+def perturbed(model_dir: Path, out: Path, scale: float = 0.02) -> Path:
+    """A version of the model in `model_dir` with seeded noise on every weight, as a model dir `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.tasks.push.weights import save_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(model, out)
+    return out
+
+
+def reload_into(url: str, version: Path, *, plain: bool = True) -> str:
+    """Load the weights in `version` into the server at `url`, paused around it: grpoflow's reload
+    (server/reload.py where it applies), or vLLM's own with `plain` False; which of the two ran."""
+    from grpoflow.server.protocol import RELOAD_RPC
+    from grpoflow.tasks.rollouts.inference import VLLMClient
+
+    async def go() -> str:
+        async with VLLMClient(url) as c:
+            await c.pause()
+            try:
+                answer = await c.collective_rpc(
+                    RELOAD_RPC, {"weights_path": str(version), "plain": plain}, 300
+                )
+            finally:
+                await c.resume()
+            await c.reset_prefix_cache()  # no KV computed under the weights before
+        (worker,) = answer["results"]
+        return worker["reload"]
+
+    return asyncio.run(go())
+
+
+def reload_both_ways(url: str, version: Path, prompts: list[list[int]]) -> tuple[Samples, Samples]:
+    """`served_samples` of `prompts` after grpoflow's reload of `version` into the server at `url`, then
+    after vLLM's own reload of the same files (`reload_into`)."""
+    assert reload_into(url, version) == "plain"
+    plain = served_samples(url, prompts)
+    assert reload_into(url, version, plain=False) == "vllm"
+    return plain, served_samples(url, prompts)
+
+
 def unpause(url: str) -> None:
     """Resume the server at `url`: a run killed mid-push leaves it paused, and later tests need it."""
     from grpoflow.tasks.rollouts.inference import VLLMClient

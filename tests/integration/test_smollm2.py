@@ -13,7 +13,15 @@ import torch
 
 from grpoflow.flows.config import load_config
 from grpoflow.storage.sql import query
-from tests.support import REPO, assistant_text
+from tests.support import (
+    REPO,
+    assistant_text,
+    logprob_gap,
+    perturbed,
+    reload_both_ways,
+    reload_into,
+    served_samples,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.memory_heavy]
 
@@ -39,6 +47,24 @@ def smollm2_server(tmp_path_factory):
         yield handle
     finally:
         handle.stop()
+
+
+def test_smollm2_reload_serves_the_bits_vllms_own_reload_serves(tmp_path, smollm2_server):
+    """server/reload.py on SmolLM2, whose LM head is its embedding (tied): after a version that changed
+    every weight, the server serves what vLLM's reload of the same files serves, bit for bit, and the
+    version's own logprobs (a head left packed from the old embedding would not)."""
+    prompts = [
+        [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30],
+        [1, 4093, 314, 260, 3575, 282, 4649, 47],
+    ]
+    version = perturbed(smollm2_server.model_dir, tmp_path / "v1", scale=0.005)
+    try:
+        plain, vllms = reload_both_ways(smollm2_server.url, version, prompts)
+        assert plain == vllms
+        assert logprob_gap(version, plain) < 1e-3 and logprob_gap(smollm2_server.model_dir, plain) > 1e-2
+    finally:
+        reload_into(smollm2_server.url, smollm2_server.model_dir)  # the module's other tests start from base
+    assert served_samples(smollm2_server.url, prompts[:1]) != plain[:1]
 
 
 def test_smollm2_serves_the_trained_adapter_as_the_merged_model_generates(tmp_path, smollm2_server):

@@ -1,4 +1,5 @@
-"""The real vLLM CPU server: the prefix cache across weight pushes, and a reload that fails.
+"""The real vLLM CPU server: the prefix cache across weight pushes, a reload that fails, and grpoflow's
+reload against vLLM's own.
 
 Both tests drive the production code paths: the salt comes from `cache_salt_for(version)` (what
 generation passes), the push is the run's (`push_version` through the `checkpoint` backend).
@@ -18,6 +19,7 @@ from grpoflow.tasks.push.weights import save_weights
 from grpoflow.tasks.rollouts.cache_salt import cache_salt_for
 from grpoflow.tasks.rollouts.inference import VLLMClient
 from grpoflow.tasks.rollouts.replicas import Replica, ReplicaSet
+from tests.support import logprob_gap, perturbed, reload_both_ways, served_samples
 
 pytestmark = pytest.mark.integration
 
@@ -82,3 +84,15 @@ async def test_a_failed_reload_names_version_and_path_and_leaves_the_server_serv
         assert await c.is_paused() is False
         (after,) = await c.complete(probe, max_tokens=6, temperature=0.0)
     assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-4)
+
+
+def test_a_reload_serves_the_bits_vllms_own_reload_serves(vllm_server, tmp_path):
+    """server/reload.py loads a version into the plain weights it kept and packs the layers again, into
+    the shared server's torch.compiled model: what it serves is what vLLM's reload of the same files
+    serves, bit for bit, and is the version (the base served other bits)."""
+    prompts = [long_prompt(seed=s, n=12) for s in (3, 4)]
+    base = served_samples(vllm_server.url, prompts)
+    version = perturbed(vllm_server.model_dir, tmp_path / "v1")
+    plain, vllms = reload_both_ways(vllm_server.url, version, prompts)
+    assert plain == vllms  # token ids and float32 logprobs
+    assert plain != base and logprob_gap(version, plain) < 1e-3
