@@ -5,9 +5,9 @@ Every server grpoflow starts runs with `--worker-extension-cls grpoflow.server.m
 methods to vLLM's workers, called over `/collective_rpc` (their names: protocol.RELOAD_RPC,
 protocol.MERGE_LORA_RPC):
 
-`grpoflow_reload_weights(weights_path)` loads the version at `weights_path`. On CPU it loads the new
-values into the plain weights it kept and packs every layer again (reload.py), which costs about a third
-of vLLM's own reload; elsewhere, or where that does not apply, it is vLLM's `reload_weights`, then the
+`grpoflow_reload_weights(weights_path)` loads the version at `weights_path`. On CPU it writes the new
+values into plain weights and packs again each layer written (reload.py), in about three quarters of the
+time of vLLM's own reload; elsewhere, or where that does not apply, it is vLLM's `reload_weights`, then the
 tied LM heads re-packed: on CPU, vLLM packs an LM head's weight for oneDNN when the layer is processed. A
 model with tied embeddings (Gemma 3, SmolLM2, Qwen2.5's small ones) has no LM head weight in its
 checkpoint: vLLM's reload copies the new embedding into the head's (shared) weight but processes only the

@@ -90,7 +90,14 @@ def reload(model, weights) -> int:
     import torch
     from vllm.model_executor.layers import utils
 
-    layers = [(m, *_plain[m]) for m in model.modules() if m in _plain and not _lookup_only(m)]
+    # A weight vLLM keeps live is taken from the layer: after vLLM's own reload the Parameter recorded is
+    # the one it loaded into and copied from, not the one the layer holds.
+    layers = [
+        (m, m.weight if shape is None else plain, shape)
+        for m in model.modules()
+        if m in _plain and not _lookup_only(m)
+        for plain, shape in [_plain[m]]
+    ]
     held = {m: m.weight for m, _, _ in layers}  # what each layer holds now (an empty one: dropped)
     with torch.no_grad():
         try:

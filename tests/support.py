@@ -222,11 +222,15 @@ def reload_into(url: str, version: Path, *, plain: bool = True) -> str:
 
 def reload_both_ways(url: str, version: Path, prompts: list[list[int]]) -> tuple[Samples, Samples]:
     """`served_samples` of `prompts` after grpoflow's reload of `version` into the server at `url`, then
-    after vLLM's own reload of the same files (`reload_into`)."""
+    after vLLM's own reload of the same files (`reload_into`); grpoflow's reload after vLLM's serves its
+    first samples again."""
     assert reload_into(url, version) == "plain"
     plain = served_samples(url, prompts)
     assert reload_into(url, version, plain=False) == "vllm"
-    return plain, served_samples(url, prompts)
+    vllms = served_samples(url, prompts)
+    # and grpoflow's again after vLLM's (which loads each layer into a copy of its parameters)
+    assert reload_into(url, version) == "plain" and served_samples(url, prompts) == plain
+    return plain, vllms
 
 
 def unpause(url: str) -> None:

@@ -140,3 +140,12 @@ def test_no_plain_weight_is_kept_when_the_server_says_so(plain, monkeypatch):
     monkeypatch.setenv(reload.ENV, "0")
     reload.install()
     assert reload._INSTALLED is False
+
+
+def test_after_vllms_own_reload_a_live_weight_is_packed_from_what_the_layer_holds(plain):
+    reload, model = plain
+    # vLLM's reload processes a layer in a copy of its parameters, then copies them back: the Parameter
+    # recorded for the head is that copy, not the embedding's the head multiplies by.
+    reload._plain[model.head] = (nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False), None)
+    assert reload.reload(model, NEW) == 3
+    assert bool((model.head.pack == 1.5).all())  # the new embedding, packed
