@@ -35,8 +35,8 @@ import os
 from grpoflow.server import invariant, reload
 
 # vLLM imports this module into every worker of a server grpoflow starts, before the model loads: where
-# the linear layers are made batch-invariant (invariant.py) and keep their plain weights (reload.py,
-# whose packing goes through invariant's wrapper: installed after it).
+# the linear layers are made batch-invariant (invariant.py) and what each is packed from is recorded
+# (reload.py, whose packing goes through invariant's wrapper: installed after it).
 invariant.install()
 reload.install()
 
