@@ -87,9 +87,9 @@ async def test_a_failed_reload_names_version_and_path_and_leaves_the_server_serv
 
 
 def test_a_reload_serves_the_bits_vllms_own_reload_serves(vllm_server, tmp_path):
-    """server/reload.py loads a version into the plain weights it kept and packs the layers again, into
-    the shared server's torch.compiled model: what it serves is what vLLM's reload of the same files
-    serves, bit for bit, and is the version (the base served other bits)."""
+    """server/reload.py writes a version into plain weights and packs the layers again, in the shared
+    server's torch.compiled model: what it serves is what vLLM's reload of the same files serves, bit
+    for bit, and is the version (the base served other bits)."""
     prompts = [long_prompt(seed=s, n=12) for s in (3, 4)]
     base = served_samples(vllm_server.url, prompts)
     version = perturbed(vllm_server.model_dir, tmp_path / "v1")
