@@ -62,14 +62,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "learning"
 # autocast; grpoflow: `model.dtype=bfloat16`, whose servers then serve bf16 on a CPU that computes it)
 SYSTEMS: dict[str, int | None] = {"trl": None, "s0": 0, "s2": 2, "trl-bf16": None, "s0-bf16": 0, "s2-bf16": 2}
 BASE_SYSTEMS = ("trl", "s0", "s2")  # the legs a seed needs (combine names the missing ones)
-LABELS = {
-    "trl": "TRL",
-    "s0": "grpoflow s0",
-    "s2": "grpoflow s2",
-    "trl-bf16": "TRL bf16",
-    "s0-bf16": "grpoflow s0 bf16",
-    "s2-bf16": "grpoflow s2 bf16",
-}
+LABELS = {"trl": "TRL", "s0": "grpoflow s0", "s2": "grpoflow s2"}
+LABELS |= {f"{s}-bf16": f"{LABELS[s]} bf16" for s in BASE_SYSTEMS}
 WINDOW = 5  # steps in the final and trailing means
 # Config keys that do not change what is learned: where things are, which run it is.
 IGNORED_KEYS = ("storage.", "run.run_id", "run.seed", "run.steps", "run.checkpoint_every", "inference.url")
