@@ -402,8 +402,8 @@ def plot(legs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:blue", "s0": "tab:orange", "s2": "tab:green", "trl-bf16": "tab:purple",
-              "s0-bf16": "tab:red", "s2-bf16": "tab:olive"}  # fmt: skip
+    colors = {"trl": "tab:blue", "s0": "tab:orange", "s2": "tab:green"}
+    colors |= {"trl-bf16": "tab:purple", "s0-bf16": "tab:red", "s2-bf16": "tab:olive"}
     styles = ["-", "--", ":", "-."]
     seeds = sorted({g["seed"] for g in legs})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
