@@ -161,8 +161,10 @@ class Learner:
         from transformers import get_scheduler
 
         c = self.config
-        # On one GPU the fused kernel: one launch for every tensor's update instead of several per tensor.
-        fused = self.device.type == "cuda" and self.world_size == 1
+        # One process: the fused kernel, one pass over each tensor instead of several per tensor (on a
+        # GPU one launch for them all; on a CPU about 0.05-0.08 s for SmolLM2's AdamW step against the
+        # multi-tensor kernel's 0.18-0.4 s). FSDP2's sharded parameters keep the multi-tensor one.
+        fused = self.world_size == 1
         self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, weight_decay=c.weight_decay, fused=fused)
         name = {"constant": "constant_with_warmup"}.get(c.lr_schedule, c.lr_schedule)
         self.scheduler = get_scheduler(

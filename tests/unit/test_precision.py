@@ -127,3 +127,21 @@ def test_a_bf16_step_casts_the_master_weights_once_per_update_for_the_same_gradi
                                **({"lora": {"rank": 4, "alpha": 8}} if lora else {})).trainable)  # fmt: skip
     assert 0 < once <= weights and each == 3 * once  # three micro-batches
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_each, strict=True))
+
+
+def test_one_process_learner_steps_fused_adamw_with_foreach_numbers(float32_step):
+    # One learner process takes torch's fused AdamW on the CPU as on a GPU (one pass over each tensor):
+    # its update is the multi-tensor (foreach) AdamW's from the same clipped gradients, up to rounding.
+    before, reference, ref = float32_step
+    assert ref.optimizer.defaults["fused"] and not ref.optimizer.defaults["foreach"]
+    grads = [p.grad.detach().clone() for p in ref.model.parameters()]
+    params = [
+        t.view_as(g).clone().requires_grad_()
+        for t, g in zip(before.split([g.numel() for g in grads]), grads, strict=True)
+    ]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    torch.optim.AdamW(params, lr=LR, weight_decay=ref.optimizer.defaults["weight_decay"], foreach=True).step()
+    update = flat(params) - before
+    assert update.abs().max() > 0
+    assert update_error(update, reference) < 1e-5
