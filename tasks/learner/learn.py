@@ -252,7 +252,7 @@ class Learner:
         forward = shared_prompt_logprobs if self.share_prompt else padded_logprobs
         kw = {"temperature": self.temperature, "pad_id": self.pad_id, "device": self.device}
         with self.autocast():
-            return forward(model, mb, head_chunk=self.head_chunk, **kw)
+            return forward(model, mb, head_chunk=self.head_chunk, head_apart=self.world_size == 1, **kw)
 
     def autocast(self) -> torch.autocast:
         """The forward's precision: the compute dtype over float32 master weights (off for float32)."""

@@ -203,8 +203,9 @@ def weights_of(learner: Learner) -> torch.Tensor:
 
 
 def count_forwards(learner: Learner) -> list[int]:
+    """Forwards counted by the LM head's calls: one per forward, whichever way it runs."""
     calls = [0]
-    learner.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    learner.model.get_output_embeddings().register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

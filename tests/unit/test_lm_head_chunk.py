@@ -1,6 +1,7 @@
-"""`learner.lm_head_chunk`: the LM head over a few positions at a time, each chunk's logits recomputed in
-the backward. The same logprobs, loss and gradients as the whole head (the eager float32 reference), in
-the padded and the shared-prompt forward, for full fine-tuning and LoRA, Llama and Gemma 3 (its logit
+"""The LM head apart from the decoder: on completion tokens only (padding costs no head), and with
+`learner.lm_head_chunk` a few positions at a time, each chunk's logits recomputed in the backward. The
+same logprobs, loss and gradients as the whole model's forward (the eager float32 reference), in the
+padded and the shared-prompt forward, for full fine-tuning and LoRA, Llama and Gemma 3 (its logit
 softcap); no head call ever sees more than a chunk's positions."""
 
 from __future__ import annotations
@@ -58,18 +59,49 @@ def test_chunks_give_the_whole_heads_loss_and_gradients(tiny_model_dir, share, l
     assert torch.allclose(runs[3][1], runs[None][1], rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("forward", [padded_logprobs, shared_prompt_logprobs])
-def test_gemma3s_softcapped_logits_chunked_are_the_whole_heads(forward, tmp_path):
+def random_gemma3():
     """A random Gemma 3 (sliding-window and full layers, tied embeddings) with a final logit softcap of
-    0.05 (below a random model's logits, so the cap bends them): chunked logprobs and gradients are the
-    whole head's."""
+    0.05 (below a random model's logits, so the cap bends them)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
                               max_position_embeddings=64, final_logit_softcapping=0.05)  # fmt: skip
-    model = Gemma3ForCausalLM(config).float()
+    return Gemma3ForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("forward", [padded_logprobs, shared_prompt_logprobs])
+@pytest.mark.parametrize("arch", ["tiny", "gemma3"])
+def test_the_head_runs_on_completion_tokens_only_with_the_whole_models_numbers(tiny_model_dir, forward, arch):
+    # The micro-batch pads its completions (4, 3, 2, 3, 1 tokens) to 4 and, padded, its prompts (2, 3, 5)
+    # to the longest: the whole model's head sees every position from the first that predicts a
+    # completion token; apart, the head sees the 13 completion tokens' positions only (a masked one
+    # included), and gives the same numbers.
+    model = make_learner(tiny_model_dir, total_steps=1).model if arch == "tiny" else random_gemma3()
+    out, rows = [], []
+    for apart in (False, True):
+        model.zero_grad()
+        seen: list[int] = []
+        hook = model.get_output_embeddings().register_forward_hook(
+            lambda m, args, o, seen=seen: seen.append(o.reshape(-1, o.shape[-1]).shape[0])
+        )
+        mb = forward(model, batch(), temperature=0.7, pad_id=0, device=torch.device("cpu"), head_apart=apart)
+        hook.remove()
+        (mb.logprobs * mb.mask).sum().backward()
+        out.append(
+            (mb.logprobs.detach() * mb.mask, torch.cat([p.grad.flatten() for p in model.parameters()]))
+        )
+        rows.append(sum(seen))
+    assert rows[1] == sum(len(s.completion_mask) for s in batch()) == 13 < rows[0]
+    assert torch.allclose(out[1][0], out[0][0], atol=1e-6)
+    assert torch.allclose(out[1][1], out[0][1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("forward", [padded_logprobs, shared_prompt_logprobs])
+def test_gemma3s_softcapped_logits_chunked_are_the_whole_heads(forward, tmp_path):
+    """Gemma 3's final logit softcap: chunked logprobs and gradients are the whole head's."""
+    model = random_gemma3()
     assert split_head(model).softcap == 0.05
     out = []
     for chunk in (None, 4):
