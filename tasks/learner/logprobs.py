@@ -198,9 +198,8 @@ def padded_logprobs(
     mask, behav, adv, real = (t.to(device) for t in _completion_tensors(mb, T))
     ids, attn, index = ids.to(device), attn.to(device), index.to(device)
     if (head_apart or head_chunk) and (split := split_head(model)):
-        hidden = split.decoder(
-            input_ids=ids, attention_mask=attn, use_cache=False
-        ).last_hidden_state  # see logprobs_from
+        # No KV cache, as in logprobs_from.
+        hidden = split.decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
         at = index + first  # the input position that predicts each completion token (padding: any)
         picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         lp = completion_logprobs(split, picked, ids.gather(1, at + 1), real, temperature, head_chunk)
