@@ -44,7 +44,13 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward (grad accum).")
+    micro_batch_size: int = Field(
+        16,
+        ge=1,
+        description="Sequences per forward/backward (grad accum; the update is the same sum). Larger is "
+        "faster where memory allows: on a 2-core CPU, a SmolLM2-135M step of the demo's 64 sequences ran 1.4x "
+        "as fast as in four of 16.",
+    )
     mini_batches: int = Field(
         1,
         ge=1,
