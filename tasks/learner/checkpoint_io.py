@@ -64,6 +64,9 @@ def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_si
     writer's was; the configured peak `lr` wins over the checkpoint's."""
     directory = Path(directory)
     trainer = torch.load(directory / "trainer_state.pt", weights_only=True)  # tensors and plain data only
+    # The saved parameter groups name the AdamW kernel of the learner that wrote them (fused for one
+    # process, multi-tensor for FSDP2's shards); this learner keeps the one it chose.
+    kernels = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
     if (directory / OPTIMIZER_DIR).is_dir():
         _load_optimizer(directory / OPTIMIZER_DIR, model, optimizer, world_size)
     else:  # a checkpoint from before the optimizer went into DCP: one process's state dict
@@ -73,6 +76,8 @@ def load_trainer_state(directory: Path, model, optimizer, scheduler, *, world_si
                 "with learner.world_size 1 (its next checkpoint loads at any world size)"
             )
         optimizer.load_state_dict(trainer["optimizer"])
+    for group, (fused, foreach) in zip(optimizer.param_groups, kernels, strict=True):
+        group["fused"], group["foreach"] = fused, foreach
     scheduler.load_state_dict(trainer["scheduler"])
     # A retrain may change the learning rate: the schedule keeps its place, scaled to the configured peak.
     if any(base != lr for base in scheduler.base_lrs):

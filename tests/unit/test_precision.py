@@ -145,3 +145,21 @@ def test_one_process_learner_steps_fused_adamw_with_foreach_numbers(float32_step
     update = flat(params) - before
     assert update.abs().max() > 0
     assert update_error(update, reference) < 1e-5
+
+
+def test_a_resumed_learner_keeps_its_own_adamw_kernel_and_takes_the_moments(tiny_model_dir, tmp_path):
+    # A checkpoint's parameter groups name the kernel of the learner that wrote them (fused: one process).
+    # A learner resuming it with the multi-tensor kernel (a sharded one's) keeps that kernel, and the moments.
+    a = make_learner(tiny_model_dir, lr=LR, total_steps=10, seed=0)
+    a.train_step(samples())
+    a.save(tmp_path)
+    b = make_learner(tiny_model_dir, lr=LR, total_steps=10, seed=0)
+    for group in b.optimizer.param_groups:
+        group["fused"], group["foreach"] = False, True
+    b.load_trainer_state(tmp_path)
+    assert all(g["fused"] is False and g["foreach"] is True for g in b.optimizer.param_groups)
+    moments = [
+        (s["exp_avg"], t["exp_avg"])
+        for s, t in zip(a.optimizer.state.values(), b.optimizer.state.values(), strict=True)
+    ]
+    assert moments and all(torch.equal(x, y) for x, y in moments)
