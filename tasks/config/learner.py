@@ -80,9 +80,10 @@ class LearnerConfig(Section):
     )
     share_prompt: bool | None = Field(
         None,
-        description="Run each group's prompt once and reuse its KV cache for the group's completions "
-        "(same update, fewer FLOPs; None: on a CPU for models of 20M+ parameters, off on a GPU, where "
-        "its second forward per micro-batch costs more launches than the FLOPs it saves).",
+        description="Run each group's prompt once (same update, fewer FLOPs): short completions packed "
+        "after it in one row behind a block mask, long ones continuing its KV cache, whichever costs "
+        "fewer estimated FLOPs. None: on a CPU for models of 20M+ parameters; off on a GPU, where the "
+        "KV cache's second forward per micro-batch costs more launches than the FLOPs it saves.",
     )
     world_size: int = Field(
         1,

@@ -99,8 +99,9 @@ class Learner:
         self.micro_batch_size = learner.micro_batch_size
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and algorithm.beta == 0
-        # Completions of one group share their prompt: its forward runs once and its KV cache is
-        # repeated for the group (gradients flow through it), instead of once per completion. Pays on
+        # Completions of one group share their prompt: it runs once, followed by its completions in
+        # one packed row or with its KV cache repeated for them (shared_prompt_logprobs), instead of
+        # once per completion. Pays on
         # a CPU once the model is big enough for FLOPs, not per-call overhead, to dominate. Not on a
         # GPU, where the step waits on kernel launches and a second forward per micro-batch doubles
         # them: 1.5B on an H100, 1.95 s a step with it, 1.68 s without (BENCHMARKS.md). None: auto.
