@@ -7,13 +7,14 @@ A leg trains one system on the config with `run.seed=N`, `run.steps=--steps` and
 each step (since the start of step 0: model load, server start and TRL's trainer set-up are left out,
 as in benchmarks/vs_trl.py's `wall_seconds`), the total, the overrides, the date and the machine.
 Systems: `trl` is TRL's GRPOTrainer (benchmarks/vs_trl.py's `run_trl`: HF `generate` in the training
-process, the same prompts in the same order, G, max tokens, LR, DAPO loss, seed); `s0` and `s2` are
-grpoflow with `algorithm.max_staleness` 0 and 2 against one embedded vLLM CPU server. The store
+process, the same prompts in the same order, G, max tokens, LR, DAPO loss, seed); `s0`, `s1` and `s2`
+are grpoflow with `algorithm.max_staleness` 0, 1 and 2 against one embedded vLLM CPU server (`-bf16`:
+each computing in bf16). The store
 (`--store`, default a temp dir removed afterwards) holds grpoflow's run and the tiny model if the
 config asks for one. grpoflow's checkpoint save (the demo config saves once, after its last step) is
 left out of its step times: TRL saves nothing.
 
-    .venv/bin/python benchmarks/learning.py --system trl|s0|s2 [--seed N] [--steps N] [--out DIR]
+    .venv/bin/python benchmarks/learning.py --system trl|s0|s1|s2[-bf16] [--seed N] [--steps N] [--out DIR]
         [--smollm2 models/smollm2-135m] [--config configs/smollm2-demo.yaml] [--store DIR]
     .venv/bin/python benchmarks/learning.py --system s0 --from-run ROOT RUN_ID [--out DIR]
     .venv/bin/python benchmarks/learning.py [--out DIR]
@@ -60,10 +61,11 @@ DEFAULT_CONFIG = REPO / "configs" / "smollm2-demo.yaml"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "learning"
 # system -> max_staleness; a `-bf16` system is its float32 one computing in bf16 (TRL: `bf16=True`, CPU
 # autocast; grpoflow: `model.dtype=bfloat16`, whose servers then serve bf16 on a CPU that computes it)
-SYSTEMS: dict[str, int | None] = {"trl": None, "s0": 0, "s2": 2, "trl-bf16": None, "s0-bf16": 0, "s2-bf16": 2}
+SYSTEMS: dict[str, int | None] = {"trl": None, "s0": 0, "s1": 1, "s2": 2}
+SYSTEMS |= {f"{s}-bf16": staleness for s, staleness in SYSTEMS.items()}
 BASE_SYSTEMS = ("trl", "s0", "s2")  # the legs a seed needs (combine names the missing ones)
-LABELS = {"trl": "TRL", "s0": "grpoflow s0", "s2": "grpoflow s2"}
-LABELS |= {f"{s}-bf16": f"{LABELS[s]} bf16" for s in BASE_SYSTEMS}
+LABELS = {"trl": "TRL", "s0": "grpoflow s0", "s1": "grpoflow s1", "s2": "grpoflow s2"}
+LABELS |= {f"{s}-bf16": f"{label} bf16" for s, label in LABELS.items()}
 WINDOW = 5  # steps in the final and trailing means
 # Config keys that do not change what is learned: where things are, which run it is.
 IGNORED_KEYS = ("storage.", "run.run_id", "run.seed", "run.steps", "run.checkpoint_every", "inference.url")
@@ -249,7 +251,7 @@ def import_run(
     from grpoflow.storage.sql import query
 
     if SYSTEMS[system] is None:
-        raise SystemExit("--from-run imports grpoflow runs only (s0 or s2)")
+        raise SystemExit("--from-run imports grpoflow runs only (s0, s1 or s2)")
     meta = RolloutStore(root).read_run_meta(run_id)
     cols, rows = query(root, "SELECT * FROM steps WHERE run_id = $run ORDER BY step", {"run": run_id})
     rows = [dict(zip(cols, r, strict=True)) for r in rows]
@@ -449,7 +451,7 @@ def plot(legs: list[dict[str, Any]], path: Path) -> None:
 def combine(out: Path) -> int:
     legs = load_legs(out)
     if not legs:
-        print(f"# no legs in {_rel(out)}: record them with --system trl|s0|s2 [--seed N]")
+        print(f"# no legs in {_rel(out)}: record them with --system trl|s0|s1|s2 [--seed N]")
         return 0
     for key in ("config", "steps"):
         vals = sorted({str(g[key]) for g in legs})

@@ -342,23 +342,29 @@ def packed_masks(config, segment: torch.Tensor, positions: torch.Tensor):
 
 
 def packed_is_cheaper(decoder, mb: list[TrainSample], which: list[int]) -> bool:
-    """Whether packed rows cost fewer forward FLOPs than the KV cache layout, estimated: 2 per weight
-    per position (embeddings left out), and 4 x heads x head dim per layer per query-key pair (the
-    packed rows' dense attention counted whole). Short completions pack (no padding between them);
-    long ones, whose packed rows' attention grows with the square of the group's tokens, do not."""
+    """Whether packed rows cost fewer estimated forward FLOPs than the KV cache layout (`layout_costs`):
+    short completions pack (no padding between them); long ones, whose packed rows' attention grows
+    with the square of the group's tokens, do not."""
+    packed, cached = layout_costs(decoder, mb, which)
+    return packed <= cached
+
+
+def layout_costs(decoder, mb: list[TrainSample], which: list[int]) -> tuple[int, int]:
+    """Estimated forward FLOPs of `mb` packed and cached (sample i's prompt is row `which[i]`): 2 per
+    weight per position (embeddings left out), 4 x heads x head dim per layer per query-key pair (the
+    packed rows' dense attention counted whole), and the cache's repeated prompt (`REPEAT`)."""
     cfg = decoder.config
     heads = cfg.num_attention_heads
     pair = 4 * cfg.num_hidden_layers * heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     token = 2 * (sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel())
     lengths = [0] * (max(which) + 1)
     for s, r in zip(mb, which, strict=True):
-        lengths[r] = lengths[r] or s.prompt_len
-        lengths[r] += len(s.completion_mask)
+        lengths[r] = (lengths[r] or s.prompt_len) + len(s.completion_mask)
     R, L = len(lengths), max(lengths)
     P, T = max(s.prompt_len for s in mb), max(len(s.completion_mask) for s in mb)
     packed = R * L * token + R * L * L * pair
     cached = (R * P + len(mb) * T) * token + (R * P * P + len(mb) * T * (P + T) + len(mb) * P * REPEAT) * pair
-    return packed <= cached
+    return packed, cached
 
 
 # The KV cache layout's cost beyond its FLOPs, per completion and prompt position, in query-key pairs:

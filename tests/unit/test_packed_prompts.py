@@ -117,3 +117,22 @@ def test_auto_packs_short_completions_and_caches_long_ones(tiny_model_dir, compl
     with torch.no_grad():
         shared_prompt_logprobs(model, mb, temperature=1.0, pad_id=0, device=torch.device("cpu"))
     assert calls[0] == (1 if packed else 2)
+
+
+def test_the_layouts_benchmark_times_both_and_names_the_one_auto_takes(capsys):
+    import importlib.util
+    import json
+
+    from tests.support import REPO
+
+    spec = importlib.util.spec_from_file_location("prompt_layouts", REPO / "benchmarks" / "prompt_layouts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--size", "tiny", "--shapes", "2x2-6", "1x300", "--repeats", "1", "--rounds", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["shape"], r["layout"]) for r in rows] == [
+        ("2x2-6", "packed"), ("2x2-6", "cached"), ("1x300", "packed"), ("1x300", "cached")
+    ]  # fmt: skip
+    assert all(r["seconds"] > 0 for r in rows)
+    assert [r["auto"] for r in rows[::2]] == ["packed", "cached"]
+    assert all((r["auto"] == "packed") == (r["estimate_packed_over_cached"] <= 1) for r in rows)
