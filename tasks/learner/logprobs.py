@@ -369,7 +369,8 @@ def layout_costs(decoder, mb: list[TrainSample], which: list[int]) -> tuple[int,
 
 # The KV cache layout's cost beyond its FLOPs, per completion and prompt position, in query-key pairs:
 # the prompt's keys and values are copied once per completion in every layer, and their gradients
-# summed back. Measured at SmolLM2-135M's shape on a 2-core CPU, 8 completions a prompt of 50 tokens
-# (BENCHMARKS.md), packed against cached: 0.85x the time at 16 completion tokens, 1.0x at 32, 1.1x at
-# 64, 1.3x at 128, 2.3x at 512; this estimate's ratios: 0.85, 0.95, 1.07, 1.24, 1.97.
-REPEAT = 300
+# summed back. Fitted at SmolLM2-135M's shape on a 2-core CPU, 8 completions a 50-token prompt
+# (`benchmarks/prompt_layouts.py`, BENCHMARKS.md): packed took 0.78x the cache's time at 4-16
+# completion tokens, 0.94x at 16, 1.04x at 32, 1.16x at 64, 1.27x at 128, 2.2x at 512; this estimate
+# puts it at 0.76, 0.97, 1.03, 1.12, 1.26, 1.98.
+REPEAT = 100
