@@ -45,11 +45,6 @@ def samples_of(shape: str, prompt_tokens: int, group: int, vocab: int, seed: int
     return out
 
 
-def prompt_rows(mb: list) -> list[int]:
-    rows: dict = {}
-    return [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
-
-
 def time_layout(model, mb: list, layout: str, dtype: torch.dtype, repeats: int) -> float:
     from grpoflow.tasks.learner.logprobs import shared_prompt_logprobs
 
@@ -69,7 +64,7 @@ def time_layout(model, mb: list, layout: str, dtype: torch.dtype, repeats: int) 
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.learner.logprobs import layout_costs, packed_is_cheaper, split_head
+    from grpoflow.tasks.learner.logprobs import layout_costs, packed_is_cheaper, prompt_rows, split_head
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="135m", choices=sorted(bench.MODEL_SHAPES))
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     decoder = split_head(model).decoder
     for shape in args.shapes:
         mb = samples_of(shape, args.prompt_tokens, args.group, model.config.vocab_size)
-        which = prompt_rows(mb)
+        which, _ = prompt_rows(mb)
         packed, cached = layout_costs(decoder, mb, which)
         times: dict[str, list[float]] = {"packed": [], "cached": []}
         for _ in range(args.rounds):

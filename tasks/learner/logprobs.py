@@ -227,9 +227,8 @@ def shared_prompt_logprobs(
     FLOPs ("auto"; or "packed", "cached"). Packed (head apart): each prompt and its completions in one
     row (`packed_rows`). Cached: the prompts left-padded to one length (position ids from each one's
     first real token), each completion continuing its prompt's KV cache row (gradients flow through it)."""
-    rows: dict[tuple[int, ...], int] = {}
-    which = [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
-    prompts, dev = list(rows), device
+    which, prompts = prompt_rows(mb)
+    dev = device
     P, B, T = max(len(p) for p in prompts), len(mb), max(len(s.completion_mask) for s in mb)
     comp = torch.full((B, T), pad_id, dtype=torch.long)
     for i, s in enumerate(mb):
@@ -272,6 +271,13 @@ def shared_prompt_logprobs(
     return MicroBatch(picked_logprobs(logits, comp, temperature), mask, behav, adv)
 
 
+def prompt_rows(mb: list[TrainSample]) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Each sample's prompt as a row index, and the distinct prompts in that order (first seen first)."""
+    rows: dict[tuple[int, ...], int] = {}
+    which = [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
+    return which, list(rows)
+
+
 class PackedRows(NamedTuple):
     """A micro-batch with each distinct prompt followed by its completions, one after another, in one row."""
 
@@ -294,11 +300,8 @@ def packed_rows(mb: list[TrainSample], which: list[int], n_rows: int) -> PackedR
     row, col = torch.zeros((len(mb), T), dtype=torch.long), torch.zeros((len(mb), T), dtype=torch.long)
     for r, m in enumerate(members):
         P = mb[m[0]].prompt_len
-        ids[r, :P], positions[r, :P], segment[r, :P] = (
-            torch.tensor(mb[m[0]].input_ids[:P]),
-            torch.arange(P),
-            0,
-        )
+        ids[r, :P] = torch.tensor(mb[m[0]].input_ids[:P])
+        positions[r, :P], segment[r, :P] = torch.arange(P), 0
         at = P
         for k, i in enumerate(m, 1):
             n = len(mb[i].completion_mask)
