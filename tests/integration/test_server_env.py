@@ -58,3 +58,43 @@ def test_the_vllm_environment_imports_only_grpoflow_server_and_has_what_it_needs
     outside = [m for m in seen["grpoflow"] if m not in ("grpoflow", "grpoflow.server")
                and not m.startswith("grpoflow.server.")]  # fmt: skip
     assert outside == [], outside
+
+
+# vLLM's sampler ranks each sampled token among the vocabulary with a torch.compile'd op; the probe runs
+# it as the sampler does (a batch's dimension unbacked) and prints the ranks and what inductor cached.
+RANK_PROBE = """
+import json, os, sys, torch
+from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+logprobs = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+sampled = logprobs.gather(-1, torch.tensor([[4], [9], [30]]))
+torch._dynamo.decorators.mark_unbacked(logprobs, 0)
+ranks = batched_count_greater_than(logprobs, sampled)
+cache = sys.argv[1]
+files = [f for _, _, fs in os.walk(cache) for f in fs] if os.path.isdir(cache) else []
+print(json.dumps({"ranks": ranks.tolist(), "expected": (logprobs >= sampled).sum(-1).tolist(),
+                  "compiled": len(files)}))
+"""
+
+
+def test_an_eager_cpu_server_ranks_sampled_tokens_without_compiling(tmp_path, monkeypatch):
+    """The environment an eager CPU server gets (server_command) keeps vLLM's sampler from compiling
+    at the first request that asks for logprobs (2.6-3 s of a first step's generation on 2 cores), and
+    the ranks are the compiled op's. Without it the same op compiles: the probe sees inductor's files."""
+    import grpoflow.flows.processes.vllm_command as command
+
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    _, env, _ = command.server_command("m", port=9, dtype="bfloat16")  # bf16 on a CPU: eager
+    assert "--enforce-eager" in command.server_command("m", port=9, dtype="bfloat16")[0]
+
+    def probe(env: dict[str, str], cache) -> dict:
+        out = subprocess.run([vllm_python(), "-c", RANK_PROBE, str(cache)], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    eager = probe(env, tmp_path / "eager")
+    assert eager["compiled"] == 0 and eager["ranks"] == eager["expected"], eager
+    env.pop("TORCH_COMPILE_DISABLE")
+    compiled = probe(env, tmp_path / "compiled")
+    assert compiled["compiled"] > 0 and compiled["ranks"] == eager["ranks"], compiled

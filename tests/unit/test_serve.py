@@ -155,6 +155,23 @@ def test_a_cpu_bf16_server_runs_eager_whoever_asked_for_bf16(monkeypatch):
     assert eager() == 0
 
 
+def test_an_eager_cpu_server_compiles_nothing_unless_told_otherwise(monkeypatch):
+    """Eager, vLLM still compiled the sampler's rank of a sampled token at its first logprobs request
+    (tests/integration/test_server_env.py runs that op in the vLLM environment both ways)."""
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.delenv(command.SITE_ARGS_ENV, raising=False)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+
+    def env(**kw) -> dict[str, str]:
+        return server_command("m", python="py", port=9, **kw)[1]
+
+    assert env(dtype="bfloat16")["TORCH_COMPILE_DISABLE"] == "1"  # bf16 on a CPU runs eager
+    assert env(extra_args=("--enforce-eager",))["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in env()  # compiled: vLLM compiles as it likes
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")  # the user's environment wins
+    assert env(dtype="bfloat16")["TORCH_COMPILE_DISABLE"] == "0"
+
+
 def test_last_flag_is_the_value_argparse_keeps():
     argv = ["--dtype", "float32", "--model", "m", "--dtype=bfloat16"]
     assert command.last_flag(argv, "--dtype") == "bfloat16"
