@@ -6,10 +6,10 @@ Two sources of model and samples:
 `--prompts` arithmetic prompts (grpoflow.examples.envs:arith_rows through the model's chat template) x `--group`
 completions of 8-32 random tokens; advantages +-1 (every sample trains) or, with `--zero-groups K`, K
 groups with equal rewards (advantage 0). Fixed variants: `share_prompt` off/on (each prompt once: its
-completions packed after it in one row, or its KV cache row reused by them, whichever the learner
-estimates cheaper; benchmarks/prompt_layouts.py times both), zero-advantage skipping off/on, one
+completions after it in one row with attention by segment, as one learner process runs it;
+benchmarks/prompt_layouts.py times it against the KV cache layout), zero-advantage skipping off/on, one
 shared-prompt variant per further `--micro-batch` size (a micro-batch larger than a group holds
-several prompts: a row each, or left-padded into one forward), and `--updates 2x1 1x2` shared-prompt variants with several updates per batch
+several prompts, all in the one row), and `--updates 2x1 1x2` shared-prompt variants with several updates per batch
 (algorithm.num_iterations x learner.mini_batches: what the extra passes and the pi_old forward cost
 against one update). Only this path imports the Prefect-dependent modules (tasks.generate, for the
 tokenizer and chat template).

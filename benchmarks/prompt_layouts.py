@@ -1,5 +1,6 @@
-"""A shared prompt's two layouts, timed: packed rows against the repeated KV cache
-(`tasks/learner/logprobs.py: shared_prompt_logprobs`), and which one `packed_is_cheaper` picks.
+"""A shared prompt's two layouts, timed: one row with attention by segment (`tasks/learner/segments.py`,
+what the learner runs with its LM head apart) against the repeated KV cache (what a sharded learner
+runs), both through `tasks/learner/logprobs.py: shared_prompt_logprobs`.
 
     .venv/bin/python benchmarks/prompt_layouts.py [--size 135m] [--shapes 8x4-16 8x16 8x32 4x64 2x128 1x512]
 
@@ -8,8 +9,8 @@ completions of C tokens (`C1-C2`: uniform lengths in C1..C2), on a random model 
 `--size` shape, in `--dtype` (bf16 autocast over float32 weights, as the learner computes on a CPU
 that has bf16). A step is one forward and backward of the completions' logprobs, the LM head apart (one
 learner process), no optimizer. Per shape and layout, the median of `--repeats` steps after a warm-up,
-the two layouts alternating for `--rounds` rounds. One JSON line per shape and layout: seconds, the
-ratio packed / cached, the estimate's ratio and the layout "auto" takes.
+the two layouts alternating for `--rounds` rounds. One JSON line per shape and layout: seconds and
+the ratio segments / cached.
 """
 
 from __future__ import annotations
@@ -64,8 +65,6 @@ def time_layout(model, mb: list, layout: str, dtype: torch.dtype, repeats: int) 
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.tasks.learner.logprobs import layout_costs, packed_is_cheaper, prompt_rows, split_head
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="135m", choices=sorted(bench.MODEL_SHAPES))
     ap.add_argument("--shapes", nargs="+", default=["8x4-16", "8x16", "8x32", "4x64", "2x128", "1x512"])
@@ -79,12 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bench.save_random_model(args.size, Path(tmp))
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    decoder = split_head(model).decoder
     for shape in args.shapes:
         mb = samples_of(shape, args.prompt_tokens, args.group, model.config.vocab_size)
-        which, _ = prompt_rows(mb)
-        packed, cached = layout_costs(decoder, mb, which)
-        times: dict[str, list[float]] = {"packed": [], "cached": []}
+        times: dict[str, list[float]] = {"segments": [], "cached": []}
         for _ in range(args.rounds):
             for layout in times:
                 times[layout].append(time_layout(model, mb, layout, dtype, args.repeats))
@@ -92,9 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         for layout, secs in seconds.items():
             row = {"size": args.size, "shape": shape, "prompt_tokens": args.prompt_tokens, "group": args.group,
                    "dtype": args.dtype, "layout": layout, "seconds": secs, "rounds": times[layout],
-                   "packed_over_cached": round(seconds["packed"] / seconds["cached"], 3),
-                   "estimate_packed_over_cached": round(packed / cached, 3),
-                   "auto": "packed" if packed_is_cheaper(decoder, mb, which) else "cached"}  # fmt: skip
+                   "segments_over_cached": round(seconds["segments"] / seconds["cached"], 3)}  # fmt: skip
             print(json.dumps(row), flush=True)
 
 

@@ -80,10 +80,11 @@ class LearnerConfig(Section):
     )
     share_prompt: bool | None = Field(
         None,
-        description="Run each group's prompt once (same update, fewer FLOPs): short completions packed "
-        "after it in one row behind a block mask, long ones continuing its KV cache, whichever costs "
-        "fewer estimated FLOPs. None: on a CPU for models of 20M+ parameters; off on a GPU, where the "
-        "KV cache's second forward per micro-batch costs more launches than the FLOPs it saves.",
+        description="Run each group's prompt once (same update, fewer FLOPs): the prompts and their "
+        "completions as one row of tokens with attention by segment (one learner process), or each "
+        "prompt's KV cache continued by its completions (a sharded learner). None: on a CPU for models "
+        "of 20M+ parameters; off on a GPU, unmeasured there in the row layout, where the KV cache's "
+        "second forward per micro-batch cost more launches than the FLOPs it saved.",
     )
     world_size: int = Field(
         1,

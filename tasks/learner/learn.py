@@ -100,11 +100,11 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         self.skip_zero_advantage = skip_zero_advantage and algorithm.beta == 0
         # Completions of one group share their prompt: it runs once, followed by its completions in
-        # one packed row or with its KV cache repeated for them (shared_prompt_logprobs), instead of
-        # once per completion. Pays on a CPU once the model is big enough for FLOPs, not per-call
-        # overhead, to dominate. Not on a GPU, where the step waits on kernel launches and the cache
-        # layout's second forward per micro-batch doubles them: 1.5B on an H100, 1.95 s a step with
-        # it, 1.68 s without (BENCHMARKS.md). None: auto.
+        # one row with attention by segment, or with its KV cache repeated for them
+        # (shared_prompt_logprobs), instead of once per completion. Pays on a CPU once the model is big
+        # enough for FLOPs, not per-call overhead, to dominate. Not on a GPU, where the step waits on
+        # kernel launches and the cache layout's second forward per micro-batch doubled them: 1.5B on an
+        # H100, 1.95 s a step with it, 1.68 s without (BENCHMARKS.md). None: auto.
         auto = self.num_parameters >= 20_000_000 and self.device.type == "cpu"
         share = auto if learner.share_prompt is None else learner.share_prompt
         # Gradient checkpointing recomputes blocks the cache would span; compiled layers would be

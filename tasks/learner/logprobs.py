@@ -2,11 +2,10 @@
 
 A micro-batch's forward gives [B, T] completion logprobs aligned with its masks. Two ways, the same
 result: every sequence padded and run whole (`padded_logprobs`), or each distinct prompt run once
-(`shared_prompt_logprobs`; the learner's `share_prompt`). A shared prompt runs in one of two layouts,
-whichever costs fewer estimated FLOPs (`packed_is_cheaper`): its completions packed after it in one
-row, each attending to the prompt and to itself through a block mask (`packed_rows`; no padding
-between completions, one forward), or its KV cache row repeated for its completions, each padded to
-the micro-batch's longest (long completions, where a packed row's dense attention would cost more).
+(`shared_prompt_logprobs`; the learner's `share_prompt`). A shared prompt runs in one of two layouts.
+With the LM head apart (below): the prompts and completions as one row of tokens, no padding, and
+attention by segment (tasks/learner/segments.py: one forward). Otherwise: its KV cache row repeated for
+its completions, each padded to the micro-batch's longest (a second forward over the cache).
 
 Both run the LM head apart from the decoder, on the positions that predict a completion's own tokens
 only (`completion_logprobs`), for the models `split_head` knows and one learner process (FSDP2 gathers
@@ -28,6 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from grpoflow.tasks.learner.segments import segment_hidden, segments
 
 if TYPE_CHECKING:
     from grpoflow.tasks.learner.learner_api import TrainSample
@@ -221,12 +222,13 @@ def shared_prompt_logprobs(
     device: torch.device,
     head_chunk: int | None = None,
     head_apart: bool = True,
-    layout: str = "auto",
+    layout: str | None = None,
 ) -> MicroBatch:
-    """`padded_logprobs`'s result with each distinct prompt run once, in the `layout` of fewer estimated
-    FLOPs ("auto"; or "packed", "cached"). Packed (head apart): each prompt and its completions in one
-    row (`packed_rows`). Cached: the prompts left-padded to one length (position ids from each one's
-    first real token), each completion continuing its prompt's KV cache row (gradients flow through it)."""
+    """`padded_logprobs`'s result with each distinct prompt run once, in `layout`: "segments" (the LM
+    head apart: `head_apart` or `head_chunk`, a model split_head knows) or "cached"; None: segments where
+    the head runs apart. Segments: one row of tokens, attention by segment (`segment_hidden`). Cached:
+    the prompts left-padded to one length (position ids from each one's first real token), each
+    completion continuing its prompt's KV cache row (gradients flow through it)."""
     which, prompts = prompt_rows(mb)
     dev = device
     P, B, T = max(len(p) for p in prompts), len(mb), max(len(s.completion_mask) for s in mb)
@@ -236,9 +238,10 @@ def shared_prompt_logprobs(
     comp, index = comp.to(dev), torch.tensor(which, device=dev)
     mask, behav, adv, real = (t.to(device) for t in _completion_tensors(mb, T))
     split = split_head(model) if head_apart or head_chunk else None
-    pack = layout == "packed" or (layout == "auto" and split and packed_is_cheaper(split.decoder, mb, which))
-    if split and pack:
-        hidden = packed_hidden(split.decoder, packed_rows(mb, which, len(prompts)), dev)
+    if layout == "segments" and not split:
+        raise ValueError("shared_prompt_logprobs: the segments layout needs the LM head apart")
+    if split and layout != "cached":
+        hidden = segment_hidden(split.decoder, segments(mb, which, prompts), dev)
         lp = completion_logprobs(split, hidden, comp, real, temperature, head_chunk)
         return MicroBatch(lp, mask, behav, adv)
     head_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
@@ -276,104 +279,3 @@ def prompt_rows(mb: list[TrainSample]) -> tuple[list[int], list[tuple[int, ...]]
     rows: dict[tuple[int, ...], int] = {}
     which = [rows.setdefault(tuple(s.input_ids[: s.prompt_len]), len(rows)) for s in mb]
     return which, list(rows)
-
-
-class PackedRows(NamedTuple):
-    """A micro-batch with each distinct prompt followed by its completions, one after another, in one row."""
-
-    ids: torch.Tensor  # [R, L] token ids; 0 after a row's last completion
-    positions: torch.Tensor  # [R, L] each token's position in its own sequence (prompt, then completion)
-    segment: torch.Tensor  # [R, L] 0: the prompt, k: the row's k-th completion, -1: padding
-    row: torch.Tensor  # [B, T] the row, and
-    col: torch.Tensor  # [B, T] the index, of the state that predicts sample b's completion token t
-
-
-def packed_rows(mb: list[TrainSample], which: list[int], n_rows: int) -> PackedRows:
-    """`mb`'s samples packed by prompt: sample i's completion goes into row `which[i]`."""
-    members: list[list[int]] = [[] for _ in range(n_rows)]
-    for i, r in enumerate(which):
-        members[r].append(i)
-    lengths = [mb[m[0]].prompt_len + sum(len(mb[i].completion_mask) for i in m) for m in members]
-    shape, T = (n_rows, max(lengths)), max(len(s.completion_mask) for s in mb)
-    ids, positions = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
-    segment = torch.full(shape, -1, dtype=torch.long)
-    row, col = torch.zeros((len(mb), T), dtype=torch.long), torch.zeros((len(mb), T), dtype=torch.long)
-    for r, m in enumerate(members):
-        P = mb[m[0]].prompt_len
-        ids[r, :P] = torch.tensor(mb[m[0]].input_ids[:P])
-        positions[r, :P], segment[r, :P] = torch.arange(P), 0
-        at = P
-        for k, i in enumerate(m, 1):
-            n = len(mb[i].completion_mask)
-            ids[r, at : at + n] = torch.tensor(mb[i].input_ids[P:])
-            positions[r, at : at + n], segment[r, at : at + n] = torch.arange(P, P + n), k
-            # token 0 is predicted by the prompt's last state, token j by the completion's token j-1
-            row[i, :n], col[i, :n] = r, torch.arange(at - 1, at + n - 1)
-            col[i, :1] = P - 1
-            at += n
-    return PackedRows(ids, positions, segment, row, col)
-
-
-def packed_hidden(decoder, rows: PackedRows, device: torch.device) -> torch.Tensor:
-    """[B, T, H]: the decoder's states over packed `rows` that predict each sample's completion tokens."""
-    segment, positions = rows.segment.to(device), rows.positions.to(device)
-    masks = packed_masks(decoder.config, segment, positions)
-    out = decoder(
-        input_ids=rows.ids.to(device), attention_mask=masks, position_ids=positions, use_cache=False
-    )
-    return out.last_hidden_state[rows.row.to(device), rows.col.to(device)]
-
-
-# Decoders that take one attention mask per layer type ("full_attention", "sliding_attention").
-MASK_PER_LAYER_TYPE = frozenset({"qwen2", "qwen3", "gemma3_text"})
-
-
-def packed_masks(config, segment: torch.Tensor, positions: torch.Tensor):
-    """The [R, 1, L, L] boolean attention mask of packed rows (True: attend): a token sees its row's
-    prompt and its own completion's earlier tokens, within the model's sliding window (counted in
-    positions) on the layers that have one. A dict per layer type for the decoders that take it."""
-    L = segment.shape[1]
-    index = torch.arange(L, device=segment.device)
-    q, k = segment[:, :, None], segment[:, None, :]
-    mask = (index[:, None] >= index[None, :]) & ((k == 0) | (q == k)) & (q >= 0)
-    mask |= torch.eye(L, dtype=torch.bool, device=segment.device)  # padding sees itself: no empty softmax
-    window = getattr(config, "sliding_window", None)
-    windowed = mask & (positions[:, :, None] - positions[:, None, :] < window) if window else mask
-    if config.model_type in MASK_PER_LAYER_TYPE:
-        return {"full_attention": mask[:, None], "sliding_attention": windowed[:, None]}
-    return windowed[:, None]  # Llama has no window; Mistral, when it has one, has it on every layer
-
-
-def packed_is_cheaper(decoder, mb: list[TrainSample], which: list[int]) -> bool:
-    """Whether packed rows cost fewer estimated forward FLOPs than the KV cache layout (`layout_costs`):
-    short completions pack (no padding between them); long ones, whose packed rows' attention grows
-    with the square of the group's tokens, do not."""
-    packed, cached = layout_costs(decoder, mb, which)
-    return packed <= cached
-
-
-def layout_costs(decoder, mb: list[TrainSample], which: list[int]) -> tuple[int, int]:
-    """Estimated forward FLOPs of `mb` packed and cached (sample i's prompt is row `which[i]`): 2 per
-    weight per position (embeddings left out), 4 x heads x head dim per layer per query-key pair (the
-    packed rows' dense attention counted whole), and the cache's repeated prompt (`REPEAT`)."""
-    cfg = decoder.config
-    heads = cfg.num_attention_heads
-    pair = 4 * cfg.num_hidden_layers * heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    token = 2 * (sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel())
-    lengths = [0] * (max(which) + 1)
-    for s, r in zip(mb, which, strict=True):
-        lengths[r] = (lengths[r] or s.prompt_len) + len(s.completion_mask)
-    R, L = len(lengths), max(lengths)
-    P, T = max(s.prompt_len for s in mb), max(len(s.completion_mask) for s in mb)
-    packed = R * L * token + R * L * L * pair
-    cached = (R * P + len(mb) * T) * token + (R * P * P + len(mb) * T * (P + T) + len(mb) * P * REPEAT) * pair
-    return packed, cached
-
-
-# The KV cache layout's cost beyond its FLOPs, per completion and prompt position, in query-key pairs:
-# the prompt's keys and values are copied once per completion in every layer, and their gradients
-# summed back. Fitted at SmolLM2-135M's shape on a 2-core CPU, 8 completions a 50-token prompt
-# (`benchmarks/prompt_layouts.py`, BENCHMARKS.md): packed took 0.78x the cache's time at 4-16
-# completion tokens, 0.94x at 16, 1.04x at 32, 1.16x at 64, 1.27x at 128, 2.2x at 512; this estimate
-# puts it at 0.76, 0.97, 1.03, 1.12, 1.26, 1.98.
-REPEAT = 100
