@@ -205,7 +205,7 @@ def run_leg(
     run_id = f"learning-{system}-seed{seed}-{new_run_id()[5:]}"
     quiet_prefect_task_logs()
     t0 = time.perf_counter()
-    with owned_prefect_api(), serve(base, model_dir, store / "vllm.log") as server:
+    with owned_prefect_api(), serve(base, model_dir, store / "vllm.log", staleness) as server:
         print(f"# vLLM server up in {time.perf_counter() - t0:.0f}s", flush=True)
         rows, run_seconds = run_steps(
             config, sets, url=server.url, steps=steps, staleness=staleness, run_id=run_id
@@ -404,8 +404,8 @@ def plot(legs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:blue", "s0": "tab:orange", "s2": "tab:green"}
-    colors |= {"trl-bf16": "tab:purple", "s0-bf16": "tab:red", "s2-bf16": "tab:olive"}
+    colors = {"trl": "tab:blue", "s0": "tab:orange", "s1": "tab:brown", "s2": "tab:green"}
+    colors |= {"trl-bf16": "tab:purple", "s0-bf16": "tab:red", "s1-bf16": "tab:pink", "s2-bf16": "tab:olive"}
     styles = ["-", "--", ":", "-."]
     seeds = sorted({g["seed"] for g in legs})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)

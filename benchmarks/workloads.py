@@ -93,12 +93,14 @@ def prepare(name: str, root: Path, smollm2_dir: str) -> tuple[Path, Path, list[s
     )
 
 
-def serve(cfg, model: Path, log_path: Path):
+def serve(cfg, model: Path, log_path: Path, staleness: int | None = None):
     """The embedded vLLM server for `model`, sized by the config's inference section (with
     `learner.lora`: loading adapters of its rank, as a LoRA run's embedded server does), serving the
-    dtype a run's own servers would (`served_dtype`: bf16 for a bf16 learner on a CPU that computes it)."""
+    dtype a run's own servers would (`served_dtype`: bf16 for a bf16 learner on a CPU that computes it).
+    `staleness`: the runs it serves all run at this `algorithm.max_staleness`, so its OpenMP threads wait
+    as such a run's own server's would (`takes_turns`); None: runs of several, and they sleep."""
     from grpoflow.flows.processes.serve import embedded_server
-    from grpoflow.flows.processes.vllm_command import served_dtype
+    from grpoflow.flows.processes.vllm_command import served_dtype, takes_turns
 
     lora = cfg.learner.lora
     return embedded_server(
@@ -109,4 +111,9 @@ def serve(cfg, model: Path, log_path: Path):
         lora_rank=lora.served_rank() if lora else None,
         max_loras=cfg.inference.max_loras,
         dtype=served_dtype(cfg),
+        spin=staleness is not None and takes_turns(_at_staleness(cfg, staleness)),
     )
+
+
+def _at_staleness(cfg, staleness: int):
+    return cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_staleness": staleness})})

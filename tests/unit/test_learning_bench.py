@@ -79,3 +79,11 @@ def test_legs_are_timed_against_the_trl_leg_that_reaches_its_own_level_soonest(t
     assert rows["trl-bf16"]["frac"] == 1.0 and rows["trl"]["target"] == pytest.approx(0.3)
     assert rows["trl"]["reach"] == (1, 20.0) and rows["trl"]["frac"] == pytest.approx(20 / 15)
     assert rows["s0-bf16"]["reach"] == (0, 1.0) and rows["s0-bf16"]["frac"] == pytest.approx(1 / 15)
+
+
+def test_the_plot_draws_a_leg_of_every_system(tmp_path):
+    for i, system in enumerate(learning.SYSTEMS):
+        leg = _leg(system, [0.2, 0.4, 0.1 * i], [1.0, 2.0, 3.0])
+        (tmp_path / f"leg-{system}-seed0.json").write_text(json.dumps(leg))
+    assert learning.combine(tmp_path) == 0
+    assert (tmp_path / "learning.png").stat().st_size > 0

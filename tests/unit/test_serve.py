@@ -172,6 +172,20 @@ def test_an_eager_cpu_server_compiles_nothing_unless_told_otherwise(monkeypatch)
     assert env(dtype="bfloat16")["TORCH_COMPILE_DISABLE"] == "0"
 
 
+def test_a_cpu_server_spins_briefly_only_where_generation_and_training_take_turns(monkeypatch):
+    monkeypatch.setattr(command, "cpu_only", lambda: True)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as tasks/__init__.py sets it for the learner
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = server_command("m", python="py", port=9, spin=True)[1]
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("ACTIVE", "300000")  # libgomp's default
+    env = server_command("m", python="py", port=9)[1]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # the user's environment wins
+    assert server_command("m", python="py", port=9, spin=True)[1]["GOMP_SPINCOUNT"] == "1000"
+    sync, ahead = (GRPOConfig.model_validate({"algorithm": {"max_staleness": n}}) for n in (0, 1))
+    assert command.takes_turns(sync) and not command.takes_turns(ahead)
+
+
 def test_last_flag_is_the_value_argparse_keeps():
     argv = ["--dtype", "float32", "--model", "m", "--dtype=bfloat16"]
     assert command.last_flag(argv, "--dtype") == "bfloat16"
