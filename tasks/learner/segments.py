@@ -78,9 +78,16 @@ def segments(mb: list[TrainSample], which: list[int], prompts: list[tuple[int, .
             row[g, :n] = torch.cat([prompt[r, p - 1 : p], query[g, : n - 1]])[:n]
     T = max(len(s.completion_mask) for s in mb)
     return Segments(
-        torch.tensor([ids]), torch.tensor([positions]), prompt, query, key, key_pos, query_pos,
-        torch.tensor(back), row[:, :T],
-    )  # fmt: skip
+        torch.tensor([ids]),
+        torch.tensor([positions]),
+        prompt,
+        query,
+        key,
+        key_pos,
+        query_pos,
+        torch.tensor(back),
+        row[:, :T],
+    )
 
 
 def segment_hidden(decoder, seg: Segments, device: torch.device) -> torch.Tensor:
@@ -97,9 +104,17 @@ def segment_hidden(decoder, seg: Segments, device: torch.device) -> torch.Tensor
 
 
 def segment_attention(
-    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None,
-    segments: Segments | None = None, **kwargs,
-):  # fmt: skip
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    sliding_window=None,
+    segments: Segments | None = None,
+    **kwargs,
+):
     """transformers' attention interface over one row (`query` [1, H, N, D], `key`/`value` [1, KV, N, D])
     laid out as `segments` says: [1, N, H, D] out, as its `sdpa_attention_forward` gives. `sliding_window`:
     the layer's own (Gemma 3, Qwen), the model's (Mistral), or none (Llama)."""
@@ -146,8 +161,9 @@ def _attend(q, k, v, mask, scale: float, dropout: float) -> torch.Tensor:
     B, H, Q, D = q.shape
     KV, K = k.shape[1], k.shape[2]
     if B * H * Q * K > MATRIX_PAIRS:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                              enable_gqa=KV != H)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=KV != H
+        )
     scores = (q.reshape(B, KV, H // KV * Q, D) @ k.transpose(-1, -2)).view(B, H, Q, K) * scale
     probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
     if dropout:
