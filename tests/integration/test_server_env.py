@@ -84,12 +84,13 @@ def test_an_eager_cpu_server_ranks_sampled_tokens_without_compiling(tmp_path, mo
 
     monkeypatch.setattr(command, "cpu_only", lambda: True)
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    _, env, _ = command.server_command("m", port=9, dtype="bfloat16")  # bf16 on a CPU: eager
-    assert "--enforce-eager" in command.server_command("m", port=9, dtype="bfloat16")[0]
+    cmd, env, _ = command.server_command("m", port=9, dtype="bfloat16")
+    assert "--enforce-eager" in cmd  # bf16 on a CPU runs eager
 
     def probe(env: dict[str, str], cache) -> dict:
-        out = subprocess.run([vllm_python(), "-c", RANK_PROBE, str(cache)], capture_output=True, text=True,
-                             cwd=tmp_path, timeout=300, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})  # fmt: skip
+        argv = [vllm_python(), "-c", RANK_PROBE, str(cache)]
+        env = env | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -125,7 +125,7 @@ def test_auto_runs_segments_with_the_head_apart_and_the_cache_without(tiny_model
     assert torch.allclose(apart.logprobs * apart.mask, whole.logprobs * whole.mask, atol=1e-6)
 
 
-def test_the_segments_attention_runs_only_inside_their_forward(tiny_model_dir):
+def test_the_segments_attention_runs_only_inside_their_forward():
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="segment_hidden"):
         segs.segment_attention(None, q, q, q, None)
