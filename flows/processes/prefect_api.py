@@ -86,6 +86,7 @@ def owned_prefect_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     finally:
         os.environ.pop("PREFECT_API_URL", None)
         server.stop()
+    log.unlink(missing_ok=True)  # after a clean exit only: a failed run's log stays to be read
 
 
 def completed_without_api(root: str | Path, run_id: str, error: BaseException) -> str | None:

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import os
+import re
+import shutil
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,17 +56,53 @@ def require_server_package(python: str) -> None:
         )
 
 
+# vLLM's IPC socket paths are <TMPDIR>/<uuid4>: a folder of ours must leave them under AF_UNIX's limit.
+_SOCKET_PATH_MAX = 107 - 1 - 36
+
+
 class VLLMServer(ServerHandle):
     """A vLLM server process. Once it stops, what this process loaded into it is forgotten: a server
-    started later at its URL serves its own model, never the weights a rollback would reload."""
+    started later at its URL serves its own model, never the weights a rollback would reload.
+
+    Each start runs with a temporary folder of its own (TMPDIR), removed when it stops, also after it
+    was killed: vLLM puts its IPC sockets and a distributed-init file there (five files a start, which
+    a killed server left in /tmp, and the file even a stopped one). torch's compile cache stays where
+    it was, in the system's temporary folder: it is worth keeping across starts."""
+
+    tmp_dir: Path | None = None
 
     def start(self) -> ServerHandle:
         require_server_package(self.cmd[0])  # before vLLM starts: its own error comes minutes later
-        return super().start()
+        self._own_tmp()
+        try:
+            return super().start()
+        except BaseException:
+            self.stop()  # what a failed start left: engine processes of a dead API server, the folder
+            raise
 
     def stop(self, grace_s: float = 15.0) -> None:
         forget_server(self.url)
         super().stop(grace_s)
+        if self.tmp_dir is not None and not self.alive():
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
+
+    def _own_tmp(self) -> None:
+        base = tempfile.gettempdir()
+        if len(base) + len("/grpoflow-vllm-xxxxxxxx") > _SOCKET_PATH_MAX:
+            return  # a long TMPDIR: vLLM's sockets go there as before
+        self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir(base))
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-", dir=base))
+        self.env["TMPDIR"] = str(self.tmp_dir)
+
+
+def _inductor_cache_dir(base: str) -> str:
+    """torch's default compile cache folder under `base` (torch._inductor.runtime.cache_dir_utils)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(base, "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def start_server(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,12 @@ def server_pid_or_none(port: int) -> int:
     return int(out.split()[0]) if out.split() else -1
 
 
+def server_tmp(pid: int) -> str:
+    """The TMPDIR the server process `pid` runs with (its own folder: flows/processes/serve.py)."""
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return env["TMPDIR"]
+
+
 def server_pid(port: int) -> int:
     out = subprocess.run(["pgrep", "-f", f"api_server.*--port {port}"], capture_output=True, text=True).stdout
     return int(out.split()[0])
@@ -60,6 +67,9 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
     try:
         wait_for(healthy_while_running(url, proc), 400, "the server's first start", interval_s=0.5)
         first = server_pid(port)
+        # vLLM's IPC sockets and init file go to the server's own temporary folder, not the system's
+        first_tmp = server_tmp(first)
+        assert "grpoflow-vllm-" in first_tmp and any(p.is_socket() for p in Path(first_tmp).iterdir())
         # With a key, every endpoint but /health needs it, the control ones (weight reload) included,
         # and the key never appears on a command line.
         for method, path in [("POST", "/v1/completions"), ("POST", "/pause"), ("POST", "/collective_rpc")]:
@@ -88,6 +98,9 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         wait_for(healthy_while_running(url, proc), 400, "restart by the policy-server flow", interval_s=0.5)
         second = server_pid(port)  # the guarded API server leads its group: engine and workers too
         assert second != first
+        # the killed server's folder went at its restart; the new one has its own
+        second_tmp = server_tmp(second)
+        assert not Path(first_tmp).exists() and Path(second_tmp).is_dir() and second_tmp != first_tmp
 
         async def works():
             async with VLLMClient(url, api_key=key) as c:
@@ -111,8 +124,10 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
         if group > 0:
             kill_tree([group])
     assert not is_healthy(url)
-    # Nothing of the server outlives it: not the API server, nor its engine and worker processes.
+    # Nothing of the server outlives it: not the API server, nor its engine and worker processes, nor
+    # its temporary folder.
     assert left == [], f"server processes left behind: {left}"
+    assert not Path(second_tmp).exists()
 
 
 def test_train_flow_survives_a_killed_embedded_server(tiny_model_dir, tmp_path, prefect_api):

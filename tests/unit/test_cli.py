@@ -285,6 +285,8 @@ PROBE = textwrap.dedent(
             print(f"=== {argv[1]}", file=sys.stderr, flush=True)
             print(f"=== rc {cli.main(argv)}", file=sys.stderr, flush=True)
         print("API", sorted(asyncio.run(api_logs(runs["quiet"]))))
+    import os, tempfile
+    print("LEFT", sorted(os.listdir(tempfile.gettempdir())))
     """
 )
 
@@ -292,18 +294,23 @@ PROBE = textwrap.dedent(
 @pytest.mark.unit
 @pytest.mark.integration  # starts Prefect's temporary API server (about 10 s)
 def test_task_run_info_lines_only_with_verbose_in_a_real_flow(tmp_path):
+    (tmp_path / "tmp").mkdir()
     out = subprocess.run(
         [sys.executable, "-c", PROBE],
         cwd=REPO,
         env={
             **{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
             "PREFECT_HOME": str(tmp_path / "prefect-home"),
+            "TMPDIR": str(tmp_path / "tmp"),
         },
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    # the API server's log (there for a failed start) goes with a clean exit
+    left = out.stdout.split("LEFT ", 1)[1].splitlines()[0]
+    assert "grpoflow-prefect-api" not in left, left
     parts = out.stderr.split("=== ")  # "", "quiet\n...", "rc 0\n", "loud\n...", "rc 0\n", ...
     quiet, loud, ctrl_c = parts[1], parts[3], parts[5]
     assert quiet.startswith("quiet") and loud.startswith("loud") and ctrl_c.startswith("ctrl-c")
