@@ -67,7 +67,9 @@ completion; zero-advantage samples the learner skips are not forwarded. A forwar
 (pi_old, when num_iterations x mini_batches > 1) counts a third: 2N + 4 L H Q T per token, 2 V d per
 completion token. MFU = FLOPs per step / seconds per step / the GPU's bf16 dense peak from
 `PEAK_BF16_TFLOPS`, keyed on `torch.cuda.get_device_name()` (H100 SXM and H200: 989 TFLOP/s); null on
-CPU and on GPUs not in the table. The same peak is used for float32 runs (which then read low).
+CPU and on GPUs not in the table. The same peak is used for float32 runs (which then read low). On a
+CPU, `of_cpu_matmul_rate` divides the step's rate by `cpu_matmul_tflops`: a [1024, hidden] x
+[hidden, intermediate] matmul (the model's MLP) in the step's dtype, timed for a second on the same threads (`cpu_matmul_tflops`).
 
     .venv/bin/python benchmarks/learner.py [--model models/smollm2-135m] [--repeats 3] [--zero-groups 2]
         [--prompts 8 --micro-batch 8 16 32] [--updates 2x1 1x2]
@@ -305,6 +307,7 @@ def model_dims(model) -> dict[str, int]:
         "layers": c.num_hidden_layers,
         "attn_width": heads * head_dim,
         "hidden": c.hidden_size,
+        "intermediate": getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
         "vocab": c.vocab_size,
     }
 
@@ -344,6 +347,24 @@ def step_cost(learner, samples, dims: dict[str, int]) -> tuple[float, int]:
         flops += sum(f for costs in per_part[1:] for f, _ in costs)
         tokens += sum(n for costs in per_part[1:] for _, n in costs)
     return flops, tokens
+
+
+def cpu_matmul_tflops(dims: dict[str, int], dtype, rows: int = 1024, seconds: float = 1.0) -> float:
+    """TFLOP/s of this CPU on the model's MLP matmul ([rows, hidden] x [hidden, intermediate], in
+    the step's dtype, torch's own threads): what a CPU runs the step's matmuls at, measured, for want of a
+    peak from a data sheet (oneDNN's kernel for the ISA the CPU has; the step's bound on this machine)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, dims["hidden"], generator=g).to(dtype)
+    b = torch.randn(dims["hidden"], dims["intermediate"], generator=g).to(dtype)
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * rows * dims["hidden"] * dims["intermediate"] * n / (time.perf_counter() - t0) / 1e12
 
 
 def peak_tflops(device_name: str | None) -> float | None:
@@ -496,6 +517,9 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         "achieved_tflops": float(f"{flops / seconds / 1e12:.4g}"),
         "peak_bf16_tflops": peak,
         "mfu": float(f"{flops / seconds / (peak * 1e12):.4g}") if peak else None,
+        # on a CPU: the step's rate over this CPU's measured matmul rate in the step's dtype
+        "cpu_matmul_tflops": None if cuda else float(f"{(mm := cpu_matmul_tflops(dims, learner.dtype)):.4g}"),
+        "of_cpu_matmul_rate": None if cuda else float(f"{flops / seconds / (mm * 1e12):.4g}"),
         "peak_memory_mib": round(peak_memory_mib(learner.device), 1),
         "peak_memory_kind": memory_kind,
     }

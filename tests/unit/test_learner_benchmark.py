@@ -38,6 +38,7 @@ KEYS = {
     "zero_advantage_samples", "prompt_tokens", "completion_tokens", "forwarded_tokens",
     "seconds_per_step", "completion_tokens_per_s", "tokens_per_s", "step_tflop", "achieved_tflops",
     "peak_bf16_tflops", "mfu", "peak_memory_mib", "peak_memory_kind", "lora_rank", "trainable_params",
+    "cpu_matmul_tflops", "of_cpu_matmul_rate",
 }  # fmt: skip
 
 
@@ -66,6 +67,8 @@ def test_tiny_random_model_runs_without_pydantic_prefect_or_pyarrow():
         assert row["configs"] == "namespace" and row["model"] == "random:tiny" and row["device"] == "cpu"
         assert row["samples"] == 4 and row["seconds_per_step"] > 0 and row["step_tflop"] > 0
         assert row["mfu"] is None and row["peak_memory_mib"] > 0  # CPU: no MFU; RSS
+        # CPU: the step's rate against this CPU's measured matmul rate instead
+        assert row["cpu_matmul_tflops"] > 0 and row["of_cpu_matmul_rate"] > 0
     on, off = rows
     assert (on["share_prompt"], off["share_prompt"]) == (True, False)
     # The same samples in this process: each prompt runs once with share_prompt, once per completion
