@@ -84,7 +84,12 @@ def main() -> None:
     ap.add_argument("--push-only", action="store_true", help="only the weight-push figures")
     ap.add_argument("--repeats", type=int, default=3, help="pushes per model (median)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="grpoflow-inf-"))
+    # the models, versions and logs of one run: 1.1 GB with SmolLM2, removed at the end, also on failure
+    with tempfile.TemporaryDirectory(prefix="grpoflow-inf-") as tmp:
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
     tiny = build_tiny_model(root / "tiny")
     result: dict = {"model": "tiny (2 layers, hidden 128)"}
     with start_server(tiny, max_model_len=1024, log_path=root / "tiny.log") as server:

@@ -7,7 +7,7 @@ must not outlive the run, however the run dies: SIGKILL and the OOM killer run n
 caller starts this process as a group leader; `watchdog.watch_parent` kills its whole process group
 once the parent is gone, so the engine and worker processes the module spawns go with it. With
 GRPOFLOW_GUARD_SESSION=1 it kills the whole session first (a local Ray's workers lead groups of their
-own).
+own); with GRPOFLOW_OWNED_TMPDIR it removes that folder first (a vLLM server's socket folder).
 
 It runs in the vLLM environment (grpoflow.server installed there on its own) as well as grpoflow's, so
 it imports nothing outside this package.
@@ -19,7 +19,7 @@ import os
 import runpy
 import sys
 
-from grpoflow.server.protocol import GUARD_SESSION_ENV
+from grpoflow.server.protocol import GUARD_SESSION_ENV, OWNED_TMPDIR_ENV
 from grpoflow.server.watchdog import watch_parent
 
 MODULE = "grpoflow.server.guard"
@@ -41,7 +41,11 @@ def watched_parent(argv: list[str]) -> int | None:
 def main() -> None:
     if len(sys.argv) < 3:
         sys.exit(f"usage: python -m {MODULE} PARENT_PID MODULE [ARGS...]")
-    watch_parent(int(sys.argv[1]), whole_session=os.environ.get(GUARD_SESSION_ENV) == "1")
+    watch_parent(
+        int(sys.argv[1]),
+        whole_session=os.environ.get(GUARD_SESSION_ENV) == "1",
+        remove=os.environ.get(OWNED_TMPDIR_ENV),
+    )
     module = sys.argv[2]
     sys.argv = [module, *sys.argv[3:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

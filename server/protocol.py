@@ -153,3 +153,6 @@ PLAIN_RELOAD_ENV = "GRPOFLOW_PLAIN_RELOAD"  # "0": a CPU server reloads as vLLM 
 UPLOAD_MAX_BYTES_ENV = "GRPOFLOW_UPLOAD_MAX_BYTES"  # the largest upload taken (default 64 GiB)
 API_KEY_ENV = "VLLM_API_KEY"  # the server's key (vLLM's own variable): the auth middleware checks it
 GUARD_SESSION_ENV = "GRPOFLOW_GUARD_SESSION"  # "1": the guard kills its whole session (a local Ray)
+# a folder the launcher made for this server alone (its IPC sockets): the guard removes it when the
+# run dies
+OWNED_TMPDIR_ENV = "GRPOFLOW_OWNED_TMPDIR"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -47,12 +48,15 @@ def session_pids(sid: int) -> list[int]:
     return [p.pid for p in processes() if p.sid == sid]
 
 
-def watch_parent(parent_pid: int, interval_s: float = 0.5, whole_session: bool = False) -> None:
+def watch_parent(
+    parent_pid: int, interval_s: float = 0.5, whole_session: bool = False, remove: str | None = None
+) -> None:
     """Start a daemon thread that SIGKILLs this process once `parent_pid` is no longer its parent (this
     process was re-parented: its parent died, maybe by SIGKILL or the OOM killer, which run no cleanup
     code), with its process group when it leads one, so that what it spawned goes too. With
     `whole_session` (and this process leading its session) every process of the session goes first:
-    Ray's raylet puts each worker in a process group of its own, inside the session.
+    Ray's raylet puts each worker in a process group of its own, inside the session. `remove`: a
+    folder that goes before the kill (a server's own temporary folder, which nobody else would remove).
 
     `PR_SET_PDEATHSIG` is not used: it fires when the *thread* that spawned the child exits, and runs
     start servers from short-lived task threads."""
@@ -61,6 +65,8 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5, whole_session: bool =
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
         me = os.getpid()
+        if remove:
+            shutil.rmtree(remove, ignore_errors=True)
         if whole_session and os.getsid(0) == me:
             for pid in session_pids(me):
                 if pid != me:

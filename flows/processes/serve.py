@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import getpass
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +19,7 @@ from pathlib import Path
 
 from grpoflow.flows.processes.launch import ServerHandle
 from grpoflow.flows.processes.vllm_command import REPO, cpu_only, server_command
+from grpoflow.server.protocol import OWNED_TMPDIR_ENV
 from grpoflow.storage.processes import stop_stale
 from grpoflow.tasks.config.inference import InferenceConfig
 from grpoflow.tasks.config.learner import LoraConfig
@@ -56,7 +55,8 @@ def require_server_package(python: str) -> None:
         )
 
 
-# vLLM's IPC socket paths are <TMPDIR>/<uuid4>: a folder of ours must leave them under AF_UNIX's limit.
+# vLLM's IPC socket paths are <VLLM_RPC_BASE_PATH>/<uuid4>: a folder of ours must leave them under
+# AF_UNIX's limit.
 _SOCKET_PATH_MAX = 107 - 1 - 36
 
 
@@ -64,10 +64,11 @@ class VLLMServer(ServerHandle):
     """A vLLM server process. Once it stops, what this process loaded into it is forgotten: a server
     started later at its URL serves its own model, never the weights a rollback would reload.
 
-    Each start runs with a temporary folder of its own (TMPDIR), removed when it stops, also after it
-    was killed: vLLM puts its IPC sockets and a distributed-init file there (five files a start, which
-    a killed server left in /tmp, and the file even a stopped one). torch's compile cache stays where
-    it was, in the system's temporary folder: it is worth keeping across starts."""
+    Each start puts vLLM's IPC sockets in a folder of its own (VLLM_RPC_BASE_PATH; three or four a
+    start, which a killed server left in /tmp), removed when it stops or is found dead at a restart; the
+    server's guard removes it when the run dies without stopping it. The rest of the server's temporary
+    files stay in the system's folder: torch keeps its precompiled C++ headers there (150 MB, built
+    once, not at every start)."""
 
     tmp_dir: Path | None = None
 
@@ -91,18 +92,9 @@ class VLLMServer(ServerHandle):
         base = tempfile.gettempdir()
         if len(base) + len("/grpoflow-vllm-xxxxxxxx") > _SOCKET_PATH_MAX:
             return  # a long TMPDIR: vLLM's sockets go there as before
-        self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir(base))
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-", dir=base))
-        self.env["TMPDIR"] = str(self.tmp_dir)
-
-
-def _inductor_cache_dir(base: str) -> str:
-    """torch's default compile cache folder under `base` (torch._inductor.runtime.cache_dir_utils)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(base, "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+        # OWNED_TMPDIR_ENV: the guard removes it too, when the run dies without stopping the server
+        self.env["VLLM_RPC_BASE_PATH"] = self.env[OWNED_TMPDIR_ENV] = str(self.tmp_dir)
 
 
 def start_server(

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from grpoflow.server import guard
+from grpoflow.server.protocol import OWNED_TMPDIR_ENV
 from grpoflow.storage.processes import alive, guarded
 from tests.support import REPO, wait_for
 
@@ -27,6 +28,9 @@ def _pids(path, timeout_s: float) -> list[int]:
 
 def test_a_guarded_server_and_its_children_die_with_a_sigkilled_parent(tmp_path):
     pid_file = tmp_path / "pids"
+    own_tmp = tmp_path / "server-tmp"  # a vLLM server's own socket folder (flows/processes/serve.py)
+    own_tmp.mkdir()
+    (own_tmp / "socket-or-init-file").write_text("x")
     # The "run": starts the guarded "server" in its own session from a short-lived thread (as runs
     # start servers from task threads), then waits to be killed.
     run = subprocess.Popen(
@@ -41,7 +45,7 @@ def test_a_guarded_server_and_its_children_die_with_a_sigkilled_parent(tmp_path)
             str(pid_file),
         ],
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), **{OWNED_TMPDIR_ENV: str(own_tmp)}),
     )
     server, engine = _pids(pid_file, 20)
     try:
@@ -53,6 +57,7 @@ def test_a_guarded_server_and_its_children_die_with_a_sigkilled_parent(tmp_path)
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         wait_for(lambda: not alive(server) and not alive(engine), 10, "the server to die with the run")
+        assert not own_tmp.exists()  # its guard removed the folder it was given before the kill
     finally:
         for p in (server, engine):
             with contextlib.suppress(ProcessLookupError):

@@ -41,9 +41,9 @@ def server_pid_or_none(port: int) -> int:
 
 
 def server_tmp(pid: int) -> str:
-    """The TMPDIR the server process `pid` runs with (its own folder: flows/processes/serve.py)."""
+    """The folder the server process `pid` puts its IPC sockets in (its own: flows/processes/serve.py)."""
     env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-    return env["TMPDIR"]
+    return env["VLLM_RPC_BASE_PATH"]
 
 
 def server_pid(port: int) -> int:
@@ -67,7 +67,7 @@ def test_killed_server_fails_requests_clearly_and_the_supervisor_restarts_it(
     try:
         wait_for(healthy_while_running(url, proc), 400, "the server's first start", interval_s=0.5)
         first = server_pid(port)
-        # vLLM's IPC sockets and init file go to the server's own temporary folder, not the system's
+        # vLLM's IPC sockets go to the server's own folder, not the system's temporary folder
         first_tmp = server_tmp(first)
         assert "grpoflow-vllm-" in first_tmp and any(p.is_socket() for p in Path(first_tmp).iterdir())
         # With a key, every endpoint but /health needs it, the control ones (weight reload) included,
