@@ -69,7 +69,8 @@ completion token. MFU = FLOPs per step / seconds per step / the GPU's bf16 dense
 `PEAK_BF16_TFLOPS`, keyed on `torch.cuda.get_device_name()` (H100 SXM and H200: 989 TFLOP/s); null on
 CPU and on GPUs not in the table. The same peak is used for float32 runs (which then read low). On a
 CPU, `of_cpu_matmul_rate` divides the step's rate by `cpu_matmul_tflops`: a [1024, hidden] x
-[hidden, intermediate] matmul (the model's MLP) in the step's dtype, timed for a second on the same threads (`cpu_matmul_tflops`).
+[hidden, intermediate] matmul (the model's MLP) in the step's dtype, timed for a second on the same
+threads.
 
     .venv/bin/python benchmarks/learner.py [--model models/smollm2-135m] [--repeats 3] [--zero-groups 2]
         [--prompts 8 --micro-batch 8 16 32] [--updates 2x1 1x2]
@@ -485,6 +486,7 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
     flops, forwarded = step_cost(learner, samples, dims)
     name = torch.cuda.get_device_name(learner.device) if cuda else None
     peak = peak_tflops(name)
+    matmul = None if cuda else cpu_matmul_tflops(dims, learner.dtype)
     completion = sum(len(s.completion_mask) for s in samples)
     row = {
         "model": model_label,
@@ -518,8 +520,8 @@ def run_variant(model_path: str, model_label: str, samples, v: dict, args) -> di
         "peak_bf16_tflops": peak,
         "mfu": float(f"{flops / seconds / (peak * 1e12):.4g}") if peak else None,
         # on a CPU: the step's rate over this CPU's measured matmul rate in the step's dtype
-        "cpu_matmul_tflops": None if cuda else float(f"{(mm := cpu_matmul_tflops(dims, learner.dtype)):.4g}"),
-        "of_cpu_matmul_rate": None if cuda else float(f"{flops / seconds / (mm * 1e12):.4g}"),
+        "cpu_matmul_tflops": float(f"{matmul:.4g}") if matmul else None,
+        "of_cpu_matmul_rate": float(f"{flops / seconds / (matmul * 1e12):.4g}") if matmul else None,
         "peak_memory_mib": round(peak_memory_mib(learner.device), 1),
         "peak_memory_kind": memory_kind,
     }

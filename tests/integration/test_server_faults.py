@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from grpoflow.flows.processes.launch import free_port, is_healthy
@@ -42,8 +43,7 @@ def server_pid_or_none(port: int) -> int:
 
 def server_tmp(pid: int) -> str:
     """The folder the server process `pid` puts its IPC sockets in (its own: flows/processes/serve.py)."""
-    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-    return env["VLLM_RPC_BASE_PATH"]
+    return psutil.Process(pid).environ()["VLLM_RPC_BASE_PATH"]
 
 
 def server_pid(port: int) -> int:
